@@ -1,0 +1,46 @@
+"""rlplug: reinforcement-learning post-training of language models, every piece a plugin.
+
+Public API::
+
+    import rlplug
+
+    @rlplug.hookimpl
+    def register_reward_functions(register):
+        register("my_reward", my_reward_fn)
+
+    rlplug.plugin_names("advantage_estimator")   # ['gae', 'grpo', ...]
+    rlplug.get_plugin("advantage_estimator", "grpo")
+"""
+
+from .hookspecs import hookimpl
+from .registry import (
+    PluginConflictError,
+    PluginError,
+    PluginLoadError,
+    UnknownKindError,
+    UnknownPluginError,
+    get_plugin,
+    get_registry,
+    plugin_names,
+)
+from .types import AdvantageEstimator, KLPenalty, MissingInputError, PolicyLoss, RolloutOutput, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "hookimpl",
+    "plugin_names",
+    "get_plugin",
+    "get_registry",
+    "UnknownPluginError",
+    "PluginConflictError",
+    "PluginError",
+    "PluginLoadError",
+    "UnknownKindError",
+    "AdvantageEstimator",
+    "PolicyLoss",
+    "KLPenalty",
+    "MissingInputError",
+    "RolloutOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,157 @@
+"""Hook specifications: every way a plugin can extend or observe rlplug.
+
+Hooks are grouped by phase. A plugin is any module or object with functions decorated by
+:data:`rlplug.hookimpl` whose names match the specs below; it is found through the
+``rlplug`` entry-point group (see ``pyproject.toml``), the packaged plugins included.
+
+Registration phase
+    ``register_<kind>s(register)``: called once per plugin when the registry loads. ``register``
+    is ``register(name: str, obj) -> None``; the engine records which distribution supplied the
+    name and rejects duplicates. One hook per kind; the object type per kind is in
+    :mod:`rlplug.types`.
+
+Run lifecycle phase
+    Observers called by the trainer. They receive plain data (config, step numbers,
+    ``dict[str, float]`` metrics, paths); return values are ignored. No hook is ``firstresult``.
+
+Set ``RLPLUG_TRACE_HOOKS=1`` to print every hook call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT = "rlplug"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+#: Decorate plugin hook implementations with this marker.
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[[str, Any], None]
+
+# ============================================================================ registration phase
+
+
+@hookspec
+def register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators.
+
+    Called once when the registry loads. Call ``register(name, estimator)`` with a
+    :class:`rlplug.types.AdvantageEstimator`; its ``fn(data, config)`` receives the batch
+    tensors by name (``token_level_rewards (B, T) float32``, ``response_mask (B, T) float32``,
+    and those listed in ``requires``: ``values (B, T) float32``, ``index (B,) int64``,
+    ``reward_baselines (B,) float32``) and the ``algorithm`` config section, and returns
+    ``(advantages, returns)``, both ``(B, T) float32``, zero where the mask is zero.
+    Selected by ``algorithm.adv_estimator``.
+    """
+
+
+@hookspec
+def register_policy_losses(register: Register) -> None:
+    """Register policy losses.
+
+    Call ``register(name, loss)`` with a :class:`rlplug.types.PolicyLoss`:
+    ``fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode,
+    normalizer) -> (loss: scalar tensor, metrics: dict[str, float])``. Selected by
+    ``actor.policy_loss``.
+    """
+
+
+@hookspec
+def register_kl_penalties(register: Register) -> None:
+    """Register per-token KL estimators.
+
+    Call ``register(name, penalty)`` with a :class:`rlplug.types.KLPenalty`:
+    ``fn(log_probs, ref_log_probs, *, logits=None, ref_logits=None) -> (B, T) float32`` (nats).
+    Selected by ``algorithm.kl_penalty`` (KL in the reward) and ``actor.kl_loss_type``
+    (KL as a loss).
+    """
+
+
+@hookspec
+def register_reward_functions(register: Register) -> None:
+    """Register reward functions.
+
+    Call ``register(name, fn)`` with a callable following verl's contract
+    ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float | dict``
+    (a dict carries ``"score"`` and extra values to log). Chosen per row through
+    ``reward.reward_fn_map`` (data_source -> name) or ``reward.default``.
+    """
+
+
+@hookspec
+def register_rollout_backends(register: Register) -> None:
+    """Register rollout engines.
+
+    Call ``register(name, factory)``; ``factory(config, model_path, tokenizer)`` returns an
+    object implementing :class:`rlplug.types.RolloutBackend`. Selected by ``rollout.name``.
+    """
+
+
+@hookspec
+def register_training_backends(register: Register) -> None:
+    """Register training backends.
+
+    Call ``register(name, factory)``; ``factory(config)`` returns an object implementing the
+    training-backend methods the trainer calls (see :mod:`rlplug.trainer`). Selected by
+    ``trainer.backend`` (Hydra group ``trainer=``).
+    """
+
+
+@hookspec
+def register_trackers(register: Register) -> None:
+    """Register experiment trackers.
+
+    Call ``register(name, factory)``; ``factory(config)`` returns an object implementing
+    :class:`rlplug.types.Tracker`. Selected by the list ``trainer.logger``.
+    """
+
+
+# ============================================================================ run lifecycle phase
+
+
+@hookspec
+def on_train_start(config: Any, run_dir: str) -> None:
+    """Called once after models are built and before the first step.
+
+    ``config``: the resolved run config (an OmegaConf ``DictConfig``, read-only).
+    ``run_dir``: the run's output directory.
+    """
+
+
+@hookspec
+def on_step_end(step: int, metrics: dict[str, float]) -> None:
+    """Called after every training step, after metrics are logged.
+
+    ``step``: the global step just finished (1-based). ``metrics``: that step's metrics,
+    named ``<group>/<metric>`` (e.g. ``actor/pg_loss``, ``timing_s/gen``).
+    """
+
+
+@hookspec
+def on_validation_end(step: int, metrics: dict[str, float], samples: list[dict]) -> None:
+    """Called after each validation.
+
+    ``step``: the global step validated (0 for ``val_before_train``). ``metrics``:
+    ``val-core/<data_source>/acc/mean@N`` and friends. ``samples``: a few generations as
+    dicts with ``prompt``, ``response``, ``score``, ``data_source``.
+    """
+
+
+@hookspec
+def on_checkpoint_saved(step: int, path: str) -> None:
+    """Called after a checkpoint is complete (renamed into place and ``latest`` updated).
+
+    ``step``: the global step saved. ``path``: the ``global_step_N`` directory.
+    """
+
+
+@hookspec
+def on_train_end(step: int, status: str) -> None:
+    """Called once when training stops.
+
+    ``step``: the last completed global step. ``status``: ``"finished"``, ``"interrupted"``
+    (SIGTERM/Ctrl-C, a checkpoint was written) or ``"failed"``.
+    """
