@@ -324,23 +324,38 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
 
 
 def _explain_compose_error(exc: Exception) -> str:
+    """Turn Hydra/OmegaConf errors about unknown keys into a message listing the valid keys."""
+    import re
+
     msg = str(exc)
-    key = getattr(exc, "full_key", None)
-    if "not in struct" in msg or "Key '" in msg and "not in" in msg or type(exc).__name__ == "ConfigKeyError":
-        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
-        node: Any = RunConfig
-        valid: list[str] = []
-        try:
-            obj = OmegaConf.structured(RunConfig)
-            sub = OmegaConf.select(obj, parent) if parent else obj
-            if isinstance(sub, DictConfig):
-                valid = sorted(sub.keys())
-        except Exception:  # pragma: no cover - best effort listing
-            valid = []
-        del node
-        where = f"'{parent}'" if parent else "the top level"
-        return f"Unknown config key '{key}'. Valid keys in {where}: {', '.join(valid)}. ({msg.splitlines()[0]})"
-    return msg
+    key = None
+    m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Could not append to config\. An item is already at '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+    cause = exc.__cause__ or exc.__context__
+    if key is None:
+        key = getattr(exc, "full_key", None) or getattr(cause, "full_key", None)
+    unknown = "not in" in msg or "not in" in str(cause or "") or "Could not override" in msg
+    if not (key and unknown):
+        return msg
+    key = key.lstrip("+~")
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    valid: list[str] = []
+    try:
+        schema = OmegaConf.structured(RunConfig)
+        sub = OmegaConf.select(schema, parent) if parent else schema
+        if isinstance(sub, DictConfig):
+            valid = sorted(str(k) for k in sub.keys())
+    except Exception:  # pragma: no cover - best effort listing
+        pass
+    if not valid and parent:  # the parent itself is unknown: report at the top level
+        return _explain_compose_error(type(exc)(f"Could not override '{parent}'"))
+    where = f"'{parent}'" if parent else "the top level"
+    import difflib
+
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=3, cutoff=0.6)
+    hint = (" Did you mean " + " or ".join(f"'{parent + '.' if parent else ''}{c}'" for c in close) + "?") if close else ""
+    return f"Unknown config key '{key}'.{hint} Valid keys in {where}: {', '.join(valid)}."
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -1,0 +1,190 @@
+"""The ``rlplug`` command line.
+
+::
+
+    rlplug train [HYDRA_OVERRIDES...]          compose, validate, train (e.g. algorithm=grpo rollout.n=4)
+    rlplug plugins [--json]                    what each installed distribution registers
+    rlplug data prepare TASK --out DIR         write train/test parquet from a reasoning-gym task
+    rlplug eval [--checkpoint DIR] [--k K] [OVERRIDES...]
+    rlplug rollout --prompt TEXT [--ground-truth X] [OVERRIDES...]
+    rlplug export CKPT --out DIR               checkpoint -> Hugging Face folder
+    rlplug config [OVERRIDES...]               print the composed, validated config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .config import ConfigError
+
+console = Console(stderr=False, soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def _compose_and_validate(overrides: Sequence[str]):
+    from omegaconf import OmegaConf
+
+    from .config import compose
+    from .validate import validate_config
+
+    cfg = compose(list(overrides))
+    choices = validate_config(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    return cfg, choices
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from .registry import get_registry
+
+    info = get_registry().describe()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for dist, d in info["distributions"].items():
+        console.print(f"[bold]{dist}[/bold] {d['version']}")
+        for kind, names in sorted(d["registers"].items()):
+            console.print(f"  {kind}: {', '.join(names)}")
+    if info["conflicts"]:
+        console.print("[bold red]Conflicts[/bold red]")
+        for c in info["conflicts"]:
+            console.print(f"  {c}")
+    if info["broken"]:
+        console.print("[bold red]Plugins that failed to load[/bold red]")
+        for b in info["broken"]:
+            console.print(f"  {b['name']} ({b['distribution']} {b['version']}, entry point {b['entry_point']}): {b['error']}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    cfg, choices = _compose_and_validate(args.overrides)
+    print(OmegaConf.to_yaml(cfg))
+    for c in choices:
+        console.print(f"  {c}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg, choices = _compose_and_validate(args.overrides)
+    console.print("[bold]Plugins[/bold]: " + ", ".join(str(c) for c in choices))
+    from .trainer import run
+
+    return run(cfg)
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from .data_prepare import prepare_dataset
+
+    kwargs = json.loads(args.task_kwargs) if args.task_kwargs else None
+    result = prepare_dataset(
+        args.task, args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, task_kwargs=kwargs
+    )
+    console.print(result)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .checkpoint import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out)
+    console.print(f"Wrote a Hugging Face model folder to {path}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import evaluate
+
+    cfg, _ = _compose_and_validate(args.overrides)
+    rows = evaluate(cfg, checkpoint=args.checkpoint, k=args.k, temperature=args.temperature)
+    table = Table(title=f"eval ({args.k} sample(s) per prompt)")
+    for col in ("data_source", "n", f"mean@{args.k}", f"pass@{args.k}"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["data_source"], str(row["n"]), f"{row['mean']:.3f}", f"{row['pass']:.3f}")
+    console.print(table)
+    return 0
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from .evaluate import debug_rollout
+
+    cfg, _ = _compose_and_validate(args.overrides)
+    for item in debug_rollout(cfg, prompts=args.prompt, ground_truth=args.ground_truth, data_source=args.data_source,
+                              checkpoint=args.checkpoint):
+        console.rule(f"[bold]{item['prompt'][:80]}")
+        console.print(item["response"], markup=False, highlight=False)
+        console.print(f"reward: {item['score']}  breakdown: {item['breakdown']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlplug", description="RL post-training of language models, every piece a plugin.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("plugins", help="list installed plugins per distribution and kind")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=cmd_plugins)
+
+    sp = sub.add_parser("train", help="train: rlplug train [hydra overrides], e.g. algorithm=grpo rollout.n=4")
+    sp.add_argument("overrides", nargs="*")
+    sp.set_defaults(func=cmd_train)
+
+    sp = sub.add_parser("config", help="print the composed and validated config")
+    sp.add_argument("overrides", nargs="*")
+    sp.set_defaults(func=cmd_config)
+
+    sp = sub.add_parser("data", help="dataset tools")
+    dsub = sp.add_subparsers(dest="data_command", required=True)
+    dp = dsub.add_parser("prepare", help="write train.parquet/test.parquet from a reasoning-gym task")
+    dp.add_argument("task")
+    dp.add_argument("--out", required=True)
+    dp.add_argument("--train-size", type=int, default=2000)
+    dp.add_argument("--test-size", type=int, default=200)
+    dp.add_argument("--seed", type=int, default=0)
+    dp.add_argument("--task-kwargs", default=None, help='JSON dict passed to the generator, e.g. \'{"min_terms": 2}\'')
+    dp.set_defaults(func=cmd_data_prepare)
+
+    sp = sub.add_parser("export", help="write a checkpoint's actor as a Hugging Face folder")
+    sp.add_argument("checkpoint")
+    sp.add_argument("--out", required=True)
+    sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("eval", help="mean@k and pass@k of a model or checkpoint on the validation files")
+    sp.add_argument("--checkpoint", default=None)
+    sp.add_argument("--k", type=int, default=1)
+    sp.add_argument("--temperature", type=float, default=None, help="default: greedy for k=1, rollout.temperature otherwise")
+    sp.add_argument("overrides", nargs="*")
+    sp.set_defaults(func=cmd_eval)
+
+    sp = sub.add_parser("rollout", help="generate for a few prompts and print each response with its reward")
+    sp.add_argument("--prompt", action="append", required=True)
+    sp.add_argument("--ground-truth", default=None)
+    sp.add_argument("--data-source", default=None)
+    sp.add_argument("--checkpoint", default=None)
+    sp.add_argument("overrides", nargs="*")
+    sp.set_defaults(func=cmd_rollout)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        err_console.print(f"[bold red]Config error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err_console.print("Interrupted.")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

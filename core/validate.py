@@ -1,0 +1,165 @@
+"""Config validation: every check that can fail before a model loads.
+
+:func:`validate_config` resolves every plugin named in the config through the registry (so a
+misspelled name fails in seconds with the available names listed) and checks batch-size
+arithmetic and algorithm constraints. It raises :class:`rlplug.config.ConfigError` naming the
+key, the bad value, what was expected and what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from .config import ConfigError
+from .registry import PluginError, Registry, get_registry
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class PluginChoice:
+    kind: str
+    key: str
+    name: str
+    distribution: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.name} ({self.distribution} {self.version})".replace(" )", ")")
+
+
+def _resolve(registry: Registry, kind: str, key: str, name: Any, out: list[PluginChoice]) -> Any:
+    try:
+        reg = registry.registration(kind, str(name))
+    except PluginError as exc:
+        raise ConfigError(f"{key}={name}: {exc}") from exc
+    out.append(PluginChoice(kind, key, reg.name, reg.distribution, reg.version))
+    return reg.obj
+
+
+def uses_critic(cfg: DictConfig, estimator: Any) -> bool:
+    """Whether a critic is trained: ``critic.enable`` if set, else whether the estimator needs values."""
+    if cfg.critic.enable is not None:
+        return bool(cfg.critic.enable)
+    return "values" in getattr(estimator, "requires", ())
+
+
+def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[PluginChoice]:
+    """Check ``cfg`` and resolve its plugins; return the choices with their providers.
+
+    Raises :class:`ConfigError` on the first problem found.
+    """
+    registry = registry or get_registry()
+    choices: list[PluginChoice] = []
+    a, d, r = cfg.actor, cfg.data, cfg.rollout
+
+    estimator = _resolve(registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices)
+    loss = _resolve(registry, "policy_loss", "actor.policy_loss", a.policy_loss, choices)
+    if a.use_kl_loss:
+        _resolve(registry, "kl_penalty", "actor.kl_loss_type", a.kl_loss_type, choices)
+    if cfg.algorithm.use_kl_in_reward:
+        _resolve(registry, "kl_penalty", "algorithm.kl_penalty", cfg.algorithm.kl_penalty, choices)
+    _resolve(registry, "rollout_backend", "rollout.name", r.name, choices)
+    _resolve(registry, "training_backend", "trainer.backend", cfg.trainer.backend, choices)
+    for i, name in enumerate(cfg.trainer.logger):
+        _resolve(registry, "tracker", f"trainer.logger[{i}]", name, choices)
+    reward_names = {f"reward.reward_fn_map.{k}": v for k, v in cfg.reward.reward_fn_map.items()}
+    if cfg.reward.default:
+        reward_names["reward.default"] = cfg.reward.default
+    for i, s in enumerate(cfg.reward.shaping):
+        reward_names[f"reward.shaping[{i}].name"] = s.name
+    for key, name in reward_names.items():
+        _resolve(registry, "reward_function", key, name, choices)
+
+    # ---- algorithm constraints
+    if getattr(estimator, "group_based", False) and r.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses within a group, but "
+            f"rollout.n={r.n}: a group of one response has no baseline. Set rollout.n to 2 or more (e.g. rollout.n=4)."
+        )
+    if loss.validate is not None:
+        try:
+            loss.validate(a)
+        except ValueError as exc:
+            raise ConfigError(f"actor.policy_loss={a.policy_loss}: {exc}") from exc
+    for key, mode in (("actor.loss_agg_mode", a.loss_agg_mode), ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
+        if mode is not None and mode not in LOSS_AGG_MODES:
+            raise ConfigError(f"{key}={mode} is not a loss aggregation mode. Use one of: {', '.join(LOSS_AGG_MODES)}.")
+    if cfg.algorithm.kl_ctrl.type not in ("fixed", "adaptive"):
+        raise ConfigError(f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type}: use 'fixed' or 'adaptive'.")
+    if cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.kl_ctrl.horizon <= 0:
+        raise ConfigError(f"algorithm.kl_ctrl.horizon={cfg.algorithm.kl_ctrl.horizon}: the adaptive controller needs horizon > 0.")
+
+    # ---- batch sizes (prompts, as verl)
+    _positive(d.train_batch_size, "data.train_batch_size")
+    _positive(r.n, "rollout.n")
+    _positive(a.ppo_mini_batch_size, "actor.ppo_mini_batch_size")
+    _positive(a.micro_batch_size_per_device, "actor.micro_batch_size_per_device")
+    _positive(a.ppo_epochs, "actor.ppo_epochs")
+    _check_minibatch("actor", d.train_batch_size, a.ppo_mini_batch_size, a.micro_batch_size_per_device, r.n)
+    if uses_critic(cfg, estimator):
+        c = cfg.critic
+        mini = c.ppo_mini_batch_size if c.ppo_mini_batch_size is not None else a.ppo_mini_batch_size
+        micro = c.micro_batch_size_per_device if c.micro_batch_size_per_device is not None else a.micro_batch_size_per_device
+        _positive(mini, "critic.ppo_mini_batch_size")
+        _positive(micro, "critic.micro_batch_size_per_device")
+        _check_minibatch("critic", d.train_batch_size, mini, micro, r.n)
+    _positive(d.max_response_length, "data.max_response_length")
+    _positive(d.max_prompt_length, "data.max_prompt_length")
+    if not 0.0 <= r.temperature:
+        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy).")
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1].")
+
+    # ---- model and data sources
+    m = cfg.model
+    if m.source not in ("default", "path", "tiny"):
+        raise ConfigError(f"model.source={m.source}: use 'default', 'path' or 'tiny'.")
+    if m.source == "path" or (m.source == "default" and m.path):
+        if not m.path:
+            raise ConfigError("model.source=path needs model.path: the folder of a Hugging Face model (config.json, weights, tokenizer).")
+        p = Path(str(m.path)).expanduser()
+        if not (p / "config.json").is_file():
+            raise ConfigError(
+                f"model.path={m.path}: no Hugging Face model folder there (expected {p / 'config.json'}). "
+                "Pass the folder that holds config.json, the weights and the tokenizer."
+            )
+    if not d.train_files and not d.task:
+        raise ConfigError("No training data: set data.train_files=[...] (parquet in verl's schema) or data.task=<reasoning-gym task>.")
+    for key in ("train_files", "val_files"):
+        for f in d[key]:
+            if not Path(str(f)).expanduser().is_file():
+                raise ConfigError(f"data.{key}: file {f} does not exist. Prepare one with 'rlplug data prepare TASK --out DIR'.")
+    if cfg.trainer.resume_mode not in ("auto", "disable", "resume_path"):
+        raise ConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode}: use 'auto', 'disable' or 'resume_path'.")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>.")
+    return choices
+
+
+def _positive(value: Any, key: str) -> None:
+    if value is None or int(value) <= 0:
+        raise ConfigError(f"{key}={value} must be a positive integer.")
+
+
+def _check_minibatch(role: str, train_batch_size: int, mini: int, micro: int, n: int) -> None:
+    if mini > train_batch_size:
+        raise ConfigError(
+            f"{role}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={train_batch_size} "
+            f"(both count prompts). Set {role}.ppo_mini_batch_size to at most {train_batch_size}."
+        )
+    if train_batch_size % mini:
+        raise ConfigError(
+            f"data.train_batch_size={train_batch_size} is not a multiple of {role}.ppo_mini_batch_size={mini}; "
+            f"each step must split into whole mini-batches. Choose a divisor of {train_batch_size}."
+        )
+    responses = mini * n
+    if responses % micro:
+        raise ConfigError(
+            f"{role}.micro_batch_size_per_device={micro} does not divide the mini-batch of {responses} responses "
+            f"({role}.ppo_mini_batch_size={mini} x rollout.n={n}). Choose a divisor of {responses}."
+        )
