@@ -1,0 +1,255 @@
+"""Memory-lean log-probs and entropies of sampled tokens.
+
+The vocabulary-sized logits dominate training memory for small language models: for
+``B x T = 16 x 384`` response tokens and ``V = 49152`` one float32 copy of the logits is 1.2 GB,
+and autograd keeps several (logits, log-softmax, softmax for the entropy). This module never
+materialises ``(N, V)`` logits for all rows at once: :func:`log_probs_from_hidden` projects
+``chunk_size`` rows of final hidden states onto the vocabulary at a time and, when autograd is
+recording, wraps each chunk in activation checkpointing (``torch.utils.checkpoint``,
+``use_reentrant=False``), so the backward pass recomputes a chunk's logits instead of keeping
+them. Peak extra memory is then a few ``(chunk_size, V)`` tensors plus the ``(V, H)`` gradient of
+the output projection.
+
+Shape letters: ``B`` responses, ``P`` padded prompt length, ``T`` padded response length,
+``L = P + T``, ``H`` hidden size, ``V`` vocabulary size, ``N`` rows (tokens).
+
+All log-probs are natural-log (nats) of ``softmax(logits / temperature)`` with the rollout
+temperature (``shared/ALGORITHMS.md``); entropies are in nats of the same distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["log_probs_from_hidden", "response_log_probs", "lm_head_of"]
+
+logger = logging.getLogger(__name__)
+
+#: Config attributes of HF models whose logits are more than ``hidden @ lm_head.weight.T``
+#: (soft-capping, scaling). Such models take the full-logits path in :func:`response_log_probs`.
+_CUSTOM_LOGIT_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _chunk_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``(n,)`` and entropy ``(n,)`` (zeros when not asked) of one chunk of rows."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (n, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)  # (n, V)
+    token_logp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if with_entropy:
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+    else:
+        entropy = torch.zeros_like(token_logp)
+    return token_logp, entropy
+
+
+def log_probs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``labels`` under ``softmax(hidden @ W.T / temperature)``, chunked.
+
+    Args:
+        hidden: ``(N, H)`` final hidden states (any float dtype; under autocast the projection
+            runs in the autocast dtype, as the model's own ``lm_head`` would).
+        lm_head_weight: ``(V, H)`` output projection (``model.lm_head.weight``).
+        labels: ``(N,) int64`` token ids in ``[0, V)`` whose log-probs are wanted.
+        temperature: the sampling temperature; logits are divided by it (must be > 0).
+        chunk_size: rows projected onto the vocabulary at once (memory only; results do not
+            depend on it beyond floating-point reassociation in the ``(V, H)`` weight gradient).
+        with_entropy: also return the entropy of each row's distribution.
+        lm_head_bias: optional ``(V,)`` bias of the output projection.
+
+    Returns:
+        ``(log_probs, entropy)``: ``(N,) float32`` in nats, and ``(N,) float32`` nats or ``None``
+        when ``with_entropy`` is false. Equal (within float tolerance) to the naive
+        ``log_softmax(hidden @ W.T / temperature).gather(labels)``, and so are the gradients with
+        respect to ``hidden`` and ``W``.
+
+    When autograd is recording and an input requires grad, each chunk runs under
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: only the chunk's hidden
+    rows are kept and its ``(chunk_size, V)`` logits are recomputed in the backward pass.
+
+    Raises:
+        ValueError: on mismatched shapes, non-positive ``temperature`` or ``chunk_size``, or
+            labels outside ``[0, V)``.
+    """
+    if hidden.dim() != 2 or lm_head_weight.dim() != 2 or labels.dim() != 1:
+        raise ValueError(
+            "log_probs_from_hidden expects hidden (N, H), lm_head_weight (V, H) and labels (N,); got "
+            f"{tuple(hidden.shape)}, {tuple(lm_head_weight.shape)} and {tuple(labels.shape)}. "
+            "Flatten (B, T, H) hidden states with .reshape(-1, H) first."
+        )
+    n, h = hidden.shape
+    v = lm_head_weight.shape[0]
+    if lm_head_weight.shape[1] != h or labels.shape[0] != n:
+        raise ValueError(
+            f"log_probs_from_hidden: shapes disagree: hidden {tuple(hidden.shape)}, lm_head_weight "
+            f"{tuple(lm_head_weight.shape)} (expected (V, {h})), labels {tuple(labels.shape)} (expected ({n},))."
+        )
+    if not temperature > 0:
+        raise ValueError(
+            f"log_probs_from_hidden: temperature must be > 0, got {temperature}; log-probs of greedy "
+            "decoding (temperature 0) are undefined, use the sampling temperature of the rollout."
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"log_probs_from_hidden: chunk_size must be a positive number of rows, got {chunk_size}.")
+    if labels.dtype != torch.long:
+        labels = labels.long()
+    if n and (int(labels.min()) < 0 or int(labels.max()) >= v):
+        raise ValueError(
+            f"log_probs_from_hidden: labels must be token ids in [0, {v}) (the vocabulary of lm_head); "
+            f"got min {int(labels.min())}, max {int(labels.max())}. Is the padding id outside the vocabulary?"
+        )
+    temperature = float(temperature)
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or lm_head_weight.requires_grad or (lm_head_bias is not None and lm_head_bias.requires_grad)
+    )
+    out_lp: list[torch.Tensor] = []
+    out_ent: list[torch.Tensor] = []
+    for start in range(0, n, chunk_size):
+        h_chunk = hidden[start : start + chunk_size]
+        y_chunk = labels[start : start + chunk_size]
+        if needs_grad:
+            lp, ent = checkpoint(
+                _chunk_log_probs,
+                h_chunk,
+                lm_head_weight,
+                lm_head_bias,
+                y_chunk,
+                temperature,
+                with_entropy,
+                use_reentrant=False,
+            )
+        else:
+            lp, ent = _chunk_log_probs(h_chunk, lm_head_weight, lm_head_bias, y_chunk, temperature, with_entropy)
+        out_lp.append(lp)
+        out_ent.append(ent)
+    if not out_lp:  # N == 0
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty.clone() if with_entropy else None)
+    log_probs = torch.cat(out_lp) if len(out_lp) > 1 else out_lp[0]
+    entropy = (torch.cat(out_ent) if len(out_ent) > 1 else out_ent[0]) if with_entropy else None
+    return log_probs, entropy
+
+
+def lm_head_of(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """``(backbone, lm_head)`` of an HF causal LM whose logits are exactly ``lm_head(hidden)``.
+
+    ``backbone`` is ``model.get_decoder()`` (``model.model`` for Llama-style models) and returns
+    the final (normed) hidden states; ``lm_head`` is ``model.get_output_embeddings()``, a
+    ``torch.nn.Linear``. Returns ``None`` when either is missing or the model post-processes its
+    logits (soft-capping or scaling, e.g. Gemma 2 or Granite; see ``_CUSTOM_LOGIT_ATTRS``), in
+    which case callers must use the model's own logits.
+    """
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_dec = getattr(model, "get_decoder", None)
+    if get_out is None or get_dec is None:
+        return None
+    try:
+        head = get_out()
+        backbone = get_dec()
+    except (NotImplementedError, AttributeError):
+        return None
+    if not isinstance(head, torch.nn.Linear) or backbone is None or backbone is model:
+        return None
+    cfg = getattr(model, "config", None)
+    for attr in _CUSTOM_LOGIT_ATTRS:
+        value = getattr(cfg, attr, None)
+        if value not in (None, 1, 1.0):
+            return None
+    return backbone, head
+
+
+def response_log_probs(
+    model: torch.nn.Module,
+    batch_tensors: Mapping[str, torch.Tensor],
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens of a prompt+response batch.
+
+    Args:
+        model: an HF causal LM (``...ForCausalLM``).
+        batch_tensors: mapping with ``input_ids`` ``(B, L) int64`` (left-padded prompt followed by
+            the right-padded response), ``attention_mask`` ``(B, L)`` and ``position_ids``
+            ``(B, L) int64`` (optional; derived from the attention mask by the model if absent).
+            The response tokens are ``input_ids[:, L - T:]``.
+        response_length: ``T``, the padded response length (tokens).
+        temperature: rollout sampling temperature; log-probs are of ``logits / temperature``.
+        chunk_size: rows of the vocabulary projection computed at once (see
+            :func:`log_probs_from_hidden`).
+        with_entropy: also return per-token entropies.
+
+    Returns:
+        ``(log_probs, entropy)``: ``(B, T) float32`` nats, and ``(B, T) float32`` nats or
+        ``None``. Values at padding positions are computed like any other and are NOT masked:
+        multiply by ``response_mask`` (or use masked statistics) downstream.
+
+    The hidden state at position ``p`` predicts token ``p + 1``, so the states at positions
+    ``P - 1 .. P + T - 2`` (``P = L - T``) give the response tokens' log-probs. The backbone runs
+    without its output projection (``model.get_decoder()``), and the projection is chunked. For
+    models without an accessible plain ``lm_head`` (see :func:`lm_head_of`) the model's full
+    ``(B, L, V)`` logits are computed instead (correct, but without the memory saving).
+
+    Raises:
+        ValueError: when ``response_length`` is not in ``[1, L - 1]`` or ``input_ids`` is missing.
+    """
+    if "input_ids" not in batch_tensors:
+        raise ValueError(f"response_log_probs needs 'input_ids' (B, L); got keys {sorted(batch_tensors)}.")
+    input_ids = batch_tensors["input_ids"]
+    attention_mask = batch_tensors.get("attention_mask")
+    position_ids = batch_tensors.get("position_ids")
+    bsz, seq_len = input_ids.shape
+    t = int(response_length)
+    if not 1 <= t <= seq_len - 1:
+        raise ValueError(
+            f"response_log_probs: response_length must be between 1 and L - 1 = {seq_len - 1} (at least "
+            f"one prompt token precedes the response); got {t}."
+        )
+    labels = input_ids[:, seq_len - t :]  # (B, T)
+    parts = lm_head_of(model)
+    if parts is not None:
+        backbone, head = parts
+        out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden_all = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, H)
+        hidden = hidden_all[:, seq_len - t - 1 : seq_len - 1]  # (B, T, H)
+        lp, ent = log_probs_from_hidden(
+            hidden.reshape(bsz * t, -1),
+            head.weight,
+            labels.reshape(-1),
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            lm_head_bias=head.bias,
+        )
+        return lp.view(bsz, t), (ent.view(bsz, t) if ent is not None else None)
+    # Fallback: the model's own logits (soft-capped / scaled heads, custom remote code).
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    logits = logits[:, seq_len - t - 1 : seq_len - 1].float() / float(temperature)  # (B, T, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(dim=-1) if with_entropy else None
+    return lp, ent
+
