@@ -246,7 +246,7 @@ class TrainerConfig:
     test_freq: int = 10
     save_freq: int = 10
     val_before_train: bool = True
-    #: None -> outputs/<project>/<experiment>
+    #: None -> checkpoints/<project>/<experiment> (checkpoints, mlflow store, final_model)
     default_local_dir: Optional[str] = None
     #: "auto" (resume from latest complete checkpoint if any), "disable", or "resume_path"
     resume_mode: str = "auto"

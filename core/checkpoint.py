@@ -1,0 +1,191 @@
+"""Crash-safe checkpoints.
+
+Layout under ``trainer.default_local_dir``::
+
+    global_step_10/                   complete checkpoint (has COMPLETE)
+        COMPLETE                      written last inside the directory, then fsync'ed
+        trainer_state.json            step, epoch, data loader position, KL controller, ...
+        rng_state.pt                  python/numpy/torch RNG states (tensors only)
+        backend/                      written by the training backend (weights, optimizer, ...)
+        hf_meta/                      model config + tokenizer, so the checkpoint exports alone
+    latest_checkpointed_iteration.txt the step of the latest complete checkpoint (verl's name)
+    global_step_20.partial-1234/      a save that was interrupted: ignored, removed on next save
+
+A save writes into ``global_step_N.partial-<pid>``, marks it COMPLETE, renames it to
+``global_step_N`` (atomic on POSIX) and only then replaces the ``latest`` pointer (write to a
+temp file + ``os.replace``). A kill at any moment leaves either the previous checkpoint as
+latest or the new one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest_checkpointed_iteration.txt"
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under ``root``; keeps at most ``max_to_keep`` (None: all)."""
+
+    def __init__(self, root: str | Path, max_to_keep: int | None = None) -> None:
+        self.root = Path(root)
+        self.max_to_keep = max_to_keep
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"global_step_{step}"
+
+    def complete_steps(self) -> list[int]:
+        """Steps of complete checkpoints, ascending."""
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / COMPLETE).is_file():
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def partial_dirs(self) -> list[Path]:
+        """Directories of interrupted saves (``*.partial-*`` or step dirs without COMPLETE)."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            if not p.is_dir():
+                continue
+            if ".partial-" in p.name and p.name.startswith("global_step_"):
+                out.append(p)
+            elif _STEP_DIR.match(p.name) and not (p / COMPLETE).is_file():
+                out.append(p)
+        return sorted(out)
+
+    def latest(self) -> Path | None:
+        """The latest complete checkpoint, or None.
+
+        Trusts the ``latest`` pointer when it names a complete checkpoint; otherwise (pointer
+        missing, stale or naming a partial dir) falls back to the highest complete step.
+        Partial directories are reported in the log and ignored.
+        """
+        for p in self.partial_dirs():
+            log.warning("Ignoring incomplete checkpoint %s (an interrupted save; removed on the next save)", p)
+        steps = self.complete_steps()
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            try:
+                step = int(pointer.read_text().strip())
+            except ValueError:
+                step = -1
+            if step in steps and step == steps[-1]:
+                return self.step_dir(step)
+            if steps:
+                log.warning("Checkpoint pointer %s says %s; using the latest complete checkpoint, step %d", pointer, step, steps[-1])
+        return self.step_dir(steps[-1]) if steps else None
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Write a checkpoint for ``step``: ``write(tmp_dir)`` fills it; returns the final path.
+
+        Raises whatever ``write`` raises; in that case nothing but a partial dir is left behind,
+        and the previous checkpoint stays the latest.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.step_dir(step)
+        tmp = self.root / f"global_step_{step}.partial-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        marker = tmp / COMPLETE
+        with open(marker, "w") as f:
+            f.write(json.dumps({"step": step}))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # an older save of the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        atomic_write_text(self.root / LATEST, str(step))
+        self._cleanup(keep=final)
+        return final
+
+    def _cleanup(self, keep: Path) -> None:
+        for p in self.partial_dirs():
+            if p != keep:
+                shutil.rmtree(p, ignore_errors=True)
+        if self.max_to_keep is not None and self.max_to_keep > 0:
+            steps = self.complete_steps()
+            for s in steps[: max(0, len(steps) - self.max_to_keep)]:
+                d = self.step_dir(s)
+                if d != keep:
+                    shutil.rmtree(d, ignore_errors=True)
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write the actor of ``checkpoint`` (a ``global_step_N`` dir or a run dir) as a HF folder.
+
+    The result loads with ``AutoModelForCausalLM.from_pretrained`` and vLLM.
+    Raises ``FileNotFoundError`` when no complete checkpoint is found there.
+    """
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = Path(checkpoint)
+    if not (ckpt / COMPLETE).is_file():
+        latest = CheckpointManager(ckpt).latest()
+        if latest is None:
+            raise FileNotFoundError(
+                f"No complete checkpoint at {ckpt}: expected a global_step_N directory containing {COMPLETE}, "
+                f"or a run directory that holds one."
+            )
+        ckpt = latest
+    meta = ckpt / "hf_meta"
+    weights = ckpt / "backend" / "actor" / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} is missing: this checkpoint was not written by a backend that rlplug export understands.")
+    config = AutoConfig.from_pretrained(meta)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = load_file(str(weights))
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(meta).save_pretrained(out)
+    return out
