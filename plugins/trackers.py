@@ -1,0 +1,484 @@
+"""Experiment trackers (kind ``tracker``): ``console`` and ``mlflow``.
+
+Selected by the list ``trainer.logger`` (default ``[console, mlflow]``). Each registered object
+is a factory ``factory(config) -> tracker`` taking the whole resolved run config; a tracker has
+
+* ``log_params(params: dict) -> None``: run settings (nested dicts are flattened with ``.``);
+* ``log_metrics(metrics: dict[str, float], step: int) -> None``: one step's metrics, named
+  ``<group>/<metric>`` (``actor/pg_loss``, ``val-core/<data_source>/acc/mean@N`` ...);
+* ``log_table(name: str, rows: list[dict], step: int) -> None``: e.g. validation generations;
+* ``log_artifact(path, artifact_path=None) -> None``: a file or folder;
+* ``close(status="FINISHED") -> None``: ``"FINISHED"``, ``"KILLED"`` or ``"FAILED"``; idempotent.
+
+``console`` prints one line per step with the key metrics (the trainer owns the progress bar).
+
+``mlflow`` writes to a local SQLite store in the run directory,
+``sqlite:///<run_dir>/mlflow.db``, with artifacts in ``<run_dir>/mlflow-artifacts`` (no server
+needed; browse with ``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db``). The
+environment variable ``MLFLOW_TRACKING_URI`` overrides the store (e.g. a shared server). The
+experiment is ``trainer.project_name``, the run name ``trainer.experiment_name``. The run id is
+kept in ``<run_dir>/mlflow_run.json``; when the trainer will resume from a checkpoint
+(``trainer.resume_mode=auto`` with a complete ``global_step_N`` checkpoint in the run directory,
+or ``resume_mode=resume_path``) that MLflow run is continued, so a resumed training keeps one
+metric history; otherwise (a fresh start) a new run is created.
+
+MLflow restricts names to letters, digits, ``_ - . / :`` and space, 250 characters: other
+characters become ``_`` (``@`` becomes ``_at_``: ``val-core/x/acc/mean@8`` is logged as
+``val-core/x/acc/mean_at_8``). Parameter values longer than 6000 characters are truncated (the
+full config is also logged as the artifact ``config.yaml``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import rlplug
+
+__all__ = [
+    "ConsoleTracker",
+    "MlflowTracker",
+    "run_dir",
+    "flatten_params",
+    "sanitize_name",
+    "KEY_METRICS",
+    "MAX_PARAM_VALUE_LENGTH",
+    "MAX_NAME_LENGTH",
+]
+
+log = logging.getLogger("rlplug.trackers")
+
+#: MLflow's limits (``mlflow.utils.validation``): parameter value length and key/metric name length.
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_NAME_LENGTH = 250
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_METRICS_PER_BATCH = 1000
+_RUN_FILE = "mlflow_run.json"
+_STATUSES = {"finished": "FINISHED", "killed": "KILLED", "interrupted": "KILLED", "failed": "FAILED"}
+
+
+# ============================================================================ helpers
+
+
+def _select(config: Any, dotted: str, default: Any = None) -> Any:
+    """``config.a.b`` for a DictConfig, a dataclass or nested mappings; ``default`` when absent."""
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping):
+            node = node.get(part, default) if part in node else default
+        else:
+            node = getattr(node, part, default)
+    return node
+
+
+def run_dir(config: Any) -> Path:
+    """The run directory: ``trainer.default_local_dir``, else the trainer's default for the project.
+
+    Delegates to :func:`rlplug.trainer.run_dir_for` so trackers and checkpoints share one folder
+    (``<default>/<trainer.project_name>/<trainer.experiment_name>``). The folder is not created.
+    """
+    local = _select(config, "trainer.default_local_dir")
+    if local:
+        return Path(str(local)).expanduser()
+    try:
+        from rlplug.trainer import run_dir_for
+
+        return Path(run_dir_for(config))
+    except Exception:  # the trainer could not be imported, or config is a plain mapping
+        return Path("checkpoints") / str(_select(config, "trainer.project_name", "rlplug")) / str(
+            _select(config, "trainer.experiment_name", "default")
+        )
+
+
+def _to_plain(obj: Any) -> Any:
+    """OmegaConf containers and dataclasses -> plain dicts/lists (resolved)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return obj
+
+
+def flatten_params(params: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten nested mappings into ``{"a.b.c": str(value)}``.
+
+    Lists and tuples become JSON text (``'["console", "mlflow"]'``), ``None`` becomes ``"None"``,
+    other leaves ``str(value)``. Accepts dicts, OmegaConf ``DictConfig`` and dataclasses.
+    """
+    params = _to_plain(params)
+    out: dict[str, str] = {}
+    if isinstance(params, Mapping):
+        if not params and prefix:
+            out[prefix[:-1]] = "{}"
+        for key, value in params.items():
+            out.update(flatten_params(value, f"{prefix}{key}."))
+        return out
+    key = prefix[:-1]
+    if isinstance(params, (list, tuple)):
+        try:
+            out[key] = json.dumps(params, default=str)
+        except (TypeError, ValueError):
+            out[key] = str(params)
+    else:
+        out[key] = str(params)
+    return out
+
+
+_BAD_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+def sanitize_name(name: str) -> str:
+    """Make ``name`` a valid MLflow metric/param key.
+
+    Keeps letters, digits, ``_ - . / :`` and space; ``@`` becomes ``_at_``, any other character
+    ``_``. Empty, ``.`` and ``..`` path segments (which MLflow rejects) are dropped or escaped;
+    names over 250 characters are cut and end in a short hash so they stay distinct.
+    Example: ``val-core/gsm8k/acc/mean@8`` -> ``val-core/gsm8k/acc/mean_at_8``.
+    """
+    clean = _BAD_CHARS.sub("_", str(name).replace("@", "_at_"))
+    parts = [("__" if p == ".." else p) for p in clean.split("/") if p not in ("", ".")]
+    clean = "/".join(parts) or "_"
+    if len(clean) > MAX_NAME_LENGTH:
+        digest = hashlib.sha1(str(name).encode()).hexdigest()[:8]
+        clean = clean[: MAX_NAME_LENGTH - 9].rstrip("/") + "-" + digest
+    return clean
+
+
+def _truncate(value: str, limit: int = MAX_PARAM_VALUE_LENGTH) -> str:
+    if len(value) <= limit:
+        return value
+    marker = f"...[truncated, {len(value)} chars]"
+    return value[: limit - len(marker)] + marker
+
+
+def _as_float(value: Any) -> float | None:
+    """A metric value as float, or None when it is not a number (str, None, multi-element tensor)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    item = getattr(value, "item", None)  # torch / numpy scalars
+    if callable(item):
+        try:
+            v = item()
+        except (ValueError, RuntimeError):
+            return None
+        return float(v) if isinstance(v, (int, float, bool)) else None
+    return None
+
+
+def _will_resume(config: Any, directory: Path) -> bool:
+    """Whether the trainer will resume: ``resume_mode=resume_path``, or ``auto`` with a complete checkpoint.
+
+    A checkpoint is complete when ``global_step_N/COMPLETE`` exists (see :mod:`rlplug.checkpoint`).
+    """
+    mode = str(_select(config, "trainer.resume_mode", "auto"))
+    if mode == "resume_path":
+        return True
+    if mode != "auto":
+        return False
+    return any(p.parent.name.startswith("global_step_") for p in directory.glob("global_step_*/COMPLETE"))
+
+
+# ============================================================================ console
+
+
+#: (metric, label) pairs the console tracker shows when present, in this order (verl's names).
+KEY_METRICS: tuple[tuple[str, str], ...] = (
+    ("critic/score/mean", "score"),
+    ("critic/rewards/mean", "reward"),
+    ("actor/pg_loss", "pg_loss"),
+    ("actor/kl_loss", "kl_loss"),
+    ("actor/ppo_kl", "ppo_kl"),
+    ("actor/entropy", "entropy"),
+    ("actor/pg_clipfrac", "clipfrac"),
+    ("actor/grad_norm", "grad_norm"),
+    ("critic/vf_loss", "vf_loss"),
+    ("response_length/mean", "resp_len"),
+    ("timing_s/step", "step_s"),
+)
+
+
+def _fmt(value: float) -> str:
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4g}" if abs(value) >= 1 else f"{value:.4f}"
+
+
+class ConsoleTracker:
+    """Prints one line per step with the key metrics (:data:`KEY_METRICS` and every ``val-core/*``).
+
+    ``factory(config)``: ``config`` is the run config (only ``trainer.project_name`` and
+    ``trainer.experiment_name`` are read). ``console`` is a ``rich.console.Console`` (default: one
+    writing to the current ``sys.stdout``, so a progress bar that redirects stdout keeps working).
+    ``max_fields`` caps the number of values per line. Parameters, tables and artifacts get at
+    most a one-line note. It keeps no state that needs closing.
+    """
+
+    def __init__(self, config: Any = None, console: Any = None, max_fields: int = 12) -> None:
+        from rich.console import Console
+
+        self.console = console if console is not None else Console(highlight=False, soft_wrap=True)
+        self.max_fields = max_fields
+        self.project = _select(config, "trainer.project_name", "rlplug")
+        self.experiment = _select(config, "trainer.experiment_name", "default")
+        self.closed = False
+
+    def summary(self, metrics: Mapping[str, Any], step: int) -> str:
+        """The line :meth:`log_metrics` prints, e.g. ``step 3 | score 0.2500 | pg_loss -0.0120``."""
+        fields: list[str] = []
+        values = {k: v for k, v in ((k, _as_float(v)) for k, v in metrics.items()) if v is not None}
+        for key, label in KEY_METRICS:
+            if key in values:
+                fields.append(f"{label} {_fmt(values[key])}")
+        for key in sorted(values):
+            if key.startswith("val-core/"):
+                fields.append(f"{key[len('val-core/'):]} {_fmt(values[key])}")
+        if not fields:  # unknown naming: show the first metrics alphabetically
+            fields = [f"{k} {_fmt(values[k])}" for k in sorted(values)]
+        if len(fields) > self.max_fields:
+            fields = fields[: self.max_fields] + [f"(+{len(fields) - self.max_fields} more)"]
+        return " | ".join([f"step {step}", *fields])
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Print nothing (``rlplug train`` and ``rlplug config`` print the config)."""
+        return None
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Print :meth:`summary` for ``metrics`` at global step ``step``."""
+        self.console.print(self.summary(metrics, step), markup=False, highlight=False)
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """Print one line: the table name, its row count and the step."""
+        self.console.print(f"step {step} | table {name}: {len(rows)} rows", markup=False, highlight=False)
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Artifacts already live on disk: nothing to print."""
+        return None
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Print the final status once (``FINISHED``, ``KILLED`` or ``FAILED``)."""
+        if not self.closed:
+            self.closed = True
+            self.console.print(f"run {self.project}/{self.experiment}: {status}", markup=False, highlight=False)
+
+
+# ============================================================================ mlflow
+
+
+def _quiet_mlflow() -> None:
+    """Warnings only from MLflow, no telemetry, no artifact progress bars (user settings win)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    import mlflow  # noqa: F401 - configures its loggers on import; adjust them afterwards
+
+    level = getattr(logging, os.environ["MLFLOW_LOGGING_LEVEL"].upper(), logging.WARNING)
+    for name in ("mlflow", "alembic", "sqlalchemy.engine"):
+        logging.getLogger(name).setLevel(max(level, logging.WARNING) if name != "mlflow" else level)
+
+
+class MlflowTracker:
+    """Logs params, metrics, tables and artifacts to MLflow (see the module docstring for the store).
+
+    ``factory(config, tracking_uri=None)``: ``config`` is the resolved run config; ``tracking_uri``
+    overrides ``MLFLOW_TRACKING_URI`` and the local default. On construction it opens (or
+    continues) the run and logs the flattened config as params plus ``config.yaml``.
+
+    Attributes: ``run_id``, ``tracking_uri``, ``experiment_id``, ``run_dir`` (Path),
+    ``resumed`` (True when an earlier run was continued), ``client`` (``MlflowClient``).
+
+    Raises ``mlflow.exceptions.MlflowException`` when the store cannot be opened.
+    """
+
+    def __init__(self, config: Any, tracking_uri: str | None = None) -> None:
+        _quiet_mlflow()
+        from mlflow.tracking import MlflowClient
+
+        self.run_dir = run_dir(config).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        env_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        self.tracking_uri = tracking_uri or env_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
+        local_store = not (tracking_uri or env_uri)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        project = str(_select(config, "trainer.project_name", "rlplug"))
+        run_name = str(_select(config, "trainer.experiment_name", "default"))
+        self.experiment_id = self._experiment(project, local_store)
+        self.resumed = False
+        self.closed = False
+        self._params: dict[str, str] | None = None
+        self._warned: set[str] = set()
+        self.run_id = self._continue_run() if _will_resume(config, self.run_dir) else None
+        if self.run_id is None:
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags={"rlplug.run_dir": str(self.run_dir)})
+            self.run_id = run.info.run_id
+            self._params = {}
+        (self.run_dir / _RUN_FILE).write_text(
+            json.dumps({"run_id": self.run_id, "tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id})
+        )
+        if config is not None:
+            plain = _to_plain(config)
+            if isinstance(plain, Mapping):
+                self.log_params(plain)
+                self._log_config_yaml(config)
+
+    # ------------------------------------------------------------------ setup
+    def _experiment(self, name: str, local_store: bool) -> str:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = (self.run_dir / "mlflow-artifacts").as_uri() if local_store else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except MlflowException:  # created concurrently by another process
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def _continue_run(self) -> str | None:
+        """The stored run id when that run can be continued (same store and experiment, not deleted)."""
+        path = self.run_dir / _RUN_FILE
+        if not path.is_file():
+            return None
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("tracking_uri") != self.tracking_uri:
+                return None
+            run = self.client.get_run(stored["run_id"])
+        except Exception as exc:  # unreadable file or run missing from the store: start afresh
+            log.warning("Not continuing the MLflow run recorded in %s: %s", path, exc)
+            return None
+        if run.info.lifecycle_stage != "active" or run.info.experiment_id != self.experiment_id:
+            return None
+        self.client.update_run(run.info.run_id, status="RUNNING")
+        self.resumed = True
+        self._params = dict(run.data.params)
+        return run.info.run_id
+
+    def _log_config_yaml(self, config: Any) -> None:
+        try:
+            from omegaconf import OmegaConf
+
+            text = OmegaConf.to_yaml(config, resolve=True)
+        except Exception:
+            text = json.dumps(_to_plain(config), indent=2, default=str)
+        self.client.log_text(self.run_id, text, "config.yaml")
+
+    # ------------------------------------------------------------------ logging
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log ``params`` (nested values flattened with ``.``) as MLflow params.
+
+        Keys are sanitized (:func:`sanitize_name`), values truncated to 6000 characters. MLflow
+        params are immutable: a key already logged with the same value is skipped, one with a
+        different value (e.g. a changed setting on resume) is skipped with a warning.
+        """
+        from mlflow.entities import Param
+
+        if self._params is None:
+            self._params = dict(self.client.get_run(self.run_id).data.params)
+        todo: dict[str, str] = {}
+        for key, value in flatten_params(params).items():
+            k, v = sanitize_name(key), _truncate(value)
+            old = self._params.get(k, todo.get(k))
+            if old is None:
+                todo[k] = v
+            elif old != v:
+                log.warning("MLflow param '%s' is already %r for this run; not logging %r.", k, old, v)
+        items = [Param(k, v) for k, v in todo.items()]
+        for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH], synchronous=True)
+        self._params.update(todo)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log ``metrics`` at ``step`` (names sanitized; non-numeric values skipped with a warning)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = []
+        for key, value in metrics.items():
+            v = _as_float(value)
+            if v is None:
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning("Metric '%s' is not a number (%r); not logged to MLflow.", key, type(value).__name__)
+                continue
+            items.append(Metric(sanitize_name(key), v, now, int(step)))
+        for i in range(0, len(items), _MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i : i + _MAX_METRICS_PER_BATCH], synchronous=True)
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """Log ``rows`` as the JSON table artifact ``tables/<name>`` (``.json`` added if missing).
+
+        Each row gets a ``step`` column; logging to the same name again appends rows (MLflow's
+        ``log_table``, viewable in the UI's artifact view). Values are converted to text when
+        they are not JSON scalars.
+        """
+        artifact = posixpath.join("tables", "/".join(p for p in str(name).split("/") if p not in ("", ".", "..")))
+        if not artifact.endswith(".json"):
+            artifact += ".json"
+        columns: dict[str, list[Any]] = {"step": []}
+        for row in rows:
+            for key in row:
+                columns.setdefault(str(key), [])
+        for row in rows:
+            columns["step"].append(int(step))
+            for key in columns:
+                if key == "step":
+                    continue
+                v = row.get(key)
+                columns[key].append(v if isinstance(v, (str, int, float, bool)) or v is None else str(v))
+        self.client.log_table(self.run_id, data=columns, artifact_file=artifact)
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Copy a file or a folder (recursively) into the run's artifacts under ``artifact_path``.
+
+        Raises ``FileNotFoundError`` when ``path`` does not exist.
+        """
+        p = Path(path)
+        if p.is_dir():
+            self.client.log_artifacts(self.run_id, str(p), artifact_path)
+        elif p.is_file():
+            self.client.log_artifact(self.run_id, str(p), artifact_path)
+        else:
+            raise FileNotFoundError(f"log_artifact: {p} does not exist; pass an existing file or folder.")
+
+    def close(self, status: str = "FINISHED") -> None:
+        """End the run with ``status`` (``FINISHED``, ``KILLED``/``interrupted``, ``FAILED``); idempotent."""
+        if self.closed:
+            return
+        mlflow_status = _STATUSES.get(str(status).lower())
+        if mlflow_status is None:
+            raise ValueError(f"close(status={status!r}): use 'FINISHED', 'KILLED' or 'FAILED'.")
+        self.client.set_terminated(self.run_id, status=mlflow_status)
+        self.closed = True
+
+
+# ============================================================================ registration
+
+
+@rlplug.hookimpl
+def register_trackers(register):
+    register("console", ConsoleTracker)
+    register("mlflow", MlflowTracker)
