@@ -249,10 +249,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy (nats) of ``softmax(logits)`` over the last dimension.
 
     ``logits`` ``(..., V)`` (divide by the sampling temperature first); result ``(...)`` float32.
-    Computed stably as ``logsumexp(l) - sum(softmax(l) * l)``; ``-inf`` logits (masked vocabulary
+    Computed stably as ``logsumexp(l) - sum(softmax(l) * l)`` on ``l = logits - max(logits)``; ``-inf`` logits (masked vocabulary
     entries) contribute 0. Source: verl ``entropy_from_logits``.
     """
     l = logits.float()
+    # entropy is shift-invariant: centre on the row max for precision with large logits
+    l = l - l.max(dim=-1, keepdim=True).values.detach()
     l = l.clamp(min=torch.finfo(torch.float32).min)  # -inf -> finite, so 0 * l stays 0
     lse = torch.logsumexp(l, dim=-1)
     p = torch.softmax(l, dim=-1)
