@@ -406,3 +406,15 @@ def test_registry_lists_estimators_with_requirements():
         assert obj.requires == requires and obj.group_based == group_based
         assert reg.registration("advantage_estimator", name).distribution == "rlplug"
     assert reg.get("advantage_estimator", "gae").uses_critic
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_shared_plugin_contract(name, rlplug_registry, make_batch, assert_advantage_contract):
+    """Our estimators pass the same contract check third-party plugins are tested with
+    (the ``rlplug.testing`` pytest plugin), loaded into a clean registry like a third-party module."""
+    import rlplug.plugins.advantage as module
+
+    assert rlplug_registry.add_plugin(module), rlplug_registry.broken
+    assert rlplug.plugin_names("advantage_estimator") == sorted(ALL)
+    data = make_batch(batch_size=12, response_length=7, group_size=4, seed=3)
+    assert_advantage_contract(name, data)
