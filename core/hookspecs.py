@@ -54,7 +54,7 @@ def register_policy_losses(register: Register) -> None:
 
     Call ``register(name, loss)`` with a :class:`rlplug.types.PolicyLoss`:
     ``fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode,
-    normalizer) -> (loss: scalar tensor, metrics: dict[str, float])``. Selected by
+    normalizer, max_response_length=None) -> (loss: scalar tensor, metrics: dict[str, float])``. Selected by
     ``actor.policy_loss``.
     """
 

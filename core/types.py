@@ -97,11 +97,12 @@ class PolicyLoss:
     """A policy loss (kind ``policy_loss``).
 
     ``fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode,
-    normalizer) -> (loss, metrics)`` where the first four are ``(B, T) float32``
+    normalizer, max_response_length=None) -> (loss, metrics)`` where the first four are ``(B, T) float32``
     (log-probs in nats of the sampled tokens), ``config`` is the ``actor`` config section
     (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ...),
     ``normalizer`` is the global count the aggregation divides by (valid tokens or
-    sequences of the whole mini-batch, over all micro-batches and ranks), and the result is a
+    sequences of the whole mini-batch, over all micro-batches and ranks), ``max_response_length``
+    (tokens) is the constant ``seq-mean-token-sum-norm`` divides by, and the result is a
     scalar ``loss`` tensor plus ``metrics`` ``dict[str, float]`` with at least
     ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl``.
 
