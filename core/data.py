@@ -1,0 +1,479 @@
+"""Reading RL prompt datasets (parquet in verl's row schema) and a resumable batch loader.
+
+Row schema (verl's, e.g. ``examples/data_preprocess/gsm8k.py``)::
+
+    data_source   string                          required; selects the reward function
+    prompt        list<struct{role, content}>     required (column name: ``prompt_key``);
+                                                  a plain string is taken as one user message
+    reward_model  struct{style, ground_truth}     required; ground_truth a string (ints and
+                                                  floats are converted with ``str``)
+    ability       string                          optional
+    extra_info    struct / map                    optional; passed to the reward function as is
+
+Files are read with pyarrow only (no pandas, nothing is ever unpickled). Every row is validated
+up front; the first problem raises :class:`DatasetError` naming the file, the row (0-based) and
+the column, what was expected and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Iterator
+
+__all__ = ["DatasetError", "RLDataset", "read_dataset", "StatefulDataLoader", "ALLOWED_ROLES"]
+
+logger = logging.getLogger("rlplug.data")
+
+#: message roles a prompt may contain
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+
+# C0 controls except tab, newline, carriage return; DEL; C1 controls; lone surrogates
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+_SCHEMA_HELP = (
+    "Expected verl's row schema: data_source (string), prompt (list of {role, content}), "
+    "reward_model ({style, ground_truth}), optional ability (string) and extra_info (struct); "
+    "'rlplug data prepare TASK --out DIR' writes such files."
+)
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, unreadable or does not follow the row schema.
+
+    The message names the file, the row (0-based) and the column where applicable.
+    """
+
+
+# ============================================================================ dataset
+
+
+class RLDataset(Sequence):
+    """The validated rows of one or more parquet files, in file order.
+
+    Each row is a dict:
+
+    * ``data_source`` (str), ``ability`` (str, "" when absent)
+    * ``messages``: list of ``{"role", "content"}`` dicts (system prompt applied)
+    * ``prompt_ids``: list[int], the chat template applied with ``add_generation_prompt=True``
+      (only when a tokenizer was given)
+    * ``ground_truth`` (str), ``extra_info`` (dict, {} when absent)
+    * ``index`` (int): position in this dataset; ``source``: ``"file#row"`` it came from
+
+    ``num_filtered`` counts prompts dropped for being longer than ``max_prompt_length``.
+    """
+
+    def __init__(self, rows: list[dict], files: list[str] | None = None, num_filtered: int = 0) -> None:
+        self.rows = rows
+        self.files = list(files or [])
+        self.num_filtered = num_filtered
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.rows[i]
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.rows)
+
+    @property
+    def data_sources(self) -> set[str]:
+        """The distinct ``data_source`` values (check them against the reward map before training)."""
+        return {r["data_source"] for r in self.rows}
+
+    def __repr__(self) -> str:
+        return f"RLDataset({len(self.rows)} rows, data_sources={sorted(self.data_sources)}, num_filtered={self.num_filtered})"
+
+
+def _err(path: str, row: int | None, column: str | None, what: str) -> DatasetError:
+    where = path
+    if row is not None:
+        where += f", row {row}"
+    if column is not None:
+        where += f", column '{column}'"
+    return DatasetError(f"{where}: {what}")
+
+
+def _check_text(text: str, path: str, row: int, column: str) -> None:
+    m = _CONTROL.search(text)
+    if m:
+        ch = m.group(0)
+        raise _err(
+            path, row, column,
+            f"contains control character U+{ord(ch):04X} at position {m.start()}; expected printable UTF-8 "
+            "text (tab, newline and carriage return are allowed). Remove the character and rewrite the file.",
+        )
+
+
+def _is_str_type(t) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
+
+
+def _check_schema(path: str, schema, prompt_key: str) -> None:
+    import pyarrow as pa
+
+    names = set(schema.names)
+    for col in ("data_source", prompt_key, "reward_model"):
+        if col not in names:
+            hint = ""
+            if col == prompt_key and prompt_key != "prompt" and "prompt" in names:
+                hint = " (data.prompt_key is set to it; the file has a 'prompt' column)"
+            elif col == prompt_key:
+                hint = " (set data.prompt_key if the prompt column has another name)"
+            raise _err(
+                path, None, col,
+                f"missing required column{hint}. Columns present: {', '.join(schema.names) or 'none'}. {_SCHEMA_HELP}",
+            )
+
+    def bad(col: str, expected: str) -> DatasetError:
+        return _err(path, None, col, f"has type {schema.field(col).type}; expected {expected}. {_SCHEMA_HELP}")
+
+    if not _is_str_type(schema.field("data_source").type):
+        raise bad("data_source", "string")
+    pt = schema.field(prompt_key).type
+    if not _is_str_type(pt):
+        ok = (pa.types.is_list(pt) or pa.types.is_large_list(pt)) and pa.types.is_struct(pt.value_type)
+        if ok:
+            fields = {pt.value_type.field(i).name for i in range(pt.value_type.num_fields)}
+            ok = {"role", "content"} <= fields
+        if not ok:
+            raise bad(prompt_key, "list<struct<role: string, content: string>> (chat messages) or string")
+    rt = schema.field("reward_model").type
+    if not pa.types.is_struct(rt) or rt.get_field_index("ground_truth") < 0:
+        raise bad("reward_model", "struct<style: string, ground_truth: string>")
+    if "ability" in names:
+        at = schema.field("ability").type
+        if not (_is_str_type(at) or pa.types.is_null(at)):
+            raise bad("ability", "string")
+    if "extra_info" in names:
+        et = schema.field("extra_info").type
+        if not (pa.types.is_struct(et) or pa.types.is_map(et) or pa.types.is_null(et)):
+            raise bad("extra_info", "struct (or map) of per-row values for the reward function")
+
+
+def _column_values(path: str, table, name: str) -> list:
+    """``table[name].to_pylist()``; on invalid UTF-8 finds the row and raises :class:`DatasetError`."""
+    col = table.column(name)
+    try:
+        return col.to_pylist()
+    except (UnicodeDecodeError, ValueError) as exc:
+        for i in range(len(col)):
+            try:
+                col[i].as_py()
+            except (UnicodeDecodeError, ValueError) as row_exc:
+                raise _err(
+                    path, i, name,
+                    f"is not valid UTF-8 ({row_exc}); expected UTF-8 text. Re-encode the text as UTF-8 and rewrite the file.",
+                ) from row_exc
+        raise _err(path, None, name, f"could not be read: {exc}") from exc
+
+
+def _ground_truth(value: Any, path: str, row: int) -> str:
+    col = "reward_model.ground_truth"
+    if isinstance(value, str):
+        _check_text(value, path, row, col)
+        return value
+    if isinstance(value, bool) or value is None:
+        pass
+    elif isinstance(value, int):
+        return str(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _err(path, row, col, f"is {value}; expected a string answer (or a finite number).")
+        return str(int(value)) if value.is_integer() else repr(value)
+    raise _err(
+        path, row, col,
+        f"is {type(value).__name__} {value!r:.80}; expected a string (ints and floats are converted). "
+        "Store the answer as text, e.g. JSON for structured answers.",
+    )
+
+
+def _messages(value: Any, path: str, row: int, column: str) -> list[dict]:
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if value is None or not isinstance(value, list):
+        raise _err(path, row, column, f"is {value!r:.80}; expected a non-empty list of {{role, content}} messages.")
+    if not value:
+        raise _err(path, row, column, "is an empty list; expected at least one message with text. Remove the row or fill it.")
+    msgs = []
+    for j, m in enumerate(value):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if role not in ALLOWED_ROLES:
+            raise _err(
+                path, row, column,
+                f"message {j} has role {role!r}; allowed roles: {', '.join(ALLOWED_ROLES)}.",
+            )
+        if not isinstance(content, str):
+            raise _err(path, row, column, f"message {j} ({role}) has content {content!r:.80}; expected a string.")
+        _check_text(content, path, row, f"{column}[{j}].content")
+        msgs.append({"role": role, "content": content})
+    if not any(m["content"].strip() for m in msgs if m["role"] != "system"):
+        raise _err(path, row, column, "is empty or whitespace only; expected question text. Remove the row or fill it.")
+    return msgs
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):  # batched form
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def read_dataset(
+    files: str | Path | Sequence[str | Path],
+    *,
+    tokenizer: Any = None,
+    max_prompt_length: int | None = None,
+    filter_overlong_prompts: bool = True,
+    prompt_key: str = "prompt",
+    system_prompt: str | None = None,
+) -> RLDataset:
+    """Read and validate parquet files in verl's row schema.
+
+    Args:
+        files: one path or a list of paths (``~`` expanded), read in order.
+        tokenizer: a HF tokenizer with a chat template; when given, ``prompt_ids`` is computed with
+            ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``.
+        max_prompt_length: prompt length limit in tokens (needs ``tokenizer``).
+        filter_overlong_prompts: drop longer prompts (counted in ``num_filtered`` and logged);
+            if False a longer prompt raises :class:`DatasetError` naming the first such row.
+        prompt_key: name of the prompt column.
+        system_prompt: prepended as a system message to prompts that do not start with one
+            (rows with their own system message keep it).
+
+    Returns:
+        :class:`RLDataset`.
+
+    Raises:
+        DatasetError: missing/unreadable file, missing column, wrong column type, empty prompt,
+            unknown message role, non-text ground truth, invalid UTF-8 or control characters,
+            an overlong prompt when not filtering, or no rows left.
+        ValueError: ``max_prompt_length`` without a tokenizer.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if isinstance(files, (str, Path)):
+        files = [files]
+    files = [str(Path(f).expanduser()) for f in files]
+    if not files:
+        raise DatasetError("No data files given; set data.train_files / data.val_files or data.task.")
+    if max_prompt_length is not None and tokenizer is None:
+        raise ValueError("max_prompt_length needs a tokenizer to count prompt tokens; pass tokenizer=.")
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1 token, got {max_prompt_length}.")
+
+    rows: list[dict] = []
+    filtered = 0
+    total = 0
+    for path in files:
+        if not Path(path).is_file():
+            raise DatasetError(f"{path}: file not found. Check data.train_files / data.val_files.")
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"{path}: not a readable parquet file ({exc}). {_SCHEMA_HELP}") from exc
+        _check_schema(path, schema, prompt_key)
+        columns = [c for c in ("data_source", prompt_key, "ability", "reward_model", "extra_info") if c in schema.names]
+        try:
+            table = pq.read_table(path, columns=columns)
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"{path}: could not read the parquet data ({exc}).") from exc
+        if table.num_rows == 0:
+            raise DatasetError(f"{path}: the file has no rows.")
+        total += table.num_rows
+        values = {c: _column_values(path, table, c) for c in columns}
+        for i in range(table.num_rows):
+            ds = values["data_source"][i]
+            if not isinstance(ds, str) or not ds.strip():
+                raise _err(path, i, "data_source", f"is {ds!r}; expected a non-empty string naming the data source.")
+            _check_text(ds, path, i, "data_source")
+            messages = _messages(values[prompt_key][i], path, i, prompt_key)
+            if system_prompt is not None and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": system_prompt}, *messages]
+            rm = values["reward_model"][i]
+            if not isinstance(rm, dict):
+                raise _err(path, i, "reward_model", f"is {rm!r:.80}; expected {{style, ground_truth}}.")
+            gt = _ground_truth(rm.get("ground_truth"), path, i)
+            ability = values["ability"][i] if "ability" in values else None
+            extra = values["extra_info"][i] if "extra_info" in values else None
+            if isinstance(extra, list):  # map type -> list of (key, value) pairs
+                extra = dict(extra)
+            row = {
+                "data_source": ds,
+                "messages": messages,
+                "ground_truth": gt,
+                "extra_info": extra if isinstance(extra, dict) else {},
+                "ability": ability if isinstance(ability, str) else "",
+                "source": f"{path}#{i}",
+            }
+            if tokenizer is not None:
+                ids = _chat_ids(tokenizer, messages)
+                if max_prompt_length is not None and len(ids) > max_prompt_length:
+                    if not filter_overlong_prompts:
+                        raise _err(
+                            path, i, prompt_key,
+                            f"prompt is {len(ids)} tokens after the chat template, longer than max_prompt_length="
+                            f"{max_prompt_length}. Raise data.max_prompt_length or set data.filter_overlong_prompts=true.",
+                        )
+                    filtered += 1
+                    continue
+                row["prompt_ids"] = ids
+            row["index"] = len(rows)
+            rows.append(row)
+    if filtered:
+        logger.warning(
+            "filtered %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
+            filtered, total, max_prompt_length, ", ".join(files),
+        )
+    if not rows:
+        raise DatasetError(
+            f"No rows left in {', '.join(files)}: all {total} prompts are longer than max_prompt_length="
+            f"{max_prompt_length} tokens. Raise data.max_prompt_length."
+        )
+    return RLDataset(rows, files, filtered)
+
+
+# ============================================================================ loader
+
+
+class StatefulDataLoader:
+    """Batches of rows over epochs, reproducible and exactly resumable.
+
+    The order of epoch ``e`` is ``numpy.random.default_rng([seed, e]).permutation(len(dataset))``
+    (identity when ``shuffle=False``); batch ``k`` of epoch ``e`` is rows
+    ``order[k*B : (k+1)*B]``. With ``drop_last`` the incomplete last batch is skipped, otherwise
+    it is yielded shorter.
+
+    State is ``{"epoch": e, "index": k}``: ``k`` batches of epoch ``e`` were consumed.
+    ``k == steps_per_epoch`` (just after an epoch's last batch) continues with epoch ``e + 1``.
+    After :meth:`load_state_dict`, the next batch is exactly the one an uninterrupted loader
+    would have produced.
+
+    Usage::
+
+        loader = StatefulDataLoader(dataset, batch_size=8, seed=1)
+        rows, epoch = loader.next_batch()     # forever, across epochs
+        for rows in loader: ...                # the rest of the current epoch
+        state = loader.state_dict(); loader2.load_state_dict(state)
+
+    Rows in a batch are shallow copies of the dataset's rows (adding keys does not change the dataset).
+    """
+
+    def __init__(self, dataset: Sequence[dict], batch_size: int, shuffle: bool = True, seed: int = 1,
+                 drop_last: bool = True) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer (prompts per batch), got {batch_size!r}.")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
+        n = len(dataset)
+        if n == 0:
+            raise ValueError("The dataset is empty; nothing to load.")
+        if drop_last and n < batch_size:
+            raise ValueError(
+                f"The dataset has {n} rows, fewer than batch_size={batch_size} with drop_last=True, so an epoch "
+                "has no batch. Lower data.train_batch_size or use more data."
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.index = 0
+        self._order_epoch: int | None = None
+        self._order: list[int] = []
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch: ``len // batch_size`` with ``drop_last``, else the ceiling."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Row indices of ``epoch`` in the order they are served."""
+        if self._order_epoch != epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                import numpy as np
+
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(n).tolist()
+            else:
+                self._order = list(range(n))
+            self._order_epoch = epoch
+        return self._order
+
+    def next_batch(self) -> tuple[list[dict], int]:
+        """The next batch and the epoch it belongs to; rolls over into the next epoch forever."""
+        if self.index >= self.steps_per_epoch:
+            self.epoch += 1
+            self.index = 0
+        order = self.epoch_order(self.epoch)
+        lo = self.index * self.batch_size
+        batch = [dict(self.dataset[j]) for j in order[lo: lo + self.batch_size]]
+        epoch = self.epoch
+        self.index += 1
+        return batch, epoch
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        """The remaining batches of the current epoch (the next epoch if this one is finished)."""
+        if self.index >= self.steps_per_epoch:
+            self.epoch += 1
+            self.index = 0
+        epoch = self.epoch
+        while self.epoch == epoch and self.index < self.steps_per_epoch:
+            yield self.next_batch()[0]
+
+    def state_dict(self) -> dict:
+        """``{"epoch", "index"}`` plus the settings that must match on resume."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "batch_size": self.batch_size,
+            "num_rows": len(self.dataset),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Raises:
+            ValueError: missing/invalid ``epoch``/``index``, or a setting (batch size, row count,
+                seed, shuffle, drop_last) differing from this loader's, which would make the resumed
+                order differ from the interrupted run's.
+        """
+        try:
+            epoch, index = int(state["epoch"]), int(state["index"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"Loader state needs integer 'epoch' and 'index', got {dict(state)!r}.") from exc
+        if epoch < 0 or not 0 <= index <= self.steps_per_epoch:
+            raise ValueError(
+                f"Loader state epoch={epoch}, index={index} is out of range (index 0..{self.steps_per_epoch})."
+            )
+        mine = self.state_dict()
+        diffs = [f"{k}: saved {state[k]!r}, now {mine[k]!r}" for k in ("batch_size", "num_rows", "seed", "shuffle", "drop_last")
+                 if k in state and state[k] != mine[k]]
+        if diffs:
+            raise ValueError(
+                "Cannot resume the data loader exactly: " + "; ".join(diffs)
+                + ". Restore the data settings of the interrupted run (data.train_batch_size, data files, data.seed, "
+                "data.shuffle) or start a new run."
+            )
+        self.epoch, self.index = epoch, index
