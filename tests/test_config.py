@@ -1,0 +1,252 @@
+"""Config composition and validation: every group option composes, typos and bad values fail
+with messages that say what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from rlplug.config import ConfigError, RunConfig, compose, config_dir
+from rlplug.registry import Registry
+from rlplug.types import AdvantageEstimator, KLPenalty, PolicyLoss
+from rlplug.validate import validate_config
+
+CONFIGS = config_dir()
+GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml"))]
+
+
+def _noop(*args, **kwargs):  # stands in for every plugin object in the stub registry
+    return None
+
+
+@pytest.fixture
+def stub_registry() -> Registry:
+    """Every name the packaged configs select, as stubs with the right kind-level attributes.
+
+    Keeps these config tests independent of the plugin implementations.
+    """
+    r = Registry(load_entry_points=False)
+    r.register("advantage_estimator", "gae", AdvantageEstimator(_noop, requires=("values",)), "rlplug", "0.1.0")
+    for name in ("grpo", "rloo"):
+        r.register("advantage_estimator", name, AdvantageEstimator(_noop, ("index",), group_based=True), "rlplug", "0.1.0")
+    r.register("advantage_estimator", "reinforce_plus_plus", AdvantageEstimator(_noop), "rlplug", "0.1.0")
+    r.register("advantage_estimator", "remax", AdvantageEstimator(_noop, ("reward_baselines",)), "rlplug", "0.1.0")
+    for name in ("vanilla", "dual_clip"):
+        r.register("policy_loss", name, PolicyLoss(_noop), "rlplug", "0.1.0")
+    for name in ("kl", "low_var_kl"):
+        r.register("kl_penalty", name, KLPenalty(_noop), "rlplug", "0.1.0")
+    for name in ("hf", "vllm"):
+        r.register("rollout_backend", name, _noop, "rlplug", "0.1.0")
+    r.register("training_backend", "local", _noop, "rlplug", "0.1.0")
+    for name in ("console", "mlflow"):
+        r.register("tracker", name, _noop, "rlplug", "0.1.0")
+    for name in ("gsm8k", "reasoning_gym", "math_verify"):
+        r.register("reward_function", name, _noop, "rlplug", "0.1.0")
+    return r
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def required_overrides(group: str, option: str, tmp_path: Path, model_dir: Path) -> list[str]:
+    """Values an option leaves mandatory (``???``)."""
+    if (group, option) == ("model", "path"):
+        return [f"model.path={model_dir}"]
+    if (group, option) == ("data", "files"):
+        train, val = tmp_path / "train.parquet", tmp_path / "test.parquet"
+        train.write_bytes(b"")
+        val.write_bytes(b"")
+        return [f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+    return []
+
+
+def _leaves(node, prefix=""):
+    """(dotted key, value) for every leaf of a loaded YAML option file, ``defaults`` excluded."""
+    if isinstance(node, DictConfig):
+        for k, v in node.items_ex(resolve=False):
+            if prefix == "" and k == "defaults":
+                continue
+            yield from _leaves(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], node
+
+
+def test_the_config_tree_has_every_group():
+    assert set(GROUPS) >= {"algorithm", "data", "model", "reward", "rollout", "trainer", "debug", "experiment"}
+    assert ("algorithm", "grpo") in OPTIONS and ("model", "path") in OPTIONS
+
+
+@pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_group_option_composes_validates_and_applies(group, option, tmp_path, model_dir, stub_registry):
+    extra = required_overrides(group, option, tmp_path, model_dir)
+    overrides = [f"{group}={option}", *extra]
+    cfg = compose(overrides)
+    choices = validate_config(cfg, registry=stub_registry)
+    assert {c.key for c in choices} >= {"algorithm.adv_estimator", "actor.policy_loss", "rollout.name", "trainer.backend"}
+    # every value the option file sets is in the composed config (later groups do not undo it)
+    explicit = {o.split("=", 1)[0] for o in extra}
+    option_cfg = OmegaConf.load(CONFIGS / group / f"{option}.yaml")
+    for key, value in _leaves(option_cfg):
+        if key in explicit or value == "???":
+            continue
+        got = OmegaConf.select(cfg, key)
+        if isinstance(got, (DictConfig, ListConfig)):
+            got = OmegaConf.to_container(got)
+        assert got == value, f"{group}={option} sets {key}={value!r} but the composed config has {got!r}"
+
+
+def test_math_verify_scores_every_source():
+    # regression: `reward_fn_map: {}` in a group file merged into the defaults instead of clearing them
+    cfg = compose(["reward=math_verify"])
+    assert cfg.reward.default == "math_verify"
+    assert set(cfg.reward.reward_fn_map.values()) == {"math_verify"}
+
+
+def test_debug_preset_is_valid_for_one_and_several_samples(stub_registry):
+    for algorithm in ("ppo", "grpo"):
+        cfg = compose(["debug=tiny", f"algorithm={algorithm}"])
+        validate_config(cfg, registry=stub_registry)
+        assert cfg.model.source == "tiny" and cfg.trainer.total_training_steps == 2
+
+
+def test_defaults_match_the_schema():
+    # configs/config.yaml only selects groups; values not set by a group come from RunConfig
+    cfg = compose([])
+    schema = OmegaConf.structured(RunConfig)
+    assert cfg.actor.clip_ratio == schema.actor.clip_ratio == 0.2
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is True
+    assert cfg.trainer.experiment_name == "ppo_arithmetic"
+
+
+# ============================================================================ compose errors
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as info:
+        compose(["actor.ppo_mini_batchsize=4"])
+    msg = str(info.value)
+    assert msg.startswith("Unknown config key 'actor.ppo_mini_batchsize'. Did you mean 'actor.ppo_mini_batch_size'?")
+    valid = msg.split("Valid keys in 'actor': ", 1)[1].rstrip(".").split(", ")
+    assert valid == sorted(OmegaConf.structured(RunConfig).actor.keys())
+
+
+def test_unknown_nested_and_top_level_keys():
+    with pytest.raises(ConfigError, match=r"Unknown config key 'actor\.optim\.learning_rate'.*Valid keys in 'actor\.optim': betas, eps, lr,"):
+        compose(["actor.optim.learning_rate=1e-5"])
+    with pytest.raises(ConfigError) as info:
+        compose(["trainr.seed=1"])
+    assert "Unknown config key 'trainr'" in str(info.value)
+    assert "Valid keys in the top level: actor, algorithm, critic, data, model, reward, rollout, trainer." in str(info.value)
+
+
+def test_unknown_group_option_lists_available_options():
+    with pytest.raises(ConfigError) as info:
+        compose(["algorithm=nosuch"])
+    msg = str(info.value)
+    assert "Could not find 'algorithm/nosuch'" in msg and "Available options in 'algorithm'" in msg
+    for option in (o for g, o in OPTIONS if g == "algorithm"):
+        assert f"\t{option}\n" in msg
+
+
+def test_bad_value_type_is_a_config_error():
+    with pytest.raises(ConfigError, match="rollout.n"):
+        compose(["rollout.n=four"])
+
+
+# ============================================================================ validation errors
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["algorithm.adv_estimator=grp"],
+            "algorithm.adv_estimator=grp: Unknown advantage estimator 'grp'. Did you mean 'grpo'? Available: "
+            "gae (rlplug 0.1.0), grpo (rlplug 0.1.0), reinforce_plus_plus (rlplug 0.1.0), remax (rlplug 0.1.0), "
+            "rloo (rlplug 0.1.0). Run 'rlplug plugins' to see what is installed (the plugin may not be installed).",
+        ),
+        (
+            ["actor.ppo_mini_batch_size=16"],
+            "actor.ppo_mini_batch_size=16 is larger than data.train_batch_size=8 (both count prompts). "
+            "Set actor.ppo_mini_batch_size to at most 8.",
+        ),
+        (
+            ["data.train_batch_size=8", "actor.ppo_mini_batch_size=3"],
+            "data.train_batch_size=8 is not a multiple of actor.ppo_mini_batch_size=3; each step must split "
+            "into whole mini-batches. Choose a divisor of 8.",
+        ),
+        (
+            # 8 prompts x 1 response per mini-batch = 8 responses; 3 does not divide 8
+            ["actor.micro_batch_size_per_device=3"],
+            "actor.micro_batch_size_per_device=3 does not divide the mini-batch of 8 responses "
+            "(actor.ppo_mini_batch_size=8 x rollout.n=1). Choose a divisor of 8.",
+        ),
+        (
+            # grpo: 8 prompts x 4 responses = 32; 5 does not divide 32
+            ["algorithm=grpo", "actor.micro_batch_size_per_device=5"],
+            "actor.micro_batch_size_per_device=5 does not divide the mini-batch of 32 responses "
+            "(actor.ppo_mini_batch_size=8 x rollout.n=4). Choose a divisor of 32.",
+        ),
+        (
+            ["model=path"],
+            "model.source=path needs model.path: the folder of a Hugging Face model (config.json, weights, tokenizer).",
+        ),
+        (
+            ["algorithm=grpo", "rollout.n=1"],
+            "algorithm.adv_estimator=grpo compares responses within a group, but rollout.n=1: a group of one "
+            "response has no baseline. Set rollout.n to 2 or more (e.g. rollout.n=4).",
+        ),
+        (
+            ["actor.loss_agg_mode=token_mean"],
+            "actor.loss_agg_mode=token_mean is not a loss aggregation mode. Use one of: token-mean, "
+            "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.",
+        ),
+        (
+            ["trainer.logger=[console,wandb]"],
+            "trainer.logger[1]=wandb: Unknown tracker 'wandb'. Available: console (rlplug 0.1.0), "
+            "mlflow (rlplug 0.1.0). Run 'rlplug plugins' to see what is installed (the plugin may not be installed).",
+        ),
+    ],
+    ids=["unknown-plugin", "mini>train", "mini-not-divisor", "micro-not-divisor", "micro-grpo", "model-path",
+         "group-n1", "agg-mode", "unknown-tracker"],
+)
+def test_bad_config_messages(stub_registry, overrides, expected):
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, registry=stub_registry)
+    assert str(info.value) == expected
+
+
+def test_model_path_without_config_json(stub_registry, tmp_path):
+    cfg = compose(["model=path", f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"no Hugging Face model folder there \(expected .*config\.json\)"):
+        validate_config(cfg, registry=stub_registry)
+
+
+def test_missing_data_file(stub_registry, tmp_path):
+    cfg = compose(["data=files", f"data.train_files=[{tmp_path / 'nope.parquet'}]", "data.val_files=[]"])
+    with pytest.raises(ConfigError, match=r"data\.train_files: file .*nope\.parquet does not exist"):
+        validate_config(cfg, registry=stub_registry)
+
+
+def test_critic_batch_sizes_checked_only_with_a_critic(stub_registry):
+    # ppo uses a critic: its own mini-batch is checked
+    with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=16 is larger than data\.train_batch_size=8"):
+        validate_config(compose(["algorithm=ppo", "critic.ppo_mini_batch_size=16"]), registry=stub_registry)
+    # grpo has no critic: the same setting is ignored
+    validate_config(compose(["algorithm=grpo", "critic.ppo_mini_batch_size=16"]), registry=stub_registry)
+
+
+def test_validate_reports_providers(stub_registry):
+    stub_registry.register("advantage_estimator", "other", AdvantageEstimator(_noop), "rlplug-other", "2.0")
+    choices = validate_config(compose(["algorithm.adv_estimator=other"]), registry=stub_registry)
+    assert str(choices[0]) == "algorithm.adv_estimator=other (rlplug-other 2.0)"
+    assert str(choices[1]) == "actor.policy_loss=vanilla (rlplug 0.1.0)"
