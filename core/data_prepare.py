@@ -272,8 +272,8 @@ def prepare_dataset(
 
     Returns:
         ``{"task", "train_path", "test_path", "train_size", "test_size", "overlap_removed",
-        "train_unique", "test_unique", "task_kwargs", "seeds"}`` (paths as str); also written to
-        ``out_dir/info.json``.
+        "train_unique", "test_unique", "task_kwargs", "seeds", "instruction"}`` (absolute paths as
+        str); also written to ``out_dir/info.json`` (there with paths relative to ``out_dir``).
 
     Raises:
         ValueError: unknown task (lists the available ones), bad sizes, or invalid ``task_kwargs``
@@ -325,5 +325,7 @@ def prepare_dataset(
         "seeds": {"seed": seed, "train": train_seed, "test": test_seed},
         "instruction": instruction,
     }
-    (out / "info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    # file names relative to out_dir, so the folder can be moved (e.g. renamed into a cache)
+    stored = {**info, "train_path": train_path.name, "test_path": test_path.name}
+    (out / "info.json").write_text(json.dumps(stored, indent=2, default=str) + "\n")
     return info

@@ -153,12 +153,15 @@ class RewardManager:
         registry: where names are looked up (default: ``rlplug.get_registry()``).
         start_method: multiprocessing start method of the worker pool (``spawn``, ``forkserver``
             or ``fork``).
+        backstop_slack_s: seconds added to the pool's batch deadline (worker start-up, scheduling)
+            before unfinished calls count as timeouts and the pool is killed.
 
     Raises:
         RewardConfigError: a shaping function name is unknown, or bad ``num_workers``.
     """
 
-    def __init__(self, config: Any, registry: Any = None, *, start_method: str = "spawn") -> None:
+    def __init__(self, config: Any, registry: Any = None, *, start_method: str = "spawn",
+                 backstop_slack_s: float = 30.0) -> None:
         cfg = _section(config)
         self.fn_map: dict[str, str] = dict(cfg.get("reward_fn_map") or {})
         self.default: str | None = cfg.get("default")
@@ -177,6 +180,7 @@ class RewardManager:
             raise RewardConfigError(f"reward.num_workers must be -1 (one per core), 0 (serial) or > 0, got {workers}.")
         self.num_workers = (os.cpu_count() or 1) if workers == -1 else workers
         self.start_method = start_method
+        self.backstop_slack_s = float(backstop_slack_s)
         if registry is None:
             import rlplug
 
@@ -409,7 +413,7 @@ class RewardManager:
         if self.timeout_s:
             rounds = -(-len(bounds) // self.num_workers)
             # each call is bounded by the worker timer; generous slack for start-up and scheduling
-            deadline = time.monotonic() + self.timeout_s * chunk * rounds + max(30.0, self.timeout_s)
+            deadline = time.monotonic() + self.timeout_s * chunk * rounds + self.backstop_slack_s
         results: list[tuple[str, Any]] = [("timeout", "")] * n
         broken = False
         for (lo, hi), fut in zip(bounds, futures):
