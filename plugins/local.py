@@ -1,0 +1,680 @@
+"""The ``local`` training backend (kind ``training_backend``): one process, torch on CPU or one GPU.
+
+It owns the actor (trained policy), the optional reference model (a frozen copy of the initial
+actor) and the optional critic (:class:`rlplug.models.ValueModel`), their AdamW optimizers and
+learning-rate schedules, and implements the methods the trainer calls (see
+:mod:`rlplug.trainer`)::
+
+    backend = LocalTrainingBackend(config, model_path, use_critic=..., use_ref=..., total_steps=...)
+    backend.compute_log_probs(batch, which="actor" | "ref", with_entropy=False)
+    backend.compute_values(batch)
+    backend.update_actor(batch) / backend.update_critic(batch)
+    backend.actor_weights() / save(dir) / load(dir) / export_hf(dir, tokenizer) / close()
+
+Numerics: fp32 master weights and optimizer states; with ``model.compute_dtype == "bf16"`` the
+forward passes run under ``torch.autocast(dtype=torch.bfloat16)`` (fp32 when the device has no
+bf16 autocast). Log-probs come from :func:`rlplug.logprob.response_log_probs`, which never
+materialises the ``(B, T, V)`` logits at once.
+
+The update loop (``shared/ALGORITHMS.md``, "Batch sizes and the update loop"): for each of
+``ppo_epochs`` the batch is split IN ORDER (no shuffling, like verl's default) into mini-batches
+of ``ppo_mini_batch_size * rollout.n`` responses; each mini-batch is one optimizer step. Its
+loss normaliser (valid tokens or sequences, :func:`rlplug.losses.agg_normalizer`) is computed on
+the whole mini-batch, so splitting it into micro-batches of ``micro_batch_size_per_device``
+responses (gradient accumulation) does not change the gradient. Gradients are clipped to
+``grad_clip`` by global norm; a non-finite loss or gradient norm skips the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import math
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+import rlplug
+from rlplug.batch import Batch
+from rlplug.logprob import response_log_probs
+from rlplug.losses import agg_loss, agg_normalizer, masked_mean, value_loss
+
+__all__ = ["LocalTrainingBackend", "build_lr_lambda"]
+
+logger = logging.getLogger(__name__)
+
+_SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")
+_STATE_FILE = "backend_state.json"
+
+
+# ============================================================================ helpers
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg.key`` (DictConfig, dataclass or mapping); ``default`` when absent or ``None``."""
+    if cfg is None:
+        return default
+    value = cfg.get(key, None) if hasattr(cfg, "get") else getattr(cfg, key, None)
+    return default if value is None else value
+
+
+def build_lr_lambda(warmup_steps: int, total_steps: int, style: str = "constant", min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """Learning-rate multiplier per optimizer step, for ``torch.optim.lr_scheduler.LambdaLR``.
+
+    ``step`` counts optimizer steps already taken (0 for the first step). Linear warmup:
+    ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, so the first step already moves
+    **(differs from verl, whose first warmup step has learning rate 0)**. Afterwards
+    ``"constant"``: 1.0; ``"cosine"``: ``min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + cos(pi *
+    progress))`` with ``progress = (step - warmup) / (total - warmup)`` capped at 1 (verl's
+    ``get_cosine_schedule_with_warmup`` with half a cycle).
+
+    Raises ``ValueError`` for an unknown style.
+    """
+    if style not in ("constant", "cosine"):
+        raise ValueError(f"Unknown optim.warmup_style {style!r}; expected 'constant' or 'cosine'.")
+    warmup_steps = max(0, int(warmup_steps))
+    total_steps = max(1, int(total_steps))
+
+    def lr_lambda(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lr_lambda
+
+
+def _unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without aliases of an earlier entry (tied embeddings keep the first
+    name, ``model.embed_tokens.weight``, as in Hugging Face checkpoints); detached, no copies."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...], str]] = set()
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), str(tensor.dtype))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach()
+    return out
+
+
+def _check_keys(batch: Batch, keys: tuple[str, ...], what: str, hint: str = "") -> None:
+    missing = [k for k in keys if k not in batch.tensors]
+    if missing:
+        raise ValueError(
+            f"{what} needs batch tensors {list(keys)}; missing {missing}. Present: {sorted(batch.tensors)}.{hint}"
+        )
+
+
+class _Role:
+    """One trained model (actor or critic) with its optimizer, schedule and update settings."""
+
+    def __init__(self, name: str, model: torch.nn.Module, optim_cfg: Any, *, mini_batch: int, micro_batch: int,
+                 epochs: int, loss_agg_mode: str, grad_clip: float | None, total_optimizer_steps: int) -> None:
+        self.name = name
+        self.model = model
+        self.mini_batch = int(mini_batch)  # responses per optimizer step
+        self.micro_batch = int(micro_batch)
+        self.epochs = int(epochs)
+        self.loss_agg_mode = str(loss_agg_mode)
+        self.grad_clip = grad_clip
+        self.consecutive_bad_steps = 0
+        if self.mini_batch <= 0 or self.micro_batch <= 0 or self.epochs <= 0:
+            raise ValueError(
+                f"{name}: ppo_mini_batch_size x rollout.n ({self.mini_batch}), micro_batch_size_per_device "
+                f"({self.micro_batch}) and ppo_epochs ({self.epochs}) must all be positive."
+            )
+        betas = tuple(float(b) for b in _get(optim_cfg, "betas", [0.9, 0.999]))
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=float(_get(optim_cfg, "lr", 1e-6)),
+            betas=betas,  # type: ignore[arg-type]
+            eps=float(_get(optim_cfg, "eps", 1e-8)),
+            weight_decay=float(_get(optim_cfg, "weight_decay", 0.0)),
+        )
+        warmup = int(_get(optim_cfg, "lr_warmup_steps", -1))
+        if warmup < 0:
+            warmup = int(float(_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_optimizer_steps)
+        self.total_optimizer_steps = total_optimizer_steps
+        self.warmup_steps = warmup
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            build_lr_lambda(warmup, total_optimizer_steps, str(_get(optim_cfg, "warmup_style", "constant")),
+                            float(_get(optim_cfg, "min_lr_ratio", 0.0))),
+        )
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+# ============================================================================ the backend
+
+
+class LocalTrainingBackend:
+    """Training backend for one process (``trainer.backend=local``).
+
+    Args:
+        config: the whole run config (``DictConfig`` of :class:`rlplug.config.RunConfig`).
+        model_path: local Hugging Face folder of the initial policy (``rlplug.models.resolve_model_path``).
+        use_critic: build and train a critic (:class:`rlplug.models.ValueModel` from the same folder).
+        use_ref: build the reference model (frozen copy of the initial actor) for KL terms.
+        total_steps: planned training steps; with ``ppo_epochs`` and the mini-batches per step it
+            fixes the length of the learning-rate schedule (in optimizer steps).
+
+    Attributes:
+        consecutive_bad_steps: optimizer steps skipped in a row because of a non-finite loss or
+            gradient norm (the larger of the actor's and the critic's count); reset by a good step.
+
+    Raises ``ValueError`` for settings this backend cannot honour (unknown ``compute_dtype`` or
+    device, ``rollout.temperature <= 0``).
+    """
+
+    def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
+        from rlplug.models import load_causal_lm, load_value_model
+
+        self.config = config
+        self.model_path = str(model_path)
+        self.use_critic = bool(use_critic)
+        self.use_ref = bool(use_ref)
+        self.total_steps = int(total_steps)
+        trainer, model_cfg, actor_cfg, critic_cfg = config.trainer, config.model, config.actor, config.critic
+
+        # ---- device, threads, precision
+        device = str(_get(trainer, "device", "auto"))
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda' for the local backend, got {device!r}.")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("trainer.device='cuda' but torch sees no CUDA device; use trainer.device=cpu or auto.")
+        self.device = torch.device(device)
+        threads = _get(trainer, "num_threads", None)
+        if threads:
+            torch.set_num_threads(int(threads))
+        compute_dtype = str(_get(model_cfg, "compute_dtype", "bf16"))
+        if compute_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"model.compute_dtype must be 'bf16' or 'fp32', got {compute_dtype!r}.")
+        self.autocast_dtype: torch.dtype | None = None
+        if compute_dtype == "bf16":
+            if self._bf16_autocast_works():
+                self.autocast_dtype = torch.bfloat16
+            else:
+                logger.warning("bf16 autocast is not available on %s; computing in fp32.", self.device)
+
+        self.temperature = float(_get(config.rollout, "temperature", 1.0))
+        if not self.temperature > 0:
+            raise ValueError(
+                f"rollout.temperature={self.temperature}: training needs sampled responses (temperature > 0); "
+                "log-probs of greedy decoding are undefined."
+            )
+        self.chunk_size = int(_get(actor_cfg, "logprob_chunk_size", 1024))
+        self.max_response_length = int(_get(config.data, "max_response_length", 0)) or None
+        n = int(_get(config.rollout, "n", 1))
+        minis_per_step = max(1, int(_get(config.data, "train_batch_size", 1)) // int(actor_cfg.ppo_mini_batch_size))
+        trust = bool(_get(model_cfg, "trust_remote_code", False))
+        grad_ckpt = bool(_get(model_cfg, "enable_gradient_checkpointing", False))
+
+        # ---- actor
+        actor = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust).to(self.device)
+        if getattr(actor.config, "use_cache", None) is not None:
+            actor.config.use_cache = False
+        if grad_ckpt:
+            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._warn_dropout(actor)
+        actor_epochs = int(actor_cfg.ppo_epochs)
+        self.actor = _Role(
+            "actor", actor, actor_cfg.optim,
+            mini_batch=int(actor_cfg.ppo_mini_batch_size) * n,
+            micro_batch=int(actor_cfg.micro_batch_size_per_device),
+            epochs=actor_epochs,
+            loss_agg_mode=str(actor_cfg.loss_agg_mode),
+            grad_clip=_get(actor_cfg, "grad_clip", None),
+            total_optimizer_steps=max(1, self.total_steps * actor_epochs * minis_per_step),
+        )
+        registry = rlplug.get_registry()
+        self.policy_loss = registry.get("policy_loss", str(actor_cfg.policy_loss))
+        self.kl_loss = registry.get("kl_penalty", str(actor_cfg.kl_loss_type)) if actor_cfg.use_kl_loss else None
+
+        # ---- reference model
+        self.ref: torch.nn.Module | None = None
+        if self.use_ref:
+            ref = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust).to(self.device)
+            ref.requires_grad_(False)
+            self.ref = ref.eval()
+
+        # ---- critic
+        self.critic: _Role | None = None
+        if self.use_critic:
+            critic = load_value_model(self.model_path, dtype=torch.float32, trust_remote_code=trust).to(self.device)
+            if grad_ckpt:
+                critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            c_mini = int(_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
+            c_epochs = int(_get(critic_cfg, "ppo_epochs", actor_epochs))
+            c_minis_per_step = max(1, int(_get(config.data, "train_batch_size", 1)) // c_mini)
+            self.critic = _Role(
+                "critic", critic, critic_cfg.optim,
+                mini_batch=c_mini * n,
+                micro_batch=int(_get(critic_cfg, "micro_batch_size_per_device", actor_cfg.micro_batch_size_per_device)),
+                epochs=c_epochs,
+                loss_agg_mode=str(_get(critic_cfg, "loss_agg_mode", actor_cfg.loss_agg_mode)),
+                grad_clip=_get(critic_cfg, "grad_clip", None),
+                total_optimizer_steps=max(1, self.total_steps * c_epochs * c_minis_per_step),
+            )
+
+    # ------------------------------------------------------------------ small helpers
+    def _bf16_autocast_works(self) -> bool:
+        try:
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+                a = torch.ones(2, 2, device=self.device)
+                return (a @ a).dtype == torch.bfloat16
+        except (RuntimeError, AssertionError, ValueError):
+            return False
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    @staticmethod
+    def _warn_dropout(model: torch.nn.Module) -> None:
+        ps = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        ps += [float(v) for k, v in vars(model.config).items() if "dropout" in k and isinstance(v, (int, float)) and v > 0]
+        if ps:
+            logger.warning(
+                "The actor has dropout (p up to %.3g): log-probs are computed in eval mode and the update in "
+                "train mode, so the PPO ratio starts away from 1. Set the model's dropout to 0 for RL.", max(ps)
+            )
+
+    @property
+    def consecutive_bad_steps(self) -> int:
+        return max(self.actor.consecutive_bad_steps, self.critic.consecutive_bad_steps if self.critic else 0)
+
+    def _to_device(self, batch: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return {k: batch.tensors[k].to(self.device, non_blocking=True) for k in keys if k in batch.tensors}
+
+    @staticmethod
+    def _response_length(batch: Batch) -> int:
+        for key in ("responses", "response_mask"):
+            if key in batch.tensors:
+                return int(batch.tensors[key].shape[1])
+        raise ValueError(
+            f"the batch has neither 'responses' nor 'response_mask', so the response length is unknown. "
+            f"Present: {sorted(batch.tensors)}."
+        )
+
+    def _log_probs(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int, with_entropy: bool):
+        with self._autocast():
+            return response_log_probs(model, tensors, t, temperature=self.temperature, chunk_size=self.chunk_size,
+                                      with_entropy=with_entropy)
+
+    def _values(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int) -> torch.Tensor:
+        with self._autocast():
+            values = model(tensors["input_ids"], tensors.get("attention_mask"), tensors.get("position_ids"))  # (B, L)
+        length = values.shape[1]
+        # the value at position p is read after token p, i.e. where token p+1 is predicted (verl)
+        return values[:, length - t - 1 : length - 1].float()
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, *, which: str = "actor", with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Log-probs of the response tokens under the actor or the reference model (no grad).
+
+        ``batch`` needs ``input_ids``, ``attention_mask``, ``position_ids`` ``(B, P+T)`` and
+        ``responses`` ``(B, T)``. Returns ``{"log_probs": (B, T) float32}`` (nats, of
+        ``logits / rollout.temperature``) plus ``"entropy"`` ``(B, T) float32`` (nats) when
+        ``with_entropy``, on the batch's device. Values are NOT masked: positions after the end
+        of a response hold the log-prob of the padding token; multiply by ``response_mask`` (or
+        use masked statistics) downstream. Micro-batched by ``actor.micro_batch_size_per_device``.
+
+        Raises ``ValueError`` for an unknown ``which`` or ``which="ref"`` without a reference model.
+        """
+        if which == "actor":
+            model = self.actor.model
+        elif which == "ref":
+            if self.ref is None:
+                raise ValueError("compute_log_probs(which='ref') but this backend was built with use_ref=False.")
+            model = self.ref
+        else:
+            raise ValueError(f"compute_log_probs: which must be 'actor' or 'ref', got {which!r}.")
+        _check_keys(batch, _SEQ_KEYS, "compute_log_probs")
+        t = self._response_length(batch)
+        out_device = batch.tensors["input_ids"].device
+        model.eval()
+        lps, ents = [], []
+        for micro in batch.split(self.actor.micro_batch):
+            lp, ent = self._log_probs(model, self._to_device(micro, _SEQ_KEYS), t, with_entropy)
+            lps.append(lp.float().to(out_device))
+            if with_entropy:
+                ents.append(ent.float().to(out_device))
+        result = {"log_probs": torch.cat(lps)}
+        if with_entropy:
+            result["entropy"] = torch.cat(ents)
+        return result
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Critic values ``(B, T) float32`` (no grad), on the batch's device.
+
+        ``values[:, j]`` is the critic's output at the hidden position that predicts response
+        token ``j`` (positions ``P - 1 .. P + T - 2``, as verl). Not masked (see
+        :meth:`compute_log_probs`). Raises ``ValueError`` when the backend has no critic.
+        """
+        if self.critic is None:
+            raise ValueError("compute_values called but this backend was built with use_critic=False.")
+        _check_keys(batch, _SEQ_KEYS, "compute_values")
+        t = self._response_length(batch)
+        out_device = batch.tensors["input_ids"].device
+        model = self.critic.model
+        model.eval()
+        vals = [self._values(model, self._to_device(m, _SEQ_KEYS), t).to(out_device) for m in batch.split(self.critic.micro_batch)]
+        return torch.cat(vals)
+
+    # ------------------------------------------------------------------ updates
+    def _run_update(
+        self,
+        role: _Role,
+        batch: Batch,
+        micro_loss: Callable[[dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]],
+    ) -> dict[str, float]:
+        """The shared epoch / mini-batch / micro-batch loop.
+
+        ``micro_loss(tensors, normalizer)`` returns this micro-batch's contribution to the
+        mini-batch loss (to backpropagate) and metrics already summed-compatible: loss terms as
+        contributions (their sum over micro-batches is the mini-batch value) and masked means of
+        the micro-batch (weighted here by its share of valid tokens).
+        Returns the mean of each metric over the good mini-batches of all epochs, plus
+        ``grad_norm``, ``lr`` and ``nonfinite_skipped`` (count), prefixed ``<role>/``.
+        """
+        size = len(batch)
+        if size == 0:
+            raise ValueError(f"update_{role.name}: the batch is empty.")
+        if size % role.mini_batch:
+            raise ValueError(
+                f"update_{role.name}: the batch has {size} responses, which does not split into mini-batches of "
+                f"{role.mini_batch} responses ({role.name}.ppo_mini_batch_size x rollout.n). Choose "
+                f"data.train_batch_size as a multiple of {role.name}.ppo_mini_batch_size."
+            )
+        role.model.train()
+        totals: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        skipped = 0
+        lrs: list[float] = []
+        for epoch in range(role.epochs):
+            for index, mini in enumerate(batch.split(role.mini_batch)):
+                mask = mini.tensors["response_mask"]
+                normalizer = agg_normalizer(mask, role.loss_agg_mode)
+                lrs.append(role.lr)
+                if normalizer <= 0:
+                    logger.warning("%s: mini-batch %d of epoch %d has no valid response token; no optimizer step.",
+                                   role.name, index, epoch)
+                    self._scheduler_step(role)
+                    continue
+                valid_tokens = float(mask.sum())
+                role.optimizer.zero_grad(set_to_none=True)
+                mini_metrics: dict[str, float] = defaultdict(float)
+                bad_stage: str | None = None
+                for micro in mini.split(role.micro_batch):
+                    tensors = self._to_device(micro, tuple(micro.tensors))
+                    loss, parts = micro_loss(tensors, normalizer)
+                    loss_value = float(loss.detach())
+                    if not math.isfinite(loss_value):
+                        bad_stage = f"{role.name} loss ({loss_value})"
+                        break
+                    loss.backward()
+                    share = float(micro.tensors["response_mask"].sum()) / valid_tokens if valid_tokens else 0.0
+                    for key, value in parts.items():
+                        if key.startswith("mean:"):
+                            mini_metrics[key[5:]] += value * share
+                        else:
+                            mini_metrics[key] += value
+                grad_norm = float("nan")
+                if bad_stage is None:
+                    grad_norm = self._clip_grad(role)
+                    if not math.isfinite(grad_norm):
+                        bad_stage = f"{role.name} gradient norm ({grad_norm})"
+                if bad_stage is not None:
+                    role.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    role.consecutive_bad_steps += 1
+                    logger.warning(
+                        "%s: non-finite %s in mini-batch %d of epoch %d; optimizer step skipped (%d in a row).",
+                        role.name, bad_stage, index, epoch, role.consecutive_bad_steps,
+                    )
+                else:
+                    role.optimizer.step()
+                    role.consecutive_bad_steps = 0
+                    for key, value in mini_metrics.items():
+                        totals[key] += value
+                        counts[key] += 1
+                    totals["grad_norm"] += grad_norm
+                    counts["grad_norm"] += 1
+                self._scheduler_step(role)
+        role.optimizer.zero_grad(set_to_none=True)
+        role.model.eval()
+        prefix = role.name + "/"
+        metrics = {prefix + k: (totals[k] / counts[k]) for k in totals}
+        if not counts.get("grad_norm"):
+            metrics[prefix + "grad_norm"] = float("nan")
+        metrics[prefix + "lr"] = sum(lrs) / len(lrs) if lrs else role.lr
+        metrics[prefix + "nonfinite_skipped"] = float(skipped)
+        return metrics
+
+    @staticmethod
+    def _scheduler_step(role: _Role) -> None:
+        # The schedule advances once per planned optimizer step, taken or skipped, so its length
+        # stays what total_steps planned; silence torch's "scheduler before optimizer" warning
+        # for a skipped first step.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\).*optimizer\.step\(\).*")
+            role.scheduler.step()
+
+    @staticmethod
+    def _clip_grad(role: _Role) -> float:
+        params = [p for p in role.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = float(role.grad_clip) if role.grad_clip and role.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+        return float(norm)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO-style policy update on ``batch``; returns ``actor/*`` metrics.
+
+        Needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,
+        ``response_mask``, ``old_log_probs`` and ``advantages``; ``ref_log_probs`` with
+        ``actor.use_kl_loss``; ``rollout_log_probs`` with ``actor.rollout_is_threshold``.
+        Per micro-batch the loss is ``policy_loss + kl_loss_coef * agg(kl) - entropy_coeff *
+        agg(entropy)``, every term aggregated with the whole mini-batch's normaliser.
+
+        With ``actor.rollout_is_threshold = C`` (truncated importance sampling against the rollout
+        engine, verl's TIS), advantages are multiplied by the detached per-token weight
+        ``min(exp(old_log_probs - rollout_log_probs), C)``. Because the weight is non-negative this
+        equals scaling each token's clipped-surrogate loss by it, which is what verl does.
+
+        Metrics (each the mean over the mini-batches and epochs of this call):
+        ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+        ``actor/entropy`` (aggregated like the loss), ``actor/kl_loss`` (with the KL loss; before
+        the coefficient), ``actor/rollout_is_weight`` (with TIS), ``actor/grad_norm`` (before
+        clipping), ``actor/lr`` and ``actor/nonfinite_skipped`` (optimizer steps skipped this call).
+
+        Raises ``ValueError`` for a missing tensor or a batch that does not split into mini-batches.
+        """
+        cfg = self.config.actor
+        keys = (*_SEQ_KEYS, "response_mask", "old_log_probs", "advantages")
+        _check_keys(batch, keys, "update_actor")
+        if self.kl_loss is not None:
+            _check_keys(batch, ("ref_log_probs",), "update_actor with actor.use_kl_loss",
+                        " The trainer fills ref_log_probs when a reference model is used (use_ref=True).")
+        tis = _get(cfg, "rollout_is_threshold", None)
+        if tis is not None:
+            _check_keys(batch, ("rollout_log_probs",), "update_actor with actor.rollout_is_threshold",
+                        " Set rollout.calculate_log_probs=true so the rollout engine returns its log-probs.")
+        t = self._response_length(batch)
+        mode = self.actor.loss_agg_mode
+        entropy_coeff = float(_get(cfg, "entropy_coeff", 0.0))
+        kl_coef = float(_get(cfg, "kl_loss_coef", 0.0))
+        model = self.actor.model
+
+        def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = tensors["response_mask"]
+            log_probs, entropy = self._log_probs(model, tensors, t, with_entropy=True)
+            advantages = tensors["advantages"]
+            parts: dict[str, float] = {}
+            if tis is not None:
+                with torch.no_grad():
+                    weight = torch.exp(torch.clamp(tensors["old_log_probs"] - tensors["rollout_log_probs"], -20.0, 20.0))
+                    weight = torch.clamp(weight, max=float(tis))
+                advantages = advantages * weight
+                parts["mean:rollout_is_weight"] = float(masked_mean(weight, mask))
+            pg_loss, pg_metrics = self.policy_loss(
+                tensors["old_log_probs"], log_probs, advantages, mask, config=cfg, loss_agg_mode=mode,
+                normalizer=normalizer, max_response_length=self.max_response_length,
+            )
+            entropy_agg = agg_loss(entropy if entropy_coeff else entropy.detach(), mask, mode, normalizer,
+                                   self.max_response_length)
+            loss = pg_loss - entropy_coeff * entropy_agg if entropy_coeff else pg_loss
+            parts["pg_loss"] = float(pg_loss.detach())
+            parts["entropy"] = float(entropy_agg.detach())
+            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                if key in pg_metrics:
+                    parts["mean:" + key] = float(pg_metrics[key])
+            if self.kl_loss is not None:
+                kl = self.kl_loss(log_probs, tensors["ref_log_probs"])
+                kl_agg = agg_loss(kl, mask, mode, normalizer, self.max_response_length)
+                loss = loss + kl_coef * kl_agg
+                parts["kl_loss"] = float(kl_agg.detach())
+            return loss, parts
+
+        metrics = self._run_update(self.actor, batch, micro_loss)
+        if self.kl_loss is not None:
+            metrics["actor/kl_coef"] = kl_coef
+        return metrics
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss update on ``batch``; returns ``critic/*`` metrics.
+
+        Needs the sequence tensors, ``response_mask``, ``values`` (the critic's values before the
+        update, the clipping anchor) and ``returns``. Metrics (means over mini-batches and epochs):
+        ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/grad_norm``, ``critic/lr``,
+        ``critic/nonfinite_skipped``. Raises ``ValueError`` without a critic or a tensor.
+        """
+        if self.critic is None:
+            raise ValueError("update_critic called but this backend was built with use_critic=False.")
+        _check_keys(batch, (*_SEQ_KEYS, "response_mask", "values", "returns"), "update_critic")
+        t = self._response_length(batch)
+        role = self.critic
+        cliprange = float(_get(self.config.critic, "cliprange_value", 0.5))
+
+        def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+            values = self._values(role.model, tensors, t)
+            loss, m = value_loss(
+                values, tensors["values"], tensors["returns"], tensors["response_mask"], cliprange_value=cliprange,
+                loss_agg_mode=role.loss_agg_mode, normalizer=normalizer, max_response_length=self.max_response_length,
+            )
+            return loss, {"vf_loss": float(loss.detach()), "mean:vf_clipfrac": float(m["vf_clipfrac"])}
+
+        return self._run_update(role, batch, micro_loss)
+
+    # ------------------------------------------------------------------ weights, checkpoints, export
+    def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every actor weight, as in a Hugging Face checkpoint: tied
+        weights once (under the embedding's name), detached views of the live fp32 parameters
+        on the training device (no copies). Consume before the next update."""
+        yield from _unique_state(self.actor.model).items()
+
+    def _roles(self) -> list[_Role]:
+        return [self.actor] + ([self.critic] if self.critic is not None else [])
+
+    def save(self, directory: str | Path) -> None:
+        """Write the training state into ``directory`` (created).
+
+        Layout: ``actor/model.safetensors`` (Hugging Face names, tied weights once),
+        ``actor/optimizer.pt``, ``actor/scheduler.pt``, the same under ``critic/`` when there is a
+        critic, and ``backend_state.json`` (counters). Reloaded by :meth:`load`, training continues
+        bitwise identically.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        for role in self._roles():
+            d = out / role.name
+            d.mkdir(parents=True, exist_ok=True)
+            state = {k: v.contiguous().cpu() for k, v in _unique_state(role.model).items()}
+            save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+            torch.save(role.optimizer.state_dict(), d / "optimizer.pt")
+            torch.save(role.scheduler.state_dict(), d / "scheduler.pt")
+        state = {r.name: {"consecutive_bad_steps": r.consecutive_bad_steps} for r in self._roles()}
+        (out / _STATE_FILE).write_text(json.dumps(state, indent=1))
+
+    def load(self, directory: str | Path) -> None:
+        """Restore what :meth:`save` wrote (weights, optimizer and scheduler states, counters).
+
+        Optimizer/scheduler files are read with ``torch.load(..., weights_only=True)``.
+        Raises ``FileNotFoundError`` for a missing file and ``ValueError`` when the weights do
+        not match the model (wrong model or a checkpoint without a critic).
+        """
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        for role in self._roles():
+            d = src / role.name
+            weights = d / "model.safetensors"
+            if not weights.is_file():
+                raise FileNotFoundError(
+                    f"{weights} is missing: {src} was not written by the local backend's save() "
+                    f"(or without a {role.name})."
+                )
+            state = load_file(str(weights), device=str(self.device))
+            result = role.model.load_state_dict(state, strict=False)
+            expected_missing = set(role.model.state_dict()) - set(_unique_state(role.model))
+            missing = set(result.missing_keys) - expected_missing
+            if missing or result.unexpected_keys:
+                raise ValueError(
+                    f"{weights} does not match the {role.name} model: missing {sorted(missing)[:5]}, unexpected "
+                    f"{sorted(result.unexpected_keys)[:5]}. Was it saved from a different model?"
+                )
+            role.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True, map_location=self.device))
+            role.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+        state_file = src / _STATE_FILE
+        if state_file.is_file():
+            state = json.loads(state_file.read_text())
+            for role in self._roles():
+                role.consecutive_bad_steps = int(state.get(role.name, {}).get("consecutive_bad_steps", 0))
+
+    def export_hf(self, directory: str | Path, tokenizer: Any = None) -> Path:
+        """Write the actor as a normal Hugging Face folder (``save_pretrained``, safetensors, plus
+        the tokenizer when given) that ``AutoModelForCausalLM.from_pretrained`` and vLLM load."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        model = self.actor.model
+        model.config.use_cache = True  # for generation from the exported folder
+        try:
+            model.save_pretrained(str(out), safe_serialization=True)
+        finally:
+            model.config.use_cache = False
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+        return out
+
+    def close(self) -> None:
+        """Free the models and optimizer states; idempotent."""
+        self.ref = None
+        for role in self._roles():
+            role.optimizer.state.clear()
+        self.critic = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@rlplug.hookimpl
+def register_training_backends(register: Callable[..., None]) -> None:
+    register("local", LocalTrainingBackend)

@@ -1,0 +1,356 @@
+"""The ``local`` training backend on the tiny random model (fp32 compute, CPU).
+
+Batches here: 4 prompts x rollout.n = 2 responses = 8 rows; prompts left-padded to P = 5,
+responses right-padded to T = 6 with ragged lengths; ``ppo_mini_batch_size = 2`` prompts, so one
+``update_actor`` call takes 2 optimizer steps of 4 responses each.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import rlplug
+from rlplug.batch import Batch
+from rlplug.config import RunConfig, TinyModelConfig
+from rlplug.plugins.local import LocalTrainingBackend, build_lr_lambda
+
+B, P, T, N_SAMPLES = 8, 5, 6, 2
+PAD = 2
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from rlplug.models import tiny_model_dir
+
+    return str(tiny_model_dir(TinyModelConfig()))
+
+
+def make_cfg(**overrides):
+    """A RunConfig for the tiny model; ``overrides`` are dotted keys (``actor.optim.lr=...``)."""
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.model.source = "tiny"
+    cfg.model.compute_dtype = "fp32"
+    cfg.trainer.device = "cpu"
+    cfg.data.train_batch_size = B // N_SAMPLES
+    cfg.data.max_response_length = T
+    cfg.rollout.n = N_SAMPLES
+    cfg.rollout.temperature = 0.8
+    cfg.actor.ppo_mini_batch_size = 2
+    cfg.actor.micro_batch_size_per_device = 4
+    cfg.actor.optim.lr = 1e-2
+    # eps = 1 makes AdamW's first steps nearly proportional to the gradient, so a wrongly scaled
+    # gradient changes the parameters (with eps = 1e-8 Adam's update is ~lr * sign(g)).
+    cfg.actor.optim.eps = 1.0
+    cfg.critic.optim.eps = 1.0
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+def make_batch(seed: int = 0, vocab: int = 49152) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.tensor([5, 5, 3, 3, 4, 4, 2, 2])
+    resp_len = torch.tensor([6, 3, 1, 6, 4, 2, 5, 6])
+    ids = torch.full((B, P + T), PAD, dtype=torch.long)
+    attn = torch.zeros(B, P + T, dtype=torch.long)
+    for i in range(B):
+        ids[i, P - prompt_len[i] : P] = torch.randint(3, 500, (int(prompt_len[i]),), generator=g)
+        ids[i, P : P + resp_len[i]] = torch.randint(3, vocab, (int(resp_len[i]),), generator=g)
+        attn[i, P - prompt_len[i] : P + resp_len[i]] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    mask = (torch.arange(T)[None] < resp_len[:, None]).float()
+    adv = torch.randn(B, T, generator=g) * mask
+    return Batch({
+        "input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, P:],
+        "response_mask": mask, "advantages": adv, "returns": torch.randn(B, T, generator=g) * mask,
+        "index": torch.arange(B) // N_SAMPLES,
+    })
+
+
+def prepared_batch(backend: LocalTrainingBackend, seed: int = 0, noise: float = 0.3) -> Batch:
+    """A batch with old log-probs perturbed away from the current policy (so clipping happens)
+    and reference log-probs from the reference model when there is one."""
+    batch = make_batch(seed)
+    lp = backend.compute_log_probs(batch)["log_probs"]
+    g = torch.Generator().manual_seed(seed + 100)
+    batch["old_log_probs"] = (lp + noise * torch.randn(lp.shape, generator=g)) * batch["response_mask"]
+    if backend.ref is not None:
+        batch["ref_log_probs"] = backend.compute_log_probs(batch, which="ref")["log_probs"]
+    if backend.critic is not None:
+        batch["values"] = backend.compute_values(batch) * batch["response_mask"]
+    return batch
+
+
+def params(backend: LocalTrainingBackend, role: str = "actor") -> dict[str, torch.Tensor]:
+    model = getattr(backend, role).model
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- registration, schedule
+def test_registered_as_local_training_backend():
+    assert rlplug.get_plugin("training_backend", "local") is LocalTrainingBackend
+
+
+def test_lr_schedule_hand_values():
+    # warmup 2 of 6 steps: step 0 -> 1/2, step 1 -> 2/2; cosine over the remaining 4 steps:
+    # step 2 -> progress 0 -> 1.0; step 4 -> progress 0.5 -> 0.5 * (1 + cos(pi/2)) = 0.5;
+    # step 6 -> progress 1 -> min_lr_ratio 0.1; beyond the end it stays there.
+    f = build_lr_lambda(2, 6, "cosine", min_lr_ratio=0.1)
+    expected = {0: 0.5, 1: 1.0, 2: 1.0, 4: 0.1 + 0.9 * 0.5, 6: 0.1, 9: 0.1}
+    for step, value in expected.items():
+        assert f(step) == pytest.approx(value), step
+    c = build_lr_lambda(0, 10, "constant")
+    assert [c(s) for s in (0, 5, 50)] == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="warmup_style"):
+        build_lr_lambda(0, 10, "linear")
+
+
+# --------------------------------------------------------------------------- inference
+def test_compute_log_probs_match_full_logits_and_ref(model_path):
+    backend = LocalTrainingBackend(make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path,
+                                   use_critic=False, use_ref=True, total_steps=2)
+    batch = make_batch()
+    out = backend.compute_log_probs(batch, with_entropy=True)
+    assert out["log_probs"].shape == (B, T) and out["entropy"].shape == (B, T)
+    with torch.no_grad():
+        logits = backend.actor.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     position_ids=batch["position_ids"]).logits / 0.8
+    # position p predicts token p + 1: positions P-1 .. P+T-2 predict the response
+    logp = torch.log_softmax(logits[:, P - 1 : P + T - 1], -1)
+    ref_lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    torch.testing.assert_close(out["log_probs"], ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["entropy"], -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-5)
+    # the reference model is the initial actor
+    assert torch.equal(backend.compute_log_probs(batch, which="ref")["log_probs"], out["log_probs"])
+    with pytest.raises(ValueError, match="which must be 'actor' or 'ref'"):
+        backend.compute_log_probs(batch, which="critic")
+    backend.close()
+
+
+# --------------------------------------------------------------------------- micro-batch invariance
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_update_actor_micro_batch_invariance(model_path, mode):
+    # The same mini-batches (4 responses) processed as one micro-batch, as 4 of 1, and as 3 + 1
+    # must give the same parameters, losses and gradient norms (ALGORITHMS.md: micro-batching is
+    # memory only). The loss includes the KL loss and an entropy bonus so all terms are covered.
+    results = []
+    for micro in (4, 1, 3):
+        cfg = make_cfg(**{"actor.loss_agg_mode": mode, "actor.micro_batch_size_per_device": micro,
+                          "actor.use_kl_loss": True, "actor.kl_loss_type": "low_var_kl", "actor.kl_loss_coef": 0.5,
+                          "actor.entropy_coeff": 0.01})
+        backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=2)
+        batch = prepared_batch(backend)
+        metrics = backend.update_actor(batch)
+        results.append((params(backend), metrics))
+        backend.close()
+    (p_ref, m_ref) = results[0]
+    assert m_ref["actor/pg_clipfrac"] > 0, "the test batch should exercise clipping"
+    for p, m in results[1:]:
+        for name in p_ref:
+            torch.testing.assert_close(p[name], p_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+            assert m[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-6), key
+
+
+def test_metrics_are_means_over_mini_batches(model_path):
+    # With lr = 0 the parameters never move, so each mini-batch's loss is what an update on that
+    # mini-batch alone reports; a call over both mini-batches and 2 epochs must report the MEAN
+    # of the two (not their sum, and not 4 terms).
+    cfg = make_cfg(**{"actor.optim.lr": 0.0, "actor.ppo_epochs": 2})
+    backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=1)
+    batch = prepared_batch(backend)
+    before = params(backend)
+    both = backend.update_actor(batch)
+    first = backend.update_actor(batch.slice(0, 4))
+    second = backend.update_actor(batch.slice(4, 8))
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy"):
+        assert both[key] == pytest.approx((first[key] + second[key]) / 2, rel=1e-5), key
+    assert all(torch.equal(before[k], v) for k, v in params(backend).items())
+
+
+# --------------------------------------------------------------------------- one step by hand
+def test_one_step_against_hand_computed_adamw(model_path):
+    # One mini-batch (ppo_mini_batch_size = 4 prompts = all 8 responses), one micro-batch, vanilla
+    # PPO loss with token-mean, grad clip 0.05, AdamW with weight decay, warmup 2 steps (first
+    # step at lr / 2). Reference: full-logits forward, the clipped surrogate written out here,
+    # torch's clip_grad_norm_ semantics and the AdamW formulas (Loshchilov & Hutter) for step 1:
+    #   m = (1 - b1) g, v = (1 - b2) g^2, m_hat = m / (1 - b1), v_hat = v / (1 - b2)
+    #   p <- p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps)
+    lr, wd, eps, b1, b2, clip, max_norm = 2e-3, 0.1, 1e-3, 0.8, 0.9, 0.2, 0.05
+    cfg = make_cfg(**{"actor.ppo_mini_batch_size": 4, "actor.micro_batch_size_per_device": 8,
+                      "actor.optim.lr": lr, "actor.optim.weight_decay": wd, "actor.optim.eps": eps,
+                      "actor.optim.betas": [b1, b2], "actor.optim.lr_warmup_steps": 2,
+                      "actor.clip_ratio": clip, "actor.grad_clip": max_norm})
+    backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=3)
+    batch = prepared_batch(backend)
+
+    from rlplug.models import load_causal_lm
+
+    model = load_causal_lm(model_path)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits.float() / 0.8
+    lp = torch.log_softmax(logits[:, P - 1 : P + T - 1], -1).gather(-1, batch["responses"][..., None]).squeeze(-1)
+    mask, adv, old = batch["response_mask"], batch["advantages"], batch["old_log_probs"]
+    ratio = torch.exp(lp - old)
+    per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip))
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+    step_lr = lr * 0.5  # warmup: (0 + 1) / 2
+    expected = {}
+    for n, p in model.named_parameters():
+        g = grads[n] * scale
+        m_hat = (1 - b1) * g / (1 - b1)
+        v_hat = (1 - b2) * g * g / (1 - b2)
+        expected[n] = p.detach() * (1 - step_lr * wd) - step_lr * m_hat / (v_hat.sqrt() + eps)
+
+    metrics = backend.update_actor(batch)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert metrics["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    assert metrics["actor/lr"] == pytest.approx(step_lr)
+    assert metrics["actor/nonfinite_skipped"] == 0.0
+    for n, p in backend.actor.model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[n], rtol=1e-5, atol=1e-7, msg=n)
+    backend.close()
+
+
+# --------------------------------------------------------------------------- non-finite handling
+def test_nan_advantages_skip_the_step(model_path, caplog):
+    cfg = make_cfg(**{"actor.ppo_mini_batch_size": 4})  # one mini-batch
+    backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=2)
+    batch = prepared_batch(backend)
+    batch["advantages"] = batch["advantages"].clone()
+    batch["advantages"][0, 0] = float("nan")
+    before = params(backend)
+    with caplog.at_level(logging.WARNING, logger="rlplug.plugins.local"):
+        metrics = backend.update_actor(batch)
+    assert metrics["actor/nonfinite_skipped"] == 1.0
+    assert backend.consecutive_bad_steps == 1
+    assert "actor loss" in caplog.text
+    assert all(torch.equal(before[k], v) for k, v in params(backend).items())
+    assert not backend.actor.optimizer.state, "a skipped step must leave no optimizer state"
+    # a good batch afterwards steps and resets the counter
+    good = prepared_batch(backend)
+    metrics = backend.update_actor(good)
+    assert metrics["actor/nonfinite_skipped"] == 0.0 and backend.consecutive_bad_steps == 0
+    assert not all(torch.equal(before[k], v) for k, v in params(backend).items())
+    backend.close()
+
+
+def test_nonfinite_gradient_skips_the_step(model_path, caplog):
+    # finite loss, NaN gradient (injected by a hook on one parameter): the grad-norm stage skips
+    cfg = make_cfg(**{"actor.ppo_mini_batch_size": 4})
+    backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=2)
+    batch = prepared_batch(backend)
+    param = backend.actor.model.model.norm.weight
+    handle = param.register_hook(lambda g: g * float("nan"))
+    before = params(backend)
+    with caplog.at_level(logging.WARNING, logger="rlplug.plugins.local"):
+        metrics = backend.update_actor(batch)
+    handle.remove()
+    assert metrics["actor/nonfinite_skipped"] == 1.0 and backend.consecutive_bad_steps == 1
+    assert "actor gradient norm" in caplog.text
+    assert all(torch.equal(before[k], v) for k, v in params(backend).items())
+    backend.close()
+
+
+def test_batch_not_divisible_by_mini_batch(model_path):
+    backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
+    batch = prepared_batch(backend).slice(0, 6)
+    with pytest.raises(ValueError, match="6 responses, which does not split into mini-batches of 4"):
+        backend.update_actor(batch)
+    del batch.tensors["old_log_probs"]
+    with pytest.raises(ValueError, match=r"missing \['old_log_probs'\]"):
+        backend.update_actor(batch)
+    backend.close()
+
+
+# --------------------------------------------------------------------------- critic
+def test_critic_values_and_update(model_path):
+    results = []
+    for micro in (4, 3):
+        cfg = make_cfg(**{"critic.micro_batch_size_per_device": micro, "critic.optim.lr": 1e-2})
+        backend = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
+        batch = prepared_batch(backend)
+        with torch.no_grad():
+            full = backend.critic.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        # value of response token j is read at position P - 1 + j
+        torch.testing.assert_close(batch["values"], full[:, P - 1 : P + T - 1] * batch["response_mask"])
+        metrics = backend.update_critic(batch)
+        assert set(metrics) == {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr",
+                                "critic/nonfinite_skipped"}
+        results.append((params(backend, "critic"), metrics))
+        backend.close()
+    (p0, m0), (p1, m1) = results
+    for name in p0:
+        torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert m1["critic/vf_loss"] == pytest.approx(m0["critic/vf_loss"], rel=1e-5)
+    assert m1["critic/grad_norm"] == pytest.approx(m0["critic/grad_norm"], rel=1e-4)
+
+
+# --------------------------------------------------------------------------- weights, save/load, export
+def test_actor_weights_are_hf_names_without_tied_duplicate(model_path):
+    backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
+    weights = dict(backend.actor_weights())
+    state = backend.actor.model.state_dict()
+    # tied embeddings: lm_head.weight is the embedding matrix and appears once, as in HF files
+    assert set(state) - set(weights) == {"lm_head.weight"}
+    assert all(weights[k].data_ptr() == state[k].data_ptr() for k in weights), "weights must not be copied"
+    backend.close()
+
+
+def test_save_load_continues_bitwise(model_path, tmp_path):
+    cfg = make_cfg(**{"actor.optim.eps": 1e-8, "actor.optim.lr_warmup_steps": 3,
+                      "actor.optim.warmup_style": "cosine"})
+    batches = [make_batch(seed) for seed in range(3)]
+    a = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=3)
+
+    def step(backend, batch):
+        batch = Batch(dict(batch.tensors))
+        batch["old_log_probs"] = backend.compute_log_probs(batch)["log_probs"] - 0.1
+        batch["values"] = backend.compute_values(batch)
+        backend.update_critic(batch)
+        return backend.update_actor(batch)
+
+    lrs = [step(a, batches[0])["actor/lr"], step(a, batches[1])["actor/lr"]]
+    a.save(tmp_path / "ckpt")
+    last_a = step(a, batches[2])
+    # schedule: 3 steps x 2 mini-batches = 6 optimizer steps, warmup 3, then cosine to 0 over 3;
+    # per optimizer step the factors are 1/3, 2/3 | 1, 1 | 0.5(1 + cos(pi/3)) = 0.75,
+    # 0.5(1 + cos(2 pi/3)) = 0.25, and each call reports the mean of its two.
+    lr = cfg.actor.optim.lr
+    assert lrs + [last_a["actor/lr"]] == pytest.approx([0.5 * lr, 1.0 * lr, 0.5 * lr])
+    b = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=3)
+    b.load(tmp_path / "ckpt")
+    last_b = step(b, batches[2])
+    for role in ("actor", "critic"):
+        pa, pb = params(a, role), params(b, role)
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), role
+    assert last_a == last_b  # identical metrics, including the scheduled learning rate
+    a.close()
+    b.close()
+
+
+def test_export_hf_loads_with_identical_logits(model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlplug.models import load_tokenizer
+
+    backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
+    backend.update_actor(prepared_batch(backend))
+    out = backend.export_hf(tmp_path / "hf", load_tokenizer(model_path))
+    assert (out / "tokenizer_config.json").is_file() and (out / "config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    batch = make_batch(5)
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    with torch.no_grad():
+        assert torch.equal(loaded(**kwargs).logits, backend.actor.model(**kwargs).logits)
+    assert not math.isnan(float(loaded.lm_head.weight.sum()))
+    backend.close()
