@@ -48,17 +48,17 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     for dist, d in info["distributions"].items():
-        console.print(f"[bold]{dist}[/bold] {d['version']}")
+        console.print(f"[bold]{escape(dist)}[/bold] {escape(d['version'])}")
         for kind, names in sorted(d["registers"].items()):
-            console.print(f"  {kind}: {', '.join(names)}")
+            console.print(f"  {kind}: {escape(', '.join(names))}")
     if info["conflicts"]:
         console.print("[bold red]Conflicts[/bold red]")
         for c in info["conflicts"]:
-            console.print(f"  {c}")
+            console.print(f"  {escape(c)}")
     if info["broken"]:
         console.print("[bold red]Plugins that failed to load[/bold red]")
         for b in info["broken"]:
-            console.print(f"  {b['name']} ({b['distribution']} {b['version']}, entry point {b['entry_point']}): {b['error']}")
+            console.print(escape(f"  {b['name']} ({b['distribution']} {b['version']}, entry point {b['entry_point']}): {b['error']}"))
     return 0
 
 
