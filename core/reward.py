@@ -268,7 +268,7 @@ class RewardManager:
             f = rows_or_fields
             ds = list(f["data_source"])
             gts = list(f["ground_truth"])
-            extras = list(f.get("extra_info") or [None] * len(ds))
+            extras = list(f["extra_info"]) if f.get("extra_info") is not None else [None] * len(ds)
         else:
             ds, gts, extras = [], [], []
             for row in rows_or_fields:
