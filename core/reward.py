@@ -25,7 +25,9 @@ Where calls run:
   main thread under a ``SIGALRM`` interval timer of ``timeout_s``; as a backstop, if the batch has
   not finished in time the pool is killed (and rebuilt on the next call) and the unfinished calls
   count as timeouts. Results are identical to serial scoring. Functions must be picklable
-  (module-level); others are failures with a message saying so.
+  (module-level); others are failures with a message saying so. ``spawn`` re-imports the main
+  module in each worker: a script that scores with workers needs the
+  ``if __name__ == "__main__":`` guard (the ``rlplug`` command has it).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def _call(fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
         return "ok", fn(*args, **kwargs)
     except _RewardTimeout as exc:
         return "timeout", str(exc)
-    except Exception as exc:  # a broken reward must not stop training
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a broken reward (even one calling sys.exit) must not stop training
         return "error", f"{type(exc).__name__}: {exc}"
 
 
