@@ -37,6 +37,7 @@ import math
 import os
 import posixpath
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -197,6 +198,15 @@ def _will_resume(config: Any, directory: Path) -> bool:
     return any(p.parent.name.startswith("global_step_") for p in directory.glob("global_step_*/COMPLETE"))
 
 
+def _json_scalar(value: Any) -> Any:
+    """``value`` when it is a JSON scalar (str, int, float, bool, None), else ``str(value)``."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return str(value)
+
+
 # ============================================================================ console
 
 
@@ -327,6 +337,7 @@ class MlflowTracker:
         self.closed = False
         self._params: dict[str, str] | None = None
         self._warned: set[str] = set()
+        self._tables: dict[str, dict] = {}
         self.run_id = self._continue_run() if _will_resume(config, self.run_dir) else None
         if self.run_id is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags={"rlplug.run_dir": str(self.run_dir)})
@@ -431,25 +442,44 @@ class MlflowTracker:
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         """Log ``rows`` as the JSON table artifact ``tables/<name>`` (``.json`` added if missing).
 
-        Each row gets a ``step`` column; logging to the same name again appends rows (MLflow's
-        ``log_table``, viewable in the UI's artifact view). Values are converted to text when
-        they are not JSON scalars.
+        The file uses MLflow's table layout (``{"columns": [...], "data": [[...], ...]}``, shown as
+        a table in the UI's artifact view) with a leading ``step`` column. Logging to the same
+        name again appends rows (also after a resume). Values that are not JSON scalars are
+        stored as text; text stays text (no type guessing).
         """
         artifact = posixpath.join("tables", "/".join(p for p in str(name).split("/") if p not in ("", ".", "..")))
         if not artifact.endswith(".json"):
             artifact += ".json"
-        columns: dict[str, list[Any]] = {"step": []}
+        table = self._tables.get(artifact)
+        if table is None:
+            table = self._tables[artifact] = self._existing_table(artifact)
+        columns, data = table["columns"], table["data"]
         for row in rows:
             for key in row:
-                columns.setdefault(str(key), [])
+                if str(key) not in columns:
+                    columns.append(str(key))
+                    for old in data:
+                        old.append(None)
         for row in rows:
-            columns["step"].append(int(step))
-            for key in columns:
-                if key == "step":
-                    continue
-                v = row.get(key)
-                columns[key].append(v if isinstance(v, (str, int, float, bool)) or v is None else str(v))
-        self.client.log_table(self.run_id, data=columns, artifact_file=artifact)
+            values = {str(k): v for k, v in row.items()}
+            values["step"] = int(step)
+            data.append([_json_scalar(values.get(c)) for c in columns])
+        self.client.log_dict(self.run_id, {"columns": columns, "data": data}, artifact)
+
+    def _existing_table(self, artifact: str) -> dict:
+        """The table already logged under ``artifact`` (e.g. before a resume), or an empty one."""
+        try:
+            folder = posixpath.dirname(artifact)
+            if artifact not in {a.path for a in self.client.list_artifacts(self.run_id, folder)}:
+                return {"columns": ["step"], "data": []}
+            with tempfile.TemporaryDirectory() as tmp:
+                local = self.client.download_artifacts(self.run_id, artifact, tmp)
+                table = json.loads(Path(local).read_text())
+            if list(table.get("columns", []))[:1] == ["step"] and isinstance(table.get("data"), list):
+                return {"columns": list(table["columns"]), "data": [list(r) for r in table["data"]]}
+        except Exception as exc:  # unreadable: start a new table (the old file is overwritten)
+            log.warning("Could not read the existing MLflow table %s (%s); starting it afresh.", artifact, exc)
+        return {"columns": ["step"], "data": []}
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Copy a file or a folder (recursively) into the run's artifacts under ``artifact_path``.
