@@ -173,33 +173,68 @@ def test_metrics_are_means_over_mini_batches(model_path):
     assert all(torch.equal(before[k], v) for k, v in params(backend).items())
 
 
+def test_truncated_importance_sampling_scales_the_policy_loss(model_path):
+    # actor.rollout_is_threshold = 2: token weight min(exp(old - rollout), 2) multiplies the
+    # advantage, i.e. each token's surrogate loss (the weight is positive). rollout = old + ln 2
+    # gives weight 1/2 everywhere -> pg_loss halves; rollout = old - ln 4 gives 4, truncated to 2
+    # -> pg_loss doubles. lr = 0 keeps the policy fixed between the calls.
+    cfg = make_cfg(**{"actor.optim.lr": 0.0, "actor.rollout_is_threshold": 2.0})
+    backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=1)
+    batch = prepared_batch(backend)
+    with pytest.raises(ValueError, match="rollout.calculate_log_probs=true"):
+        backend.update_actor(batch)
+    losses = {}
+    for name, shift in (("one", 0.0), ("half", math.log(2.0)), ("capped", -math.log(4.0))):
+        batch["rollout_log_probs"] = batch["old_log_probs"] + shift
+        m = backend.update_actor(batch)
+        losses[name] = m["actor/pg_loss"]
+        assert m["actor/rollout_is_weight"] == pytest.approx({"one": 1.0, "half": 0.5, "capped": 2.0}[name], rel=1e-5)
+    assert losses["half"] == pytest.approx(0.5 * losses["one"], rel=1e-5)
+    assert losses["capped"] == pytest.approx(2.0 * losses["one"], rel=1e-5)
+    backend.close()
+
+
 # --------------------------------------------------------------------------- one step by hand
 def test_one_step_against_hand_computed_adamw(model_path):
-    # One mini-batch (ppo_mini_batch_size = 4 prompts = all 8 responses), one micro-batch, vanilla
-    # PPO loss with token-mean, grad clip 0.05, AdamW with weight decay, warmup 2 steps (first
-    # step at lr / 2). Reference: full-logits forward, the clipped surrogate written out here,
-    # torch's clip_grad_norm_ semantics and the AdamW formulas (Loshchilov & Hutter) for step 1:
+    # One mini-batch (ppo_mini_batch_size = 4 prompts = all 8 responses), one micro-batch, token-mean.
+    # Loss = PPO clipped surrogate (clip 0.15) + 0.3 * low_var_kl(lp, ref) - 0.01 * entropy, grad clip
+    # 0.05, AdamW with weight decay, warmup 2 steps (first step at lr / 2). Reference written out
+    # here: full-logits forward; per token
+    #   ratio = exp(lp - old), pg = max(-A ratio, -A clamp(ratio, 1 - 0.15, 1 + 0.15)),
+    #   kl = exp(x) - x - 1 with x = ref - lp (Schulman's k3), entropy = -sum_v p log p;
+    # torch's clip_grad_norm_ rule (scale = max_norm / (norm + 1e-6) when below 1) and the AdamW
+    # formulas (Loshchilov & Hutter) for step 1:
     #   m = (1 - b1) g, v = (1 - b2) g^2, m_hat = m / (1 - b1), v_hat = v / (1 - b2)
     #   p <- p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps)
-    lr, wd, eps, b1, b2, clip, max_norm = 2e-3, 0.1, 1e-3, 0.8, 0.9, 0.2, 0.05
+    lr, wd, eps, b1, b2, clip, max_norm, kl_coef, ent_coef = 2e-3, 0.1, 1e-3, 0.8, 0.9, 0.15, 0.05, 0.3, 0.01
     cfg = make_cfg(**{"actor.ppo_mini_batch_size": 4, "actor.micro_batch_size_per_device": 8,
                       "actor.optim.lr": lr, "actor.optim.weight_decay": wd, "actor.optim.eps": eps,
                       "actor.optim.betas": [b1, b2], "actor.optim.lr_warmup_steps": 2,
-                      "actor.clip_ratio": clip, "actor.grad_clip": max_norm})
+                      "actor.clip_ratio": clip, "actor.grad_clip": max_norm, "actor.use_kl_loss": True,
+                      "actor.kl_loss_type": "low_var_kl", "actor.kl_loss_coef": kl_coef,
+                      "actor.entropy_coeff": ent_coef})
     backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=3)
     batch = prepared_batch(backend)
+    g = torch.Generator().manual_seed(7)
+    batch["ref_log_probs"] = batch["old_log_probs"] + 0.2 * torch.randn(B, T, generator=g)
 
     from rlplug.models import load_causal_lm
 
     model = load_causal_lm(model_path)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits.float() / 0.8
-    lp = torch.log_softmax(logits[:, P - 1 : P + T - 1], -1).gather(-1, batch["responses"][..., None]).squeeze(-1)
-    mask, adv, old = batch["response_mask"], batch["advantages"], batch["old_log_probs"]
+    logp = torch.log_softmax(logits[:, P - 1 : P + T - 1], -1)
+    lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    mask, adv, old, ref = batch["response_mask"], batch["advantages"], batch["old_log_probs"], batch["ref_log_probs"]
     ratio = torch.exp(lp - old)
-    per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip))
-    loss = (per_token * mask).sum() / mask.sum()
-    loss.backward()
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip))
+    x = ref - lp
+    kl = torch.exp(x) - x - 1
+    n_tokens = mask.sum()
+    pg_loss, kl_loss, ent = ((pg * mask).sum() / n_tokens, (kl * mask).sum() / n_tokens,
+                             (entropy * mask).sum() / n_tokens)
+    (pg_loss + kl_coef * kl_loss - ent_coef * ent).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
     scale = min(1.0, max_norm / (float(norm) + 1e-6))
@@ -212,7 +247,9 @@ def test_one_step_against_hand_computed_adamw(model_path):
         expected[n] = p.detach() * (1 - step_lr * wd) - step_lr * m_hat / (v_hat.sqrt() + eps)
 
     metrics = backend.update_actor(batch)
-    assert metrics["actor/pg_loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(pg_loss.detach()), rel=1e-5)
+    assert metrics["actor/kl_loss"] == pytest.approx(float(kl_loss.detach()), rel=1e-5)
+    assert metrics["actor/entropy"] == pytest.approx(float(ent.detach()), rel=1e-5)
     assert metrics["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
     assert metrics["actor/lr"] == pytest.approx(step_lr)
     assert metrics["actor/nonfinite_skipped"] == 0.0
