@@ -94,8 +94,9 @@ def register_rollout_backends(register: Register) -> None:
 def register_training_backends(register: Register) -> None:
     """Register training backends.
 
-    Call ``register(name, factory)``; ``factory(config)`` returns an object implementing the
-    training-backend methods the trainer calls (see :mod:`rlplug.trainer`). Selected by
+    Call ``register(name, factory)``; ``factory(config, model_path, *, use_critic: bool,
+    use_ref: bool, total_steps: int)`` returns an object implementing the training-backend
+    methods the trainer calls (listed in :mod:`rlplug.trainer`'s docstring). Selected by
     ``trainer.backend`` (Hydra group ``trainer=``).
     """
 

@@ -236,9 +236,10 @@ class RolloutBackend(Protocol):
 class TrainingBackend(Protocol):
     """A training backend (kind ``training_backend``); the registered object is a factory.
 
-    ``factory(config) -> TrainingBackend``. It owns the actor, critic and reference models,
-    their optimizers and schedulers, devices and process groups. See
-    :class:`rlplug.trainer.Trainer` for the exact methods the training loop calls.
+    ``factory(config, model_path, *, use_critic, use_ref, total_steps) -> TrainingBackend``
+    (``total_steps``: training steps of the run, for LR schedules). It owns the actor, critic
+    and reference models, their optimizers and schedulers, devices and process groups. The
+    methods the training loop calls are listed in :mod:`rlplug.trainer`'s docstring.
     """
 
 
