@@ -15,9 +15,10 @@ a plugin by name.  New inputs go on the batch, not into the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
+    import torch
 
 __all__ = [
     "AdvantageEstimator",
