@@ -570,6 +570,11 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 def run(cfg: DictConfig) -> int:
     """Train with ``cfg`` (composed and validated); returns a process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(Exception):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
     trainer = Trainer(cfg)
     try:
         status = trainer.fit()
