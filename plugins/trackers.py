@@ -240,8 +240,8 @@ class ConsoleTracker:
     ``factory(config)``: ``config`` is the run config (only ``trainer.project_name`` and
     ``trainer.experiment_name`` are read). ``console`` is a ``rich.console.Console`` (default: one
     writing to the current ``sys.stdout``, so a progress bar that redirects stdout keeps working).
-    ``max_fields`` caps the number of values per line. Parameters, tables and artifacts get at
-    most a one-line note. It keeps no state that needs closing.
+    ``max_fields`` caps the number of values per line. Parameters, tables and artifacts are not
+    printed; :meth:`close` prints the final status once.
     """
 
     def __init__(self, config: Any = None, console: Any = None, max_fields: int = 12) -> None:
@@ -278,8 +278,8 @@ class ConsoleTracker:
         self.console.print(self.summary(metrics, step), markup=False, highlight=False)
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
-        """Print one line: the table name, its row count and the step."""
-        self.console.print(f"step {step} | table {name}: {len(rows)} rows", markup=False, highlight=False)
+        """Print nothing: one line per step stays one line (tables go to file-based trackers)."""
+        return None
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Artifacts already live on disk: nothing to print."""

@@ -94,7 +94,6 @@ def test_console_line():
     tracker.close("FINISHED")  # idempotent: printed once
     assert out.getvalue().splitlines() == [
         "step 3 | score 0.2500 | pg_loss -0.0123 | step_s 12.35 | basic_arithmetic/acc/mean@1 0.5000",
-        "step 3 | table val_generations: 2 rows",
         "run rlplug/ppo_arithmetic: KILLED",
     ]
 
