@@ -532,8 +532,9 @@ class Trainer:
     def _finish(self) -> None:
         final = self.run_dir / "final_model"
         self.backend.export_hf(final, self.tokenizer)
+        # The model folder is referenced, not copied: a second 0.5 GB copy in the run dir buys nothing.
         for t in self.trackers:
-            t.log_artifact(str(final), artifact_path="final_model")
+            t.log_params({"final_model_path": str(final.resolve())})
         print(f"Training finished at step {self.global_step}; final model in {final}.", flush=True)
 
     def _run_validation(self, log_now: bool = True) -> dict[str, float]:
