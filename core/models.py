@@ -85,6 +85,12 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def _remove_stale_temps(root: Path, prefix: str) -> None:
+    """Delete temp folders left by a killed conversion; call only while holding the lock."""
+    for stale in root.glob(f"{prefix}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def _publish(tmp: Path, final: Path) -> None:
     """Atomically move the fully written folder ``tmp`` to ``final`` (same filesystem)."""
     os.rename(tmp, final)
@@ -144,6 +150,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     with _file_lock(root / f".{DEFAULT_MODEL_NAME}.lock"):
         if _is_complete_model_dir(final):  # another process finished while we waited
             return final
+        _remove_stale_temps(root, f".{DEFAULT_MODEL_NAME}")
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=root))
         try:
             _convert_gguf(gguf, tmp)
@@ -259,6 +266,7 @@ def tiny_model_dir(tiny_cfg: Any, cache_dir: str | os.PathLike | None = None) ->
     with _file_lock(root / f".tiny-{key}.lock"):
         if _is_complete_model_dir(final):
             return final
+        _remove_stale_temps(root, f".tiny-{key}")
         tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{key}.tmp-", dir=root))
         try:
             _build_tiny(base, settings, tmp)

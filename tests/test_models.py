@@ -111,6 +111,8 @@ def test_concurrent_conversion_runs_once_and_publishes_atomically(monkeypatch: p
 
     monkeypatch.setattr(models, "_gguf_path", lambda: Path("/nonexistent/model.gguf"))
     monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    stale = tmp_path / "models" / f".{models.DEFAULT_MODEL_NAME}.tmp-killed"  # left by a killed process
+    stale.mkdir(parents=True)
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(default_model_dir(tmp_path))) for _ in range(4)]
     for t in threads:
