@@ -11,10 +11,17 @@ Layout under ``trainer.default_local_dir``::
     latest_checkpointed_iteration.txt the step of the latest complete checkpoint (verl's name)
     global_step_20.partial-1234/      a save that was interrupted: ignored, removed on next save
 
-A save writes into ``global_step_N.partial-<pid>``, marks it COMPLETE, renames it to
-``global_step_N`` (atomic on POSIX) and only then replaces the ``latest`` pointer (write to a
-temp file + ``os.replace``). A kill at any moment leaves either the previous checkpoint as
-latest or the new one, never a half-written one.
+A save writes into ``global_step_N.partial-<pid>``, fsyncs every file in it, marks it COMPLETE,
+renames it to ``global_step_N`` (atomic on POSIX) and only then replaces the ``latest`` pointer
+(write to a temp file + ``os.replace``). A kill at any moment leaves either the previous
+checkpoint as latest or the new one, never a half-written one. Directories are never deleted in
+place: a checkpoint to remove (an old one beyond ``max_to_keep``, or an earlier save of the same
+step being replaced) is first renamed to a ``.partial-`` name, so a kill in the middle of the
+deletion leaves a directory that is recognised as partial, never one that still looks complete.
+
+Testing aid: :func:`_fault_point` marks the places where the kill tests
+(``tests/test_kill_resume.py``) stop the process; it does nothing unless the environment
+variable ``RLPLUG_TEST_KILL_AT`` is set.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import logging
 import os
 import re
 import shutil
+import signal
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +41,40 @@ log = logging.getLogger(__name__)
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+# ============================================================================ testing aid
+
+#: ``label:n[:SIGNAL][,label:n[:SIGNAL]...]``, e.g. ``ckpt_renamed:2`` or ``update_actor:1:SIGTERM``
+FAULT_ENV = "RLPLUG_TEST_KILL_AT"
+_fault_counts: dict[str, int] = {}
+
+
+def _fault_point(label: str) -> None:
+    """Testing aid: send a signal to this process at the ``n``-th time ``label`` is reached.
+
+    With ``RLPLUG_TEST_KILL_AT=<label>:<n>[:<SIGNAL>]`` (comma-separated for several), the
+    ``n``-th call with ``label`` (counted per process, 1-based) prints a line naming the point
+    to stderr and sends ``SIGNAL`` (default ``SIGKILL``; e.g. ``SIGTERM`` to test the graceful
+    stop) to the current process. Used by the crash tests to stop a run at exact places (during
+    rollout, between checkpoint rename and the ``latest`` pointer, ...). When the variable is
+    unset the cost is one environment lookup. The labels are listed in ``tests/test_kill_resume.py``.
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    count = _fault_counts[label] = _fault_counts.get(label, 0) + 1
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if parts[0] != label or count != (int(parts[1]) if len(parts) > 1 and parts[1] else 1):
+            continue
+        signame = parts[2] if len(parts) > 2 else "SIGKILL"
+        print(f"{FAULT_ENV}: {signame} at {label}:{count}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.kill(os.getpid(), getattr(signal, signame))
+
+
+# ============================================================================ files
 
 
 def _fsync_dir(path: Path) -> None:
@@ -47,6 +90,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (so COMPLETE never precedes the data on disk)."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -54,6 +114,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    _fault_point("pointer_tmp_written")
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -127,31 +188,55 @@ class CheckpointManager:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
+        _fault_point("ckpt_tmp_created")
         write(tmp)
+        _fault_point("ckpt_written")
+        _fsync_tree(tmp)
         marker = tmp / COMPLETE
         with open(marker, "w") as f:
             f.write(json.dumps({"step": step}))
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if final.exists():  # an older save of the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
+        _fault_point("ckpt_marked")
+        if final.exists():  # an older save of the same step (e.g. after resume_path): move it aside first
+            self._discard(final)
+            _fault_point("ckpt_old_moved")
         os.replace(tmp, final)
         _fsync_dir(self.root)
+        _fault_point("ckpt_renamed")
         atomic_write_text(self.root / LATEST, str(step))
+        _fault_point("ckpt_pointer")
         self._cleanup(keep=final)
         return final
+
+    def _discard(self, path: Path) -> None:
+        """Remove a checkpoint directory crash-safely: rename it to a partial name, then delete.
+
+        A kill during ``rmtree`` of a complete checkpoint in place could leave a directory that
+        still holds COMPLETE but lacks files; after the rename it is only ever seen as partial.
+        """
+        doomed = self.root / f"{path.name}.partial-discard-{os.getpid()}"
+        if doomed.exists():
+            shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+        _fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def _cleanup(self, keep: Path) -> None:
         for p in self.partial_dirs():
             if p != keep:
                 shutil.rmtree(p, ignore_errors=True)
+                _fault_point("ckpt_cleanup")
+        for p in self.root.glob(f".{LATEST}.tmp-*"):  # pointer temp files of interrupted saves
+            p.unlink(missing_ok=True)
         if self.max_to_keep is not None and self.max_to_keep > 0:
             steps = self.complete_steps()
             for s in steps[: max(0, len(steps) - self.max_to_keep)]:
                 d = self.step_dir(s)
                 if d != keep:
-                    shutil.rmtree(d, ignore_errors=True)
+                    self._discard(d)
+                    _fault_point("ckpt_cleanup")
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:

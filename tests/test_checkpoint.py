@@ -1,0 +1,238 @@
+"""CheckpointManager: layout, the ``latest`` pointer, partial directories, and crash safety.
+
+A crash is simulated in-process by making ``_fault_point(label)`` raise a BaseException at one
+label: nothing in ``CheckpointManager.save`` catches it or cleans up, so the directory is left
+exactly as a SIGKILL at that point would leave it (``tests/test_kill_resume.py`` does the real
+SIGKILL in subprocesses). Every case then checks that ``latest()`` names a checkpoint whose
+files are all there with the content written for that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from rlplug import checkpoint
+from rlplug.checkpoint import COMPLETE, LATEST, CheckpointManager, atomic_write_text, export_checkpoint
+
+FILES = ("backend/actor/model.safetensors", "backend/actor/optimizer.pt", "trainer_state.json", "rng_state.pt")
+
+
+class _Crash(BaseException):
+    """Stands in for SIGKILL: not an Exception, so nothing on the way up handles it."""
+
+
+def _writer(step: int, tag: str = ""):
+    """A ``write(tmp)`` callback filling the checkpoint with files whose content names ``step``."""
+
+    def write(tmp: Path) -> None:
+        for rel in FILES:
+            f = tmp / rel
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(f"step={step}{tag} file={rel}")
+
+    return write
+
+
+def _assert_intact(path: Path, step: int, tag: str = "") -> None:
+    assert path.name == f"global_step_{step}"
+    assert (path / COMPLETE).is_file()
+    for rel in FILES:
+        assert (path / rel).read_text() == f"step={step}{tag} file={rel}", rel
+
+
+def _crash_at(monkeypatch, label: str, nth: int = 1) -> None:
+    seen = {"n": 0}
+
+    def fault(lbl: str) -> None:
+        if lbl == label:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise _Crash(label)
+
+    monkeypatch.setattr(checkpoint, "_fault_point", fault)
+
+
+def _step_of(path: Path | None) -> int | None:
+    return None if path is None else int(path.name.rsplit("_", 1)[1])
+
+
+# ============================================================================ normal operation
+
+
+def test_save_writes_complete_dirs_pointer_and_keeps_the_newest(tmp_path):
+    m = CheckpointManager(tmp_path, max_to_keep=2)
+    assert m.latest() is None and m.complete_steps() == [] and m.partial_dirs() == []
+    for step in (1, 2, 3):
+        path = m.save(step, _writer(step))
+        _assert_intact(path, step)
+        assert (tmp_path / LATEST).read_text() == str(step)
+    assert m.complete_steps() == [2, 3]  # step 1 removed: at most 2 kept
+    _assert_intact(m.latest(), 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "global_step_3", LATEST]
+
+
+def test_max_to_keep_none_keeps_all(tmp_path):
+    m = CheckpointManager(tmp_path, max_to_keep=None)
+    for step in (1, 2, 3):
+        m.save(step, _writer(step))
+    assert m.complete_steps() == [1, 2, 3]
+
+
+def test_pointer_missing_garbage_stale_or_partial_falls_back_to_highest_complete(tmp_path, caplog):
+    m = CheckpointManager(tmp_path, max_to_keep=None)
+    for step in (1, 2):
+        m.save(step, _writer(step))
+    pointer = tmp_path / LATEST
+    pointer.unlink()
+    _assert_intact(m.latest(), 2)
+    # garbage (read as -1), stale (older), names no checkpoint
+    for text, read_as in (("not a number", "-1"), ("1", "1"), ("7", "7")):
+        pointer.write_text(text)
+        with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+            caplog.clear()
+            _assert_intact(m.latest(), 2)
+        assert f"says {read_as}; using the latest complete checkpoint, step 2" in caplog.text
+    # a pointer naming a step dir without COMPLETE is not trusted either
+    (tmp_path / "global_step_9").mkdir()
+    pointer.write_text("9")
+    _assert_intact(m.latest(), 2)
+
+
+def test_partial_dirs_are_reported_ignored_and_removed_by_the_next_save(tmp_path, caplog):
+    m = CheckpointManager(tmp_path, max_to_keep=None)
+    m.save(1, _writer(1))
+    stale = [tmp_path / "global_step_2.partial-999", tmp_path / "global_step_3"]  # interrupted save; no COMPLETE
+    for d in stale:
+        d.mkdir()
+        (d / "trainer_state.json").write_text("{}")
+    marked = tmp_path / "global_step_4.partial-998"  # COMPLETE written but never renamed
+    marked.mkdir()
+    (marked / COMPLETE).write_text("{}")
+    assert m.partial_dirs() == sorted(stale + [marked])
+    assert m.complete_steps() == [1]
+    with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+        _assert_intact(m.latest(), 1)
+    assert caplog.text.count("Ignoring incomplete checkpoint") == 3
+    (tmp_path / f".{LATEST}.tmp-998").write_text("4")  # an interrupted pointer update
+    m.save(2, _writer(2))
+    assert m.partial_dirs() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_2", LATEST]
+
+
+def test_write_that_raises_leaves_the_previous_checkpoint_latest(tmp_path):
+    m = CheckpointManager(tmp_path)
+    m.save(1, _writer(1))
+
+    def broken(tmp: Path) -> None:
+        (tmp / "trainer_state.json").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        m.save(2, broken)
+    _assert_intact(m.latest(), 1)
+    assert [p.name for p in m.partial_dirs()] == [f"global_step_2.partial-{os.getpid()}"]
+    m.save(2, _writer(2))  # the retry replaces its own partial dir
+    _assert_intact(m.latest(), 2)
+    assert m.partial_dirs() == []
+
+
+def test_resaving_an_existing_step_replaces_it(tmp_path):
+    m = CheckpointManager(tmp_path)
+    m.save(1, _writer(1))
+    m.save(2, _writer(2))
+    m.save(2, _writer(2, tag="-again"))  # e.g. after resume_path from an older checkpoint
+    _assert_intact(m.latest(), 2, tag="-again")
+    assert m.partial_dirs() == []
+
+
+def test_atomic_write_text(tmp_path):
+    target = tmp_path / "f.txt"
+    atomic_write_text(target, "one")
+    atomic_write_text(target, "two")
+    assert target.read_text() == "two"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+# ============================================================================ crashes
+
+
+# label -> latest complete step after a crash while saving step 3 (steps 1 and 2 saved before)
+CRASH_POINTS = {
+    "ckpt_tmp_created": 2,
+    "ckpt_written": 2,
+    "ckpt_marked": 2,  # COMPLETE inside the partial dir: still not a checkpoint until renamed
+    "ckpt_renamed": 3,  # renamed, pointer still says 2: the scan finds 3
+    "pointer_tmp_written": 3,
+    "ckpt_pointer": 3,
+    "ckpt_cleanup": 3,
+}
+
+
+@pytest.mark.parametrize("label", sorted(CRASH_POINTS))
+def test_crash_while_saving_never_exposes_a_partial_checkpoint(tmp_path, monkeypatch, label):
+    m = CheckpointManager(tmp_path, max_to_keep=2)
+    m.save(1, _writer(1))
+    m.save(2, _writer(2))
+    (tmp_path / "global_step_7.partial-1").mkdir()  # a stale partial dir, so cleanup has work
+    _crash_at(monkeypatch, label)
+    with pytest.raises(_Crash):
+        m.save(3, _writer(3))
+    monkeypatch.setattr(checkpoint, "_fault_point", lambda label: None)
+    expected = CRASH_POINTS[label]
+    latest = m.latest()
+    _assert_intact(latest, expected)
+    for step in m.complete_steps():  # every directory that looks complete is complete
+        _assert_intact(m.step_dir(step), step)
+    # the next save succeeds and leaves a clean directory
+    _assert_intact(m.save(4, _writer(4)), 4)
+    assert m.partial_dirs() == []
+    assert m.complete_steps() == [expected, 4]  # max_to_keep=2
+    assert not list(tmp_path.glob(f".{LATEST}.tmp-*"))
+
+
+def test_crash_while_replacing_an_existing_step_falls_back_to_the_older_one(tmp_path, monkeypatch):
+    m = CheckpointManager(tmp_path, max_to_keep=None)
+    m.save(1, _writer(1))
+    m.save(2, _writer(2))
+    _crash_at(monkeypatch, "ckpt_old_moved")
+    with pytest.raises(_Crash):
+        m.save(2, _writer(2, tag="-again"))
+    monkeypatch.setattr(checkpoint, "_fault_point", lambda label: None)
+    # the old step 2 is gone, the new one is only a partial dir: step 1 is the latest complete one
+    _assert_intact(m.latest(), 1)
+    assert m.complete_steps() == [1]
+
+
+def test_crash_in_the_middle_of_deleting_an_old_checkpoint(tmp_path, monkeypatch):
+    """A kill during the removal of a checkpoint beyond max_to_keep must not leave a directory that
+    still has COMPLETE but lacks files (it would be taken as a complete checkpoint)."""
+    m = CheckpointManager(tmp_path, max_to_keep=1)
+    m.save(1, _writer(1))
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def rmtree_killed_halfway(path, ignore_errors=False):
+        files = sorted(Path(path).rglob("*.pt"))
+        if files:  # delete one file, then "die"
+            files[0].unlink()
+            raise _Crash(str(path))
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree_killed_halfway)
+    with pytest.raises(_Crash):
+        m.save(2, _writer(2))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    assert m.complete_steps() == [2]  # the half-deleted step 1 does not look complete
+    _assert_intact(m.latest(), 2)
+    assert [p.name.split(".")[0] for p in m.partial_dirs()] == ["global_step_1"]
+    m.save(3, _writer(3))
+    assert m.partial_dirs() == [] and m.complete_steps() == [3]
+
+
+def test_export_checkpoint_without_a_complete_checkpoint_says_so(tmp_path):
+    (tmp_path / "global_step_1.partial-5").mkdir()
+    with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
+        export_checkpoint(tmp_path, tmp_path / "out")
