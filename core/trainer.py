@@ -21,6 +21,9 @@ and to a rollout backend (kind ``rollout_backend``, see :class:`rlplug.types.Rol
 Metric names follow verl (``actor/pg_loss``, ``critic/score/mean``, ``timing_s/gen`` ...).
 Every step is deterministic given the seed and the checkpointed state (data position, RNG
 states, optimizer, KL controller), so a resumed run reproduces an uninterrupted one.
+
+``_fault_point("<label>")`` calls mark where the crash tests stop the process (a testing aid
+that does nothing unless ``RLPLUG_TEST_KILL_AT`` is set; see :func:`rlplug.checkpoint._fault_point`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .batch import Batch
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, _fault_point
 from .config import ConfigError, default_cache_dir
 from .registry import Registry, get_registry
 from .types import SamplingParams
@@ -259,25 +262,30 @@ class Trainer:
         self.rollout.update_weights(self.backend.actor_weights())
         log.info("Resumed from %s at step %d", path, self.global_step)
         print(f"Resumed from {path} (step {self.global_step}).", flush=True)
+        _fault_point("resumed")
 
     def save_checkpoint(self) -> Path:
         step = self.global_step
 
         def write(tmp: Path) -> None:
             self.backend.save(tmp / "backend")
+            _fault_point("ckpt_backend")
             torch.save(rng_state(), tmp / "rng_state.pt")
+            _fault_point("ckpt_rng")
             meta = tmp / "hf_meta"
             meta.mkdir()
             self.tokenizer.save_pretrained(meta)
             cfg_json = Path(self.model_path) / "config.json"
             if cfg_json.is_file():
                 (meta / "config.json").write_text(cfg_json.read_text())
+            _fault_point("ckpt_meta")
             state = {
                 "global_step": step,
                 "data_loader": self.loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            _fault_point("ckpt_state")
             (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
 
         path = self.ckpt.save(step, write)
@@ -295,11 +303,12 @@ class Trainer:
                               max_tokens=self.cfg.data.max_response_length,
                               seed=self.cfg.trainer.seed * 1_000_003 + step, logprobs=r.calculate_log_probs)
 
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams):
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, label: str = "rollout"):
         wake = getattr(self.rollout, "wake_up", None)
         if wake:
             wake()
         try:
+            _fault_point(label)
             return self.rollout.generate(prompt_ids, params)
         finally:
             sleep = getattr(self.rollout, "sleep", None)
@@ -318,6 +327,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         step = self.global_step + 1
         t_step = time.perf_counter()
+        _fault_point("step_start")
         rows, epoch = self.loader.next_batch()
         prompt_ids = [r["prompt_ids"] for r in rows]
 
@@ -329,12 +339,14 @@ class Trainer:
 
         with timer(metrics, "reward"):
             scores, extra, reward_metrics = self._score(rows, out, out.prompt_index)
+        _fault_point("reward")
         metrics.update(reward_metrics)
         score_t = torch.tensor(scores, dtype=torch.float32)
         batch["token_level_scores"] = compute_token_level_scores(score_t, mask)
         if self.needs_baseline:
             with timer(metrics, "gen_baseline"):
-                base_out = self._generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length))
+                base_out = self._generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length),
+                                          label="rollout_baseline")
                 base_scores, _, _ = self._score(rows, base_out, base_out.prompt_index)
             batch["reward_baselines"] = torch.tensor([base_scores[i] for i in out.prompt_index], dtype=torch.float32)
         if out.log_probs is not None:
@@ -346,12 +358,15 @@ class Trainer:
             batch["old_log_probs"] = res["log_probs"]
             if "entropy" in res:
                 metrics["actor/entropy_rollout"] = masked_mean(res["entropy"], mask).item()
+        _fault_point("old_log_prob")
         if self.use_ref:
             with timer(metrics, "ref"):
                 batch["ref_log_probs"] = self.backend.compute_log_probs(batch, which="ref")["log_probs"]
+            _fault_point("ref")
         if self.use_critic:
             with timer(metrics, "values"):
                 batch["values"] = self.backend.compute_values(batch) * mask
+            _fault_point("values")
 
         with timer(metrics, "adv"):
             if self.kl_in_reward is not None:
@@ -366,13 +381,16 @@ class Trainer:
             data = {k: batch.tensors.get(k) for k in ("token_level_rewards", "response_mask", "values", "index", "reward_baselines")}
             advantages, returns = self.estimator(data, cfg.algorithm)
             batch["advantages"], batch["returns"] = advantages, returns
+        _fault_point("adv")
 
         if self.use_critic:
             with timer(metrics, "update_critic"):
                 metrics.update(self.backend.update_critic(batch))
+            _fault_point("update_critic")
         if step > cfg.trainer.critic_warmup:
             with timer(metrics, "update_actor"):
                 metrics.update(self.backend.update_actor(batch))
+            _fault_point("update_actor")
             bad = getattr(self.backend, "consecutive_bad_steps", 0)
             if bad >= cfg.trainer.max_consecutive_bad_steps:
                 raise TrainingStopped(
@@ -382,6 +400,7 @@ class Trainer:
                 )
             with timer(metrics, "update_weights"):
                 self.rollout.update_weights(self.backend.actor_weights())
+            _fault_point("update_weights")
 
         # ---- metrics (verl's names)
         metrics.update(_stats("critic/score", score_t))
@@ -432,7 +451,7 @@ class Trainer:
         samples: list[dict] = []
         for start in range(0, len(rows), bs):
             chunk = rows[start:start + bs]
-            out = self._generate([r["prompt_ids"] for r in chunk], params)
+            out = self._generate([r["prompt_ids"] for r in chunk], params, label="validation")
             texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
             s, extra, _ = self.reward.score([chunk[i] for i in out.prompt_index], texts)
             scores += s
@@ -502,6 +521,7 @@ class Trainer:
                         metrics.update(self._run_validation(log_now=False))
                 self._log(metrics, step)
                 self.registry.hook.on_step_end(step=step, metrics=metrics)
+                _fault_point("step_end")
                 bar.update(1)
                 bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k: round(v, 3) for k, v in metrics.items()
                                  if k in ("critic/score/mean", "actor/pg_loss", "response_length/mean")})
@@ -532,6 +552,7 @@ class Trainer:
     def _finish(self) -> None:
         final = self.run_dir / "final_model"
         self.backend.export_hf(final, self.tokenizer)
+        _fault_point("export")
         # The model folder is referenced, not copied: a second 0.5 GB copy in the run dir buys nothing.
         for t in self.trackers:
             t.log_params({"final_model_path": str(final.resolve())})
