@@ -212,7 +212,7 @@ class Trainer:
                              if cfg.algorithm.use_kl_in_reward else None)
         self.reward = RewardManager(cfg.reward, registry=self.registry)
         self.model_path = resolve_model_path(cfg.model)
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
         train_files, val_files = prepared_data_files(cfg)
         read_kwargs = dict(tokenizer=self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                            filter_overlong_prompts=cfg.data.filter_overlong_prompts, prompt_key=cfg.data.prompt_key,
@@ -529,7 +529,7 @@ class Trainer:
                 if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal or out_of_time:
                     with timer(metrics, "save_checkpoint"):
                         self.save_checkpoint()
-                if self._stop_signal is not None or out_of_time:
+                if (self._stop_signal is not None or out_of_time) and not last:  # a stop in the last step just finishes
                     status = "interrupted"
                     why = "a signal" if self._stop_signal is not None else f"trainer.max_wall_time_s={cfg.trainer.max_wall_time_s}"
                     print(f"Stopped after step {step} ({why}); checkpoint saved in {self.ckpt.root}. "
