@@ -1,0 +1,243 @@
+"""Crash safety: SIGKILL a real training process at 26 exact places, resume, compare.
+
+Each run is ``python -m rlplug train debug=tiny ...`` in a subprocess (PPO with a critic, the
+KL penalty in the reward with the adaptive controller, hf rollout, local backend; 4 steps of
+2 prompts, 2 steps per epoch, a checkpoint every step, at most 2 kept, validation every 2
+steps). ``RLPLUG_TEST_KILL_AT=<label>:<n>`` makes the process SIGKILL itself the ``n``-th time it
+reaches ``_fault_point("<label>")`` (rlplug.checkpoint). Labels::
+
+    trainer   resumed, step_start, rollout, reward, old_log_prob, ref, values, adv,
+              update_critic (critic stepped, actor not yet), update_actor, update_weights,
+              validation, step_end (after the step's hooks, before its checkpoint), export
+    save      ckpt_tmp_created, ckpt_backend, ckpt_rng, ckpt_meta, ckpt_state (inside the
+              partial dir), ckpt_written, ckpt_marked (COMPLETE written, not yet renamed),
+              ckpt_renamed (renamed, ``latest`` pointer not yet updated), pointer_tmp_written
+              (pointer's temp file written, not yet renamed), ckpt_pointer (pointer updated,
+              cleanup not done), ckpt_cleanup (in the middle of removing old/partial dirs)
+
+Two chains of runs share nothing but run side by side (one thread each; every process uses one
+torch thread): each run of a chain resumes (``trainer.resume_mode=auto``) from what the killed
+run before it left and is itself killed at the chain's next point. After every kill the test
+checks which checkpoint ``CheckpointManager.latest`` picks (the last COMPLETE one, never a
+partial directory), that the next run resumes from exactly that step and reports the partial
+directories it ignores, and that a successful save removes them. The last run of each chain
+finishes; its final weights (actor and critic, plus the optimizer states) must equal an
+uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlplug.checkpoint import CheckpointManager
+
+OVERRIDES = [
+    "debug=tiny",
+    "algorithm=ppo",
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_ctrl.type=adaptive",
+    "model.tiny.num_hidden_layers=1",
+    "data.train_size=5",  # 2 steps per epoch (batch 2, last row dropped): epochs roll over at step 3
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=1",
+    "actor.micro_batch_size_per_device=1",
+    "data.max_response_length=8",
+    "data.val_max_samples=2",
+    "trainer.total_training_steps=4",
+    "trainer.save_freq=1",
+    "trainer.max_ckpt_to_keep=2",
+    "trainer.test_freq=2",
+    "trainer.val_before_train=false",
+    "trainer.logger=[console]",
+    "trainer.num_threads=1",
+    "trainer.resume_mode=auto",
+]
+
+# (kill spec, step the run must resume from (None: fresh start), latest complete step after the
+#  kill (None: none), whether partial checkpoint dirs are left after the kill)
+CHAIN_A = [
+    ("rollout:1", None, None, False),
+    ("ckpt_tmp_created:1", None, None, True),
+    ("ckpt_written:1", None, None, True),
+    ("ckpt_renamed:1", None, 1, True),  # step 1 complete, no pointer yet: found by scanning
+    ("resumed:1", 1, 1, True),
+    ("old_log_prob:1", 1, 1, True),
+    ("values:1", 1, 1, True),
+    ("update_critic:1", 1, 1, True),
+    ("update_weights:1", 1, 1, True),
+    ("validation:1", 1, 1, True),  # step 2's validation
+    ("ckpt_state:1", 1, 1, True),
+    ("ckpt_pointer:1", 1, 2, True),  # step 2 saved and pointed to; cleanup not reached
+    ("ckpt_cleanup:1", 2, 3, True),  # step 3 saved; killed after removing the first stale dir
+    ("export:1", 3, 4, False),  # all 4 steps saved, killed while exporting the final model
+]
+CHAIN_B = [
+    ("step_start:1", None, None, False),
+    ("reward:1", None, None, False),
+    ("ckpt_backend:1", None, None, True),
+    ("ckpt_marked:1", None, None, True),  # a partial dir WITH a COMPLETE marker: still ignored
+    ("pointer_tmp_written:1", None, 1, True),
+    ("ref:1", 1, 1, True),
+    ("adv:1", 1, 1, True),
+    ("update_actor:1", 1, 1, True),
+    ("step_end:1", 1, 1, True),
+    ("ckpt_rng:1", 1, 1, True),
+    ("ckpt_meta:1", 1, 1, True),
+    ("rollout:2", 1, 2, False),  # step 2 fully saved (stale dirs removed), killed in step 3's rollout
+]
+
+RUN_TIMEOUT_S = 180
+
+
+def _env(kill_at: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.pop("RLPLUG_TEST_KILL_AT", None)
+    if kill_at:
+        env["RLPLUG_TEST_KILL_AT"] = kill_at
+    return env
+
+
+def _train(run_dir: Path, kill_at: str | None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rlplug", "train", *OVERRIDES, f"trainer.default_local_dir={run_dir}"]
+    return subprocess.run(cmd, env=_env(kill_at), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def _describe(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
+    listing = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    return (f"rc={proc.returncode}\n--- dir: {listing}\n--- stdout (tail):\n{proc.stdout[-3000:]}\n"
+            f"--- stderr (tail):\n{proc.stderr[-3000:]}")
+
+
+def _resumed_step(proc: subprocess.CompletedProcess, run_dir: Path) -> int | None:
+    m = re.search(r"Resumed from (\S+) \(step (\d+)\)", proc.stdout)
+    if m is None:
+        return None
+    assert Path(m.group(1)) == run_dir / f"global_step_{m.group(2)}", m.group(0)
+    return int(m.group(2))
+
+
+def _run_chain(run_dir: Path, chain: list[tuple[str, int | None, int | None, bool]]) -> list[str]:
+    """Run the chain; returns the kill points it went through (asserting after each)."""
+    manager = CheckpointManager(run_dir)
+    done = []
+    for spec, resume_from, latest_after, partial_after in chain:
+        had_partials = bool(manager.partial_dirs())
+        proc = _train(run_dir, spec)
+        where = f"[{run_dir.name} kill at {spec}] "
+        label, n = spec.split(":")
+        # killed exactly where asked, by SIGKILL (not by some other failure)
+        assert proc.returncode == -signal.SIGKILL, where + _describe(proc, run_dir)
+        assert f"RLPLUG_TEST_KILL_AT: SIGKILL at {label}:{n}" in proc.stderr, where + _describe(proc, run_dir)
+        # resumed from the last complete checkpoint (or started fresh)
+        assert _resumed_step(proc, run_dir) == resume_from, where + _describe(proc, run_dir)
+        if had_partials:  # interrupted saves are reported when the next run looks for a checkpoint
+            assert "Ignoring incomplete checkpoint" in proc.stderr, where + _describe(proc, run_dir)
+        latest = manager.latest()
+        assert (None if latest is None else int(latest.name.rsplit("_", 1)[1])) == latest_after, where + _describe(proc, run_dir)
+        if latest is not None:
+            assert (latest / "COMPLETE").is_file() and (latest / "trainer_state.json").is_file()
+            assert (latest / "backend" / "actor" / "model.safetensors").is_file()
+        assert bool(manager.partial_dirs()) == partial_after, where + _describe(proc, run_dir)
+        done.append(spec)
+    # the last run finishes from the latest complete checkpoint
+    proc = _train(run_dir, None)
+    assert proc.returncode == 0, f"[{run_dir.name} final run] " + _describe(proc, run_dir)
+    assert "Training finished at step 4" in proc.stdout
+    assert manager.partial_dirs() == []
+    assert manager.complete_steps() == [3, 4]  # max_ckpt_to_keep=2
+    return done
+
+
+def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Actor and critic weights and optimizer states of the last checkpoint, plus the exported model."""
+    from safetensors.torch import load_file
+
+    ckpt = run_dir / "global_step_4" / "backend"
+    out: dict[str, torch.Tensor] = {}
+    for role in ("actor", "critic"):
+        for k, v in load_file(str(ckpt / role / "model.safetensors")).items():
+            out[f"{role}/{k}"] = v
+        opt = torch.load(ckpt / role / "optimizer.pt", weights_only=True)
+        for pid, st in opt["state"].items():
+            for k, v in st.items():
+                out[f"{role}/optim/{pid}/{k}"] = torch.as_tensor(v)
+    for k, v in load_file(str(run_dir / "final_model" / "model.safetensors")).items():
+        out[f"final/{k}"] = v
+    return out
+
+
+def test_sigkill_at_26_points_then_resume_matches_uninterrupted(tmp_path):
+    from rlplug.config import compose
+    from rlplug.models import resolve_model_path
+    from rlplug.trainer import prepared_data_files
+
+    # build the tiny model and the data once, before the processes run in parallel
+    cfg = compose(OVERRIDES)
+    resolve_model_path(cfg.model)
+    prepared_data_files(cfg)
+
+    ref_dir, dir_a, dir_b = tmp_path / "reference", tmp_path / "chain_a", tmp_path / "chain_b"
+    t0 = time.perf_counter()
+
+    def reference_then_b() -> list[str]:
+        proc = _train(ref_dir, None)
+        assert proc.returncode == 0, "[reference run] " + _describe(proc, ref_dir)
+        return _run_chain(dir_b, CHAIN_B)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        fut_a = pool.submit(_run_chain, dir_a, CHAIN_A)
+        fut_b = pool.submit(reference_then_b)
+        done = fut_a.result() + fut_b.result()
+    assert len(done) == 26 and len({s.split(":")[0] for s in done}) == 25
+
+    from safetensors.torch import load_file
+
+    reference = _final_state(ref_dir)
+    initial = load_file(str(Path(resolve_model_path(cfg.model)) / "model.safetensors"))
+    trained = [k for k, v in initial.items() if not torch.equal(v, reference[f"actor/{k}"])]
+    assert trained, "the reference run did not change the actor; the comparison below would be vacuous"
+    for run_dir in (dir_a, dir_b):
+        got = _final_state(run_dir)
+        assert got.keys() == reference.keys()
+        differing = [k for k in reference if not torch.equal(reference[k], got[k])]
+        assert differing == [], f"{run_dir.name}: {len(differing)} tensors differ from the uninterrupted run, e.g. {differing[:5]}"
+    print(f"26 kills + resumes in {time.perf_counter() - t0:.1f} s")
+
+
+def test_fault_point_is_inert_without_the_variable(monkeypatch):
+    """Without RLPLUG_TEST_KILL_AT nothing happens and nothing is counted."""
+    from rlplug import checkpoint
+
+    monkeypatch.delenv("RLPLUG_TEST_KILL_AT", raising=False)
+    before = dict(checkpoint._fault_counts)
+    for _ in range(3):
+        checkpoint._fault_point("rollout")
+    assert checkpoint._fault_counts == before
+
+
+def test_fault_point_sends_the_signal_at_the_nth_occurrence(monkeypatch):
+    """``label:n:SIGNAL`` fires on the n-th call with that label only (counted per label)."""
+    from rlplug import checkpoint
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(checkpoint.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(checkpoint, "_fault_counts", {})
+    monkeypatch.setenv("RLPLUG_TEST_KILL_AT", "x:3:SIGTERM,y:1")
+    for _ in range(5):
+        checkpoint._fault_point("x")
+    assert sent == [(os.getpid(), signal.SIGTERM)]
+    checkpoint._fault_point("z")
+    checkpoint._fault_point("y")
+    assert sent[1:] == [(os.getpid(), signal.SIGKILL)]
+    assert checkpoint._fault_counts == {"x": 5, "z": 1, "y": 1}
