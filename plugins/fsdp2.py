@@ -1,0 +1,692 @@
+"""The ``fsdp2`` training backend (kind ``training_backend``): sharded data-parallel training.
+
+Launch with torchrun, one process per device (CPU ranks use gloo, GPU ranks NCCL)::
+
+    torchrun --nproc_per_node=2 -m rlplug train trainer=fsdp2 ...
+    torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 --rdzv_endpoint=HOST:PORT -m rlplug train trainer=fsdp2 ...
+
+Without torchrun (``WORLD_SIZE`` unset) it runs as a one-rank group (a ``FileStore`` in a
+temporary folder), so ``trainer=fsdp2`` also works in a plain ``rlplug train``.
+
+Design (the methods and their semantics are those of :class:`rlplug.plugins.local.LocalTrainingBackend`,
+which this class extends; only the distributed parts differ):
+
+* **Sharding.** The actor, the critic and the reference model are each wrapped with
+  ``torch.distributed.fsdp.fully_shard``: every decoder layer (the model's ``_no_split_modules``
+  classes, e.g. ``LlamaDecoderLayer``) is its own FSDP unit, then the root (embeddings, final
+  norm, tied LM head, value head). Each rank keeps ``1 / world_size`` of every parameter,
+  gradient and AdamW state (fp32 masters). The actor is wrapped in a small module whose
+  ``forward`` is :func:`rlplug.logprob.response_log_probs`, so the root unit's parameters
+  (embedding = tied LM head) are gathered around the chunked log-prob computation. The
+  reference model is sharded too (no optimizer): it costs one all-gather per layer per
+  forward, and keeps its memory at ``1 / world_size`` like the actor's.
+* **Data parallelism** (``shared/ALGORITHMS.md``): every rank receives the same full batch (the
+  trainer broadcasts rank 0's rollout; a fingerprint check fails loudly otherwise). Each
+  global mini-batch of ``ppo_mini_batch_size * rollout.n`` responses is cut into
+  ``world_size`` consecutive slices, one per rank; each rank splits its slice into micro-batches
+  of ``micro_batch_size_per_device``. The loss normaliser (valid tokens for ``token-mean``,
+  valid sequences otherwise) is the all-reduced count over the whole mini-batch, and gradients
+  are SUMMED across ranks (FSDP's reduce-scatter with divide factor 1), so the gradient equals
+  the single-process one up to float reassociation, whatever the number of ranks.
+  Inference (``compute_log_probs`` / ``compute_values``) splits the rows the same way and
+  all-gathers the results, so every rank returns the same full ``(B, T)`` tensor.
+* **Mixed precision** (``trainer.backend_kwargs``): ``param_dtype`` (``auto``: bf16 on CUDA when
+  ``model.compute_dtype=bf16``, else fp32; on CPU ``auto`` means fp32 so results match the
+  ``local`` backend exactly; set ``bf16`` explicitly to compute in bf16 on CPU) and
+  ``reduce_dtype`` (default fp32) form the FSDP ``MixedPrecisionPolicy``; no autocast is used.
+  ``cpu_offload: true`` keeps the shards and optimizer states in CPU memory (``CPUOffloadPolicy``,
+  CUDA only). Gradient checkpointing follows ``model.enable_gradient_checkpointing``.
+* **Non-finite steps** are decided collectively: a non-finite loss on any rank (all-reduced
+  flag, checked before backward) or a non-finite global gradient norm skips the optimizer step
+  on every rank.
+* **Weights for the rollout engine**: :meth:`actor_weights` gathers one parameter at a time
+  (``DTensor.full_tensor()``, an all-gather every rank must join), so no rank ever holds a full
+  extra copy of the model on account of the generator. The trainer lets rank 0 alone push.
+* **Checkpoints** (:meth:`save` / :meth:`load`): model and optimizer shards with
+  ``torch.distributed.checkpoint`` (DCP; resumable on a different number of ranks), the
+  scheduler and counters written by rank 0, and the actor's full weights as
+  ``actor/model.safetensors`` (written by rank 0) so ``rlplug export`` reads it unchanged.
+  The checkpoint folder must be on a file system every rank sees.
+
+Extra attributes for the trainer: ``world_size``, ``rank``, ``is_main_process`` and
+:meth:`broadcast_object`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+import rlplug
+from rlplug.batch import Batch
+from rlplug.logprob import response_log_probs
+from rlplug.losses import agg_normalizer
+from rlplug.plugins.local import _SEQ_KEYS, LocalTrainingBackend, _check_keys, _get, _Role
+
+__all__ = ["FSDP2TrainingBackend"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_FILE = "backend_state.json"
+_KWARGS = {
+    "dist_backend": "auto",  # auto | gloo | nccl
+    "param_dtype": "auto",  # auto | fp32 | bf16
+    "reduce_dtype": "fp32",  # fp32 | bf16
+    "cpu_offload": False,
+    "reshard_after_forward": True,
+    "timeout_s": 1800,
+}
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+# ============================================================================ helpers
+
+
+class _LogProbModule(torch.nn.Module):
+    """Wraps a causal LM so that its ``forward`` is :func:`rlplug.logprob.response_log_probs`.
+
+    FSDP2 gathers a unit's parameters in the unit's forward pre-hook; ``response_log_probs``
+    calls the decoder and reads ``lm_head.weight`` directly (it never calls the LM's own
+    ``forward``), so the root unit has to be a module whose forward covers the whole computation.
+    """
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def config(self) -> Any:
+        return self.lm.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                response_length: int, temperature: float, chunk_size: int, with_entropy: bool):
+        """``(log_probs (B, T) float32, entropy (B, T) float32 or None)``; see ``response_log_probs``."""
+        tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return response_log_probs(self.lm, tensors, response_length, temperature=temperature, chunk_size=chunk_size,
+                                  with_entropy=with_entropy)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks to shard one by one: modules whose class is in the Hugging Face
+    ``_no_split_modules`` list of ``model`` or of any submodule (``LlamaDecoderLayer`` ...)."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _unique_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the state dict without aliases (tied embeddings keep the first name,
+    ``model.embed_tokens.weight``, as in Hugging Face checkpoints) nor non-persistent buffers."""
+    own = dict(module.named_parameters())  # duplicates removed: the first name wins
+    own.update(dict(module.named_buffers()))
+    return [(name, own[name]) for name in module.state_dict().keys() if name in own]
+
+
+@contextlib.contextmanager
+def _quiet_view_warning() -> Iterator[None]:
+    # FSDP2 warns when a unit returns a view (in-place ops on it would skip its backward hook);
+    # the log-probs and values returned here are only read out of place.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        yield
+
+
+def _as_float(x: Any) -> float:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return float(x)
+
+
+# ============================================================================ the backend
+
+
+class FSDP2TrainingBackend(LocalTrainingBackend):
+    """Training backend sharded over a ``torch.distributed`` group (``trainer.backend=fsdp2``).
+
+    Same factory signature, methods, metrics and checkpoint contract as
+    :class:`~rlplug.plugins.local.LocalTrainingBackend` (see there and the module docstring).
+    Every method is collective: all ranks must call it, in the same order, with the same batch.
+
+    Attributes:
+        world_size, rank, local_rank: of the process group.
+        is_main_process: ``rank == 0``.
+
+    Raises ``ValueError`` for unknown or inconsistent ``trainer.backend_kwargs``, a NCCL backend
+    without CUDA, or mini-batches that do not split evenly over the ranks.
+    """
+
+    def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
+        self._owns_group = False
+        self._store_dir: str | None = None
+        kwargs = dict(_KWARGS)
+        given = dict(_get(config.trainer, "backend_kwargs", {}) or {})
+        unknown = sorted(set(given) - set(_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"trainer.backend_kwargs has unknown keys {unknown} for the fsdp2 backend; valid keys and defaults: {_KWARGS}."
+            )
+        kwargs.update({k: v for k, v in given.items() if v is not None})
+        self.backend_kwargs = kwargs
+        self._init_distributed(config, kwargs)
+        self._mp_policy, self._offload_policy = self._policies(config, kwargs)
+        threads = _get(config.trainer, "num_threads", None)
+        if not threads and self._dist_device.type == "cpu":
+            # one share of the cores per local rank (threads spinning on a busy core are the
+            # biggest slowdown on small machines, see shared/MACHINE_NOTES.md)
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        try:
+            super().__init__(config, model_path, use_critic=use_critic, use_ref=use_ref, total_steps=total_steps)
+        except BaseException:
+            self._destroy_group()
+            raise
+        self.device = self._dist_device
+        self.autocast_dtype = None  # mixed precision is FSDP's param_dtype, not autocast
+        for role in self._roles():
+            if role.mini_batch % self.world_size:
+                raise ValueError(
+                    f"{role.name}: a mini-batch has {role.mini_batch} responses ({role.name}.ppo_mini_batch_size x "
+                    f"rollout.n), which does not split over {self.world_size} ranks. Choose "
+                    f"{role.name}.ppo_mini_batch_size x rollout.n as a multiple of the number of ranks."
+                )
+        logger.info(
+            "fsdp2: rank %d/%d on %s (%s), param_dtype %s, reduce_dtype %s, cpu_offload %s",
+            self.rank, self.world_size, self.device, dist.get_backend(), self._mp_policy.param_dtype,
+            self._mp_policy.reduce_dtype, bool(kwargs["cpu_offload"]),
+        )
+
+    # ------------------------------------------------------------------ process group
+    def _init_distributed(self, config: Any, kwargs: dict[str, Any]) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = str(_get(config.trainer, "device", "auto"))
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = "cuda" if device.startswith("cuda") else device
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda' for the fsdp2 backend, got {device!r}.")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("trainer.device='cuda' but torch sees no CUDA device; use trainer.device=cpu or auto.")
+        backend = str(kwargs["dist_backend"])
+        if backend == "auto":
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"trainer.backend_kwargs.dist_backend must be 'auto', 'gloo' or 'nccl', got {backend!r}.")
+        if backend == "nccl" and device_type != "cuda":
+            raise ValueError("trainer.backend_kwargs.dist_backend=nccl needs CUDA devices; on CPU use gloo (or auto).")
+        if backend == "gloo" and device_type == "cuda":
+            raise ValueError(
+                "trainer.backend_kwargs.dist_backend=gloo cannot reduce-scatter CUDA tensors for FSDP; use nccl "
+                "(or auto) on GPUs, or trainer.device=cpu."
+            )
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+            self._dist_device = torch.device("cuda", self.local_rank)
+        else:
+            self._dist_device = torch.device("cpu")
+        timeout = timedelta(seconds=float(kwargs["timeout_s"]))
+        if dist.is_initialized():
+            if dist.get_backend() != backend:
+                logger.warning("fsdp2: reusing the existing %s process group (asked for %s).", dist.get_backend(), backend)
+        elif "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
+            dist.init_process_group(backend, timeout=timeout,
+                                    device_id=self._dist_device if device_type == "cuda" else None)
+            self._owns_group = True
+        else:  # a plain process: a one-rank group
+            self._store_dir = tempfile.mkdtemp(prefix="rlplug-fsdp2-")
+            dist.init_process_group(backend, init_method=f"file://{self._store_dir}/store", rank=0, world_size=1,
+                                    timeout=timeout)
+            self._owns_group = True
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.mesh = init_device_mesh(device_type, (self.world_size,))
+
+    def _destroy_group(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+        if self._store_dir:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` (any picklable object) on every rank; collective."""
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ sharding
+    def _policies(self, config: Any, kwargs: dict[str, Any]):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        name = str(kwargs["param_dtype"])
+        if name == "auto":
+            compute = str(_get(config.model, "compute_dtype", "bf16"))
+            name = "bf16" if (compute == "bf16" and self._dist_device.type == "cuda") else "fp32"
+        if name not in _DTYPES or str(kwargs["reduce_dtype"]) not in _DTYPES:
+            raise ValueError(
+                f"trainer.backend_kwargs.param_dtype / reduce_dtype must be one of {sorted(_DTYPES)} (param_dtype also "
+                f"'auto'), got {kwargs['param_dtype']!r} / {kwargs['reduce_dtype']!r}."
+            )
+        param_dtype, reduce_dtype = _DTYPES[name], _DTYPES[str(kwargs["reduce_dtype"])]
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        offload: OffloadPolicy = OffloadPolicy()
+        if bool(kwargs["cpu_offload"]):
+            if self._dist_device.type != "cuda":
+                raise ValueError("trainer.backend_kwargs.cpu_offload=true only makes sense on CUDA devices (the model "
+                                 "is already in CPU memory on CPU ranks).")
+            offload = CPUOffloadPolicy()
+        return mp, offload
+
+    def _prepare_model(self, model: torch.nn.Module, role: str) -> torch.nn.Module:
+        """Shard ``model``: each decoder layer, then the root (see the module docstring)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+        root = _LogProbModule(model) if role in ("actor", "ref") else model
+        if not isinstance(self._offload_policy, CPUOffloadPolicy):
+            root = root.to(self._dist_device)
+        layers = _decoder_layers(model)
+        if not layers:
+            logger.warning("fsdp2: no decoder layers found in %s (no _no_split_modules); sharding it as one unit.",
+                           type(model).__name__)
+        opts = dict(mesh=self.mesh, mp_policy=self._mp_policy, offload_policy=self._offload_policy)
+        reshard = bool(self.backend_kwargs["reshard_after_forward"])
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=reshard, **opts)
+        fully_shard(root, reshard_after_forward=reshard, **opts)
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                # Sum the gradients over ranks (the loss already divides by the GLOBAL normaliser);
+                # plain sums also work with gloo, which has no AVG / PREMUL_SUM reduction.
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        return root
+
+    # ------------------------------------------------------------------ rows per rank
+    def _check_same_batch(self, batch: Batch, what: str) -> None:
+        """Fail on every rank when the ranks were not given the same batch (integer fingerprint)."""
+        if self.world_size == 1:
+            return
+        vals = [len(batch)]
+        for key in ("input_ids", "attention_mask", "response_mask"):
+            x = batch.tensors.get(key)
+            if x is None:
+                vals.append(-1)
+                continue
+            flat = (x.detach().cpu().double() * 4).round().long().flatten()
+            weights = torch.arange(flat.numel(), dtype=torch.long) % 1009 + 1
+            vals.append(int((flat * weights).sum()))
+        mine = torch.tensor(vals, dtype=torch.long, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        if any(not torch.equal(every[0], other) for other in every[1:]):
+            raise RuntimeError(
+                f"{what}: the ranks hold different batches (fingerprints {[e.tolist() for e in every]}). The fsdp2 "
+                "backend needs the same full batch on every rank: broadcast rank 0's rollout results (the trainer "
+                "does this when backend.world_size > 1)."
+            )
+
+    def _rank_rows(self, batch: Batch, keys: tuple[str, ...]) -> tuple[Batch, int]:
+        """This rank's consecutive block of ``ceil(B / world_size)`` rows (padded with copies of
+        row 0 so every rank runs the same number of forwards) and the number of real rows."""
+        size = len(batch)
+        per = -(-size // self.world_size)
+        start = min(self.rank * per, size)
+        stop = min(start + per, size)
+        index = list(range(start, stop)) + [0] * (per - (stop - start))
+        idx = torch.tensor(index, dtype=torch.long)
+        return Batch({k: batch.tensors[k][idx] for k in keys if k in batch.tensors}), stop - start
+
+    def _gather_rows(self, local: torch.Tensor, size: int, out_device: torch.device) -> torch.Tensor:
+        """Concatenate every rank's ``local`` rows (all the same shape) and keep the first ``size``."""
+        local = local.to(self.device).contiguous()
+        if self.world_size == 1:
+            full = local
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.all_gather(parts, local)
+            full = torch.cat(parts)
+        return full[:size].to(out_device)
+
+    # ------------------------------------------------------------------ inference
+    def _log_probs(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int, with_entropy: bool):
+        with _quiet_view_warning():
+            return model(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], t, self.temperature,
+                         self.chunk_size, with_entropy)
+
+    def _values(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int) -> torch.Tensor:
+        with _quiet_view_warning():
+            return super()._values(model, tensors, t)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, *, which: str = "actor", with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """As :meth:`LocalTrainingBackend.compute_log_probs` (same shapes and units); each rank
+        computes a block of rows and the blocks are all-gathered, so every rank returns the full
+        ``(B, T)`` result. Collective."""
+        if which == "actor":
+            model = self.actor.model
+        elif which == "ref":
+            if self.ref is None:
+                raise ValueError("compute_log_probs(which='ref') but this backend was built with use_ref=False.")
+            model = self.ref
+        else:
+            raise ValueError(f"compute_log_probs: which must be 'actor' or 'ref', got {which!r}.")
+        _check_keys(batch, _SEQ_KEYS, "compute_log_probs")
+        if len(batch) == 0:
+            raise ValueError("compute_log_probs: the batch is empty.")
+        self._check_same_batch(batch, "compute_log_probs")
+        t = self._response_length(batch)
+        out_device = batch.tensors["input_ids"].device
+        local, _ = self._rank_rows(batch, _SEQ_KEYS)
+        model.eval()
+        lps, ents = [], []
+        for micro in local.split(self.actor.micro_batch):
+            lp, ent = self._log_probs(model, self._to_device(micro, _SEQ_KEYS), t, with_entropy)
+            lps.append(lp.float())
+            if with_entropy:
+                ents.append(ent.float())
+        model.reshard()
+        result = {"log_probs": self._gather_rows(torch.cat(lps), len(batch), out_device)}
+        if with_entropy:
+            result["entropy"] = self._gather_rows(torch.cat(ents), len(batch), out_device)
+        return result
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """As :meth:`LocalTrainingBackend.compute_values`: ``(B, T) float32`` on every rank. Collective."""
+        if self.critic is None:
+            raise ValueError("compute_values called but this backend was built with use_critic=False.")
+        _check_keys(batch, _SEQ_KEYS, "compute_values")
+        if len(batch) == 0:
+            raise ValueError("compute_values: the batch is empty.")
+        self._check_same_batch(batch, "compute_values")
+        t = self._response_length(batch)
+        out_device = batch.tensors["input_ids"].device
+        local, _ = self._rank_rows(batch, _SEQ_KEYS)
+        model = self.critic.model
+        model.eval()
+        vals = [self._values(model, self._to_device(m, _SEQ_KEYS), t) for m in local.split(self.critic.micro_batch)]
+        model.reshard()
+        return self._gather_rows(torch.cat(vals), len(batch), out_device)
+
+    # ------------------------------------------------------------------ updates
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        x = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x.tolist()
+
+    def _run_update(
+        self,
+        role: _Role,
+        batch: Batch,
+        micro_loss: Callable[[dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]],
+    ) -> dict[str, float]:
+        """The distributed epoch / mini-batch / micro-batch loop (module docstring, "Data parallelism").
+
+        Each rank processes its slice of every global mini-batch; the normaliser and the metric
+        sums are all-reduced, gradients summed by FSDP. Metrics as in the local backend.
+        """
+        size = len(batch)
+        if size == 0:
+            raise ValueError(f"update_{role.name}: the batch is empty.")
+        if size % role.mini_batch:
+            raise ValueError(
+                f"update_{role.name}: the batch has {size} responses, which does not split into mini-batches of "
+                f"{role.mini_batch} responses ({role.name}.ppo_mini_batch_size x rollout.n). Choose "
+                f"data.train_batch_size as a multiple of {role.name}.ppo_mini_batch_size."
+            )
+        self._check_same_batch(batch, f"update_{role.name}")
+        per_rank = role.mini_batch // self.world_size
+        role.model.train()
+        totals: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        skipped = 0
+        lrs: list[float] = []
+        for epoch in range(role.epochs):
+            for index, mini in enumerate(batch.split(role.mini_batch)):
+                local = mini.slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+                local_mask = local.tensors["response_mask"]
+                normalizer, valid_tokens = self._all_reduce(
+                    [agg_normalizer(local_mask, role.loss_agg_mode), float(local_mask.sum())]
+                )
+                lrs.append(role.lr)
+                if normalizer <= 0:
+                    logger.warning("%s: mini-batch %d of epoch %d has no valid response token; no optimizer step.",
+                                   role.name, index, epoch)
+                    self._scheduler_step(role)
+                    continue
+                role.optimizer.zero_grad(set_to_none=True)
+                mini_metrics: dict[str, float] = defaultdict(float)
+                bad_stage: str | None = None
+                for micro in local.split(role.micro_batch):
+                    tensors = self._to_device(micro, tuple(micro.tensors))
+                    loss, parts = micro_loss(tensors, normalizer)
+                    loss_value = float(loss.detach())
+                    # decided together: a rank that skipped backward alone would hang the others
+                    (n_bad,) = self._all_reduce([0.0 if math.isfinite(loss_value) else 1.0])
+                    if n_bad:
+                        bad_stage = f"{role.name} loss (non-finite on {int(n_bad)} rank(s); here {loss_value})"
+                        break
+                    loss.backward()
+                    share = float(micro.tensors["response_mask"].sum()) / valid_tokens if valid_tokens else 0.0
+                    for key, value in parts.items():
+                        if key.startswith("mean:"):
+                            mini_metrics[key[5:]] += value * share
+                        else:
+                            mini_metrics[key] += value
+                grad_norm = float("nan")
+                if bad_stage is None:
+                    grad_norm = self._clip_grad(role)  # global norm: the same on every rank
+                    if not math.isfinite(grad_norm):
+                        bad_stage = f"{role.name} gradient norm ({grad_norm})"
+                if bad_stage is not None:
+                    role.optimizer.zero_grad(set_to_none=True)
+                    role.model.reshard()
+                    skipped += 1
+                    role.consecutive_bad_steps += 1
+                    logger.warning(
+                        "%s: non-finite %s in mini-batch %d of epoch %d; optimizer step skipped (%d in a row).",
+                        role.name, bad_stage, index, epoch, role.consecutive_bad_steps,
+                    )
+                else:
+                    role.optimizer.step()
+                    role.consecutive_bad_steps = 0
+                    keys = sorted(mini_metrics)  # the same keys on every rank
+                    for key, value in zip(keys, self._all_reduce([mini_metrics[k] for k in keys])):
+                        totals[key] += value
+                        counts[key] += 1
+                    totals["grad_norm"] += grad_norm
+                    counts["grad_norm"] += 1
+                self._scheduler_step(role)
+        role.optimizer.zero_grad(set_to_none=True)
+        role.model.eval()
+        prefix = role.name + "/"
+        metrics = {prefix + k: (totals[k] / counts[k]) for k in totals}
+        if not counts.get("grad_norm"):
+            metrics[prefix + "grad_norm"] = float("nan")
+        metrics[prefix + "lr"] = sum(lrs) / len(lrs) if lrs else role.lr
+        metrics[prefix + "nonfinite_skipped"] = float(skipped)
+        return metrics
+
+    @staticmethod
+    def _clip_grad(role: _Role) -> float:
+        params = [p for p in role.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = float(role.grad_clip) if role.grad_clip and role.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+        return _as_float(norm)
+
+    # ------------------------------------------------------------------ weights, checkpoints, export
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of a (possibly sharded) parameter; collective for sharded ones."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(tensor, DTensor):
+            return tensor.detach()
+        local = tensor.to_local()
+        if local.device != self.device:  # CPU-offloaded shard: gather on the device
+            tensor = DTensor.from_local(local.to(self.device), tensor.device_mesh, tensor.placements,
+                                        shape=tensor.shape, stride=tensor.stride())
+        return tensor.full_tensor().detach()
+
+    def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every actor weight, Hugging Face names, tied weights once.
+
+        Each full tensor is all-gathered when the generator reaches it (one parameter at a
+        time, on the training device, fp32), so EVERY rank must consume the generator to the
+        end, in step; ranks other than the one pushing can simply drain it. Collective.
+        """
+        for name, tensor in _unique_named(self.actor.model.lm):
+            yield name, self._full(tensor)
+
+    def _full_actor_state_on_main(self) -> dict[str, torch.Tensor]:
+        """Full actor weights in CPU memory on rank 0 (``{}`` elsewhere); collective."""
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in self.actor_weights():
+            if self.is_main_process:
+                state[name] = tensor.to("cpu", copy=True).contiguous()
+        return state
+
+    def save(self, directory: str | Path) -> None:
+        """Write the training state into ``directory`` (created; every rank must see it). Collective.
+
+        Layout: ``<role>/dcp/`` (DCP shards of the model and, once it has state, the optimizer;
+        reshardable to any number of ranks), ``<role>/scheduler.pt`` for ``actor`` and ``critic``,
+        ``actor/model.safetensors`` (full actor weights, Hugging Face names, for ``rlplug export``)
+        and ``backend_state.json`` (counters, world size).
+        """
+        import torch.distributed.checkpoint as dcp
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        optim_saved: dict[str, bool] = {}
+        for role in self._roles():
+            d = out / role.name
+            d.mkdir(parents=True, exist_ok=True)
+            # An optimizer without state (no step taken yet) is not saved: reading its state dict
+            # would initialise it with a zero-gradient step (step count 1) and change later updates.
+            optim_saved[role.name] = bool(role.optimizer.state)
+            if optim_saved[role.name]:
+                model_sd, optim_sd = get_state_dict(role.model, role.optimizer)
+                state = {"model": model_sd, "optim": optim_sd}
+            else:
+                state = {"model": get_model_state_dict(role.model)}
+            dcp.save(state, checkpoint_id=str(d / "dcp"))
+            if self.is_main_process:
+                torch.save(role.scheduler.state_dict(), d / "scheduler.pt")
+        actor_state = self._full_actor_state_on_main()
+        if self.is_main_process:
+            save_file(actor_state, str(out / "actor" / "model.safetensors"), metadata={"format": "pt"})
+            meta = {r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
+                    for r in self._roles()}
+            meta["world_size"] = self.world_size  # type: ignore[assignment]
+            (out / _STATE_FILE).write_text(json.dumps(meta, indent=1))
+        del actor_state
+        self._barrier()
+
+    def load(self, directory: str | Path) -> None:
+        """Restore what :meth:`save` wrote, on any number of ranks (DCP reshards). Collective.
+
+        Raises ``FileNotFoundError`` when ``directory`` was not written by this backend (or has
+        no critic while this backend has one).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                             set_model_state_dict, set_state_dict)
+
+        src = Path(directory)
+        state_file = src / _STATE_FILE
+        for role in self._roles():
+            d = src / role.name
+            if not (d / "dcp" / ".metadata").is_file() or not state_file.is_file():
+                hint = " (the local backend writes model.safetensors + optimizer.pt instead)" if (d / "optimizer.pt").is_file() else ""
+                raise FileNotFoundError(
+                    f"{d / 'dcp'} (a torch.distributed.checkpoint folder) or {state_file} is missing: {src} was not "
+                    f"written by the fsdp2 backend's save() (or without a {role.name}){hint}."
+                )
+        meta = json.loads(state_file.read_text())
+        for role in self._roles():
+            d = src / role.name
+            info = meta.get(role.name, {})
+            if info.get("optimizer_saved", False):
+                model_sd, optim_sd = get_state_dict(role.model, role.optimizer)
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.load(state, checkpoint_id=str(d / "dcp"))
+                set_state_dict(role.model, role.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optim"])
+            else:
+                state = {"model": get_model_state_dict(role.model)}
+                dcp.load(state, checkpoint_id=str(d / "dcp"))
+                set_model_state_dict(role.model, state["model"])
+                role.optimizer.state.clear()
+            role.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+            role.consecutive_bad_steps = int(info.get("consecutive_bad_steps", 0))
+        self._barrier()
+
+    def export_hf(self, directory: str | Path, tokenizer: Any = None) -> Path:
+        """Write the actor as a Hugging Face folder (as the local backend); rank 0 writes, the
+        others only take part in the gathers. Collective."""
+        from transformers import AutoModelForCausalLM
+
+        out = Path(directory)
+        state = self._full_actor_state_on_main()
+        if self.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            lm = self.actor.model.lm
+            config = copy.deepcopy(lm.config)
+            config.use_cache = True  # for generation from the exported folder
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            model.load_state_dict(state, strict=False, assign=True)
+            if getattr(config, "tie_word_embeddings", False):
+                model.tie_weights()
+            still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+            if still_meta:
+                raise RuntimeError(f"export_hf: the gathered actor state lacks {still_meta[:5]}.")
+            model.save_pretrained(str(out), safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(out))
+        del state
+        self._barrier()
+        return out
+
+    def close(self) -> None:
+        """Free the models and optimizer states and, when this backend created it, the process
+        group; idempotent."""
+        super().close()
+        self._destroy_group()
+
+
+@rlplug.hookimpl
+def register_training_backends(register: Callable[..., None]) -> None:
+    register("fsdp2", FSDP2TrainingBackend)

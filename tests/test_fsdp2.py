@@ -1,0 +1,281 @@
+"""The ``fsdp2`` training backend: 2 gloo ranks on CPU against the single-process ``local`` backend.
+
+Each torchrun launch runs tests/fsdp2_worker.py on 2 ranks (tiny model, fp32) and the test
+compares what rank 0 reports with the ``local`` backend run here on the same batch. Batches: 8
+responses (4 prompts x 2), mini-batches of 4 responses split 2 | 2 over the ranks with very
+unequal valid-token counts (see ``fsdp2_worker.RESP_LEN``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlplug
+from rlplug.config import TinyModelConfig
+from rlplug.losses import agg_loss
+from rlplug.plugins.local import LocalTrainingBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fsdp2_worker as W  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+ATOL = 1e-5
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def launch(spec: dict, tmp: Path, nproc: int, timeout: int = 240) -> None:
+    """Run the worker on ``nproc`` ranks (torchrun) or as a plain process (``nproc = 0``)."""
+    path = tmp / f"spec-{len(list(tmp.glob('spec-*.json')))}.json"
+    path.write_text(json.dumps(spec))
+    if nproc:
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(HERE / "fsdp2_worker.py"), str(path)]
+    else:
+        cmd = [PY, str(HERE / "fsdp2_worker.py"), str(path)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def assert_params_close(got: dict, want: dict, atol: float = ATOL, what: str = "") -> None:
+    assert set(got) == set(want), (what, set(got) ^ set(want))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=f"{what} {name}")
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from rlplug.models import tiny_model_dir
+
+    return str(tiny_model_dir(TinyModelConfig()))
+
+
+def test_registered_and_config_group():
+    from rlplug.config import compose
+    from rlplug.plugins.fsdp2 import FSDP2TrainingBackend
+
+    assert rlplug.get_plugin("training_backend", "fsdp2") is FSDP2TrainingBackend
+    cfg = compose(["trainer=fsdp2", "trainer.backend_kwargs.dist_backend=gloo"])
+    assert cfg.trainer.backend == "fsdp2" and cfg.trainer.backend_kwargs.dist_backend == "gloo"
+
+
+def test_bad_backend_kwargs_fail_clearly(model_path):
+    from rlplug.plugins.fsdp2 import FSDP2TrainingBackend
+
+    with pytest.raises(ValueError, match="unknown keys \\['param_dtyp'\\]"):
+        FSDP2TrainingBackend(W.make_cfg(**{"trainer.backend_kwargs": {"param_dtyp": "bf16"}}), model_path,
+                             use_critic=False, use_ref=False, total_steps=1)
+    with pytest.raises(ValueError, match="nccl needs CUDA"):
+        FSDP2TrainingBackend(W.make_cfg(**{"trainer.backend_kwargs": {"dist_backend": "nccl"}}), model_path,
+                             use_critic=False, use_ref=False, total_steps=1)
+
+
+# --------------------------------------------------------------------------- (a), (b): one step vs local
+# Three settings, one torchrun launch: "kl" = token-mean with KL loss, entropy bonus and the
+# critic, micro-batches of 1 (local: 4); "seq" = seq-mean-token-mean, 2 epochs, gradient
+# checkpointing, micro-batches of 2; "nan" = "kl" with a NaN advantage in a row that only rank 1
+# holds (mini-batch 1), so only rank 1's loss is non-finite.
+SETTINGS = {
+    "kl": {"actor.use_kl_loss": True, "actor.kl_loss_type": "low_var_kl", "actor.kl_loss_coef": 0.5,
+           "actor.entropy_coeff": 0.01},
+    "seq": {"actor.loss_agg_mode": "seq-mean-token-mean", "critic.loss_agg_mode": "seq-mean-token-mean",
+            "actor.ppo_epochs": 2, "critic.ppo_epochs": 2, "model.enable_gradient_checkpointing": True},
+}
+SETTINGS["nan"] = dict(SETTINGS["kl"])
+DIST_MICRO = {"kl": 1, "seq": 2, "nan": 1}
+
+
+@pytest.fixture(scope="module")
+def step_results(model_path, tmp_path_factory):
+    """{setting: (local results, fsdp2 rank-0 results)} for one update on the same batch."""
+    tmp = tmp_path_factory.mktemp("fsdp2_step")
+    local, jobs = {}, []
+    for name, overrides in SETTINGS.items():
+        backend = LocalTrainingBackend(W.make_cfg(**overrides), model_path, use_critic=True, use_ref=True, total_steps=4)
+        initial = W.full_params(backend, "actor")
+        batch = W.prepare(backend, W.make_batch())
+        if name == "nan":
+            batch["advantages"][2, 0] = float("nan")  # row 2: rank 1's half of mini-batch 1
+        torch.save(dict(batch.tensors), tmp / f"batch-{name}.pt")
+        res = {"log_probs": backend.compute_log_probs(batch, with_entropy=True),
+               "ref_log_probs": backend.compute_log_probs(batch, which="ref")["log_probs"],
+               "values": backend.compute_values(batch),
+               "critic_metrics": backend.update_critic(batch), "actor_metrics": backend.update_actor(batch),
+               "bad_steps": backend.consecutive_bad_steps,
+               "actor": W.full_params(backend, "actor"), "critic": W.full_params(backend, "critic"),
+               "pushed": {n: t.clone() for n, t in backend.actor_weights()}, "initial": initial}
+        backend.close()
+        local[name] = res
+        jobs.append({"kind": "step", "name": name, "batch": str(tmp / f"batch-{name}.pt"),
+                     "overrides": {**overrides, "actor.micro_batch_size_per_device": DIST_MICRO[name]}})
+    launch({"model_path": model_path, "out": str(tmp), "jobs": jobs}, tmp, nproc=2)
+    return {name: (local[name], torch.load(tmp / f"{name}.pt", weights_only=False)) for name in SETTINGS}
+
+
+@pytest.mark.parametrize("setting", ["kl", "seq"])
+def test_one_step_matches_local_backend(step_results, setting):
+    loc, dist = step_results[setting]
+    # inference: every rank returns the full (B, T) tensors, equal to the single-process ones
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(dist["log_probs"][key], loc["log_probs"][key], rtol=0, atol=ATOL)
+    torch.testing.assert_close(dist["ref_log_probs"], loc["ref_log_probs"], rtol=0, atol=ATOL)
+    torch.testing.assert_close(dist["values"], loc["values"], rtol=0, atol=ATOL)
+    # the update: same parameters (actor and critic) and the same mini-batch metrics; the update
+    # moves the parameters by far more than the tolerance
+    moved = max((loc["actor"][n] - loc["initial"][n]).abs().max().item() for n in loc["actor"])
+    assert moved > 100 * ATOL
+    assert_params_close(dist["actor"], loc["actor"], what=f"{setting} actor")
+    assert_params_close(dist["critic"], loc["critic"], what=f"{setting} critic")
+    for key, want in {**loc["actor_metrics"], **loc["critic_metrics"]}.items():
+        got = {**dist["actor_metrics"], **dist["critic_metrics"]}[key]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
+    assert loc["actor_metrics"]["actor/pg_clipfrac"] > 0, "the batch should exercise clipping"
+    # the weights pushed to the rollout engine: full tensors, HF names, tied embedding once
+    assert list(dist["pushed"]) == list(loc["pushed"])
+    assert "lm_head.weight" not in dist["pushed"]
+    assert_params_close(dist["pushed"], loc["pushed"], what="pushed")
+
+
+def test_token_mean_uses_the_global_token_count(step_results):
+    # Mini-batch 1 holds 12 valid tokens on rank 0 and 2 on rank 1. With a per-token loss L the
+    # global token-mean is (S0 + S1) / 14; normalising per rank and averaging the ranks would give
+    # (S0 / 12 + S1 / 2) / 2 instead. Check the test batch tells these apart (for L = advantages),
+    # then that the 2-rank pg_loss / kl_loss / entropy equal the single-process values.
+    batch = W.make_batch()
+    mask, adv = batch["response_mask"][:4], batch["advantages"][:4]
+    assert [float(mask[:2].sum()), float(mask[2:].sum())] == [12.0, 2.0]
+    global_mean = agg_loss(adv, mask, "token-mean", normalizer=14.0)
+    per_rank = (agg_loss(adv[:2], mask[:2], "token-mean") + agg_loss(adv[2:], mask[2:], "token-mean")) / 2
+    assert abs(float(global_mean - per_rank)) > 0.1
+    loc, dist = step_results["kl"]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert dist["actor_metrics"][key] == pytest.approx(loc["actor_metrics"][key], rel=1e-5, abs=1e-7), key
+
+
+def test_nonfinite_loss_on_one_rank_skips_the_step_on_all(step_results):
+    # Only rank 1's loss of mini-batch 1 is NaN: both ranks must skip that optimizer step (a rank
+    # stepping alone would desynchronise the shards, one skipping backward alone would hang), and
+    # mini-batch 2 still updates: the same as the single-process backend, which skips it too.
+    loc, dist = step_results["nan"]
+    assert loc["actor_metrics"]["actor/nonfinite_skipped"] == 1.0
+    assert dist["actor_metrics"]["actor/nonfinite_skipped"] == 1.0
+    assert dist["bad_steps"] == loc["bad_steps"] == 0  # the last mini-batch was good
+    assert_params_close(dist["actor"], loc["actor"], what="nan actor")
+    assert dist["actor_metrics"]["actor/pg_loss"] == pytest.approx(loc["actor_metrics"]["actor/pg_loss"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------- (c) checkpoints
+def test_save_on_two_ranks_resume_on_two_and_one(model_path, tmp_path):
+    # Warmup (lr 1/3, 2/3, 1 of the peak) and betas 0.5 make the scheduler and the AdamW moments
+    # matter for the second update, so a resume that lost either would not match.
+    overrides = {"actor.optim.lr_warmup_steps": 3, "critic.optim.lr_warmup_steps": 3,
+                 "actor.optim.betas": [0.5, 0.5], "critic.optim.betas": [0.5, 0.5],
+                 "actor.micro_batch_size_per_device": 1}
+    backend = LocalTrainingBackend(W.make_cfg(), model_path, use_critic=True, use_ref=False, total_steps=4)
+    b1, b2 = W.prepare(backend, W.make_batch(0)), W.prepare(backend, W.make_batch(1), seed=1)
+    backend.close()
+    torch.save(dict(b1.tensors), tmp_path / "b1.pt")
+    torch.save(dict(b2.tensors), tmp_path / "b2.pt")
+    job = {"overrides": overrides, "batch": str(tmp_path / "b1.pt"), "batch2": str(tmp_path / "b2.pt"),
+           "ckpt": str(tmp_path / "ckpt")}
+    launch({"model_path": model_path, "out": str(tmp_path), "jobs": [{**job, "kind": "ckpt", "name": "two"}]},
+           tmp_path, nproc=2)
+    launch({"model_path": model_path, "out": str(tmp_path), "jobs": [{**job, "kind": "resume", "name": "one"}]},
+           tmp_path, nproc=0)  # no torchrun: a one-rank group
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    one = torch.load(tmp_path / "one.pt", weights_only=False)
+    ckpt = Path(job["ckpt"])
+    assert (ckpt / "actor" / "dcp" / ".metadata").is_file() and (ckpt / "critic" / "dcp" / ".metadata").is_file()
+    assert json.loads((ckpt / "backend_state.json").read_text())["world_size"] == 2
+    assert one["world_size"] == 1
+    assert two["resumed"]["world_size"] == 2
+    # 2 optimizer steps per update call; lr metric = their mean: (1/3 + 2/3) / 2 and (1 + 1) / 2 of 5e-2
+    assert two["m1"]["actor/lr"] == pytest.approx(0.025) and two["m2"]["actor/lr"] == pytest.approx(0.05)
+    # the optimizer state written by 2 ranks is read back whole by 2 ranks and by 1 rank
+    assert_params_close(two["resumed"]["adam_loaded"], two["adam_saved"], atol=0, what="adam 2->2")
+    assert_params_close(one["adam_loaded"], two["adam_saved"], atol=0, what="adam 2->1")
+    for name, res in (("2 ranks", two["resumed"]), ("1 rank", one)):
+        assert_params_close(res["actor"], two["actor"], what=f"resume on {name}: actor")
+        assert_params_close(res["critic"], two["critic"], what=f"resume on {name}: critic")
+        for key in ("actor/lr", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/lr"):
+            assert res["m2"][key] == pytest.approx(two["m2"][key], rel=1e-5), (name, key)
+    # the actor's full weights for `rlplug export`, equal to the checkpointed state after step 1
+    from safetensors.torch import load_file
+
+    full = load_file(str(ckpt / "actor" / "model.safetensors"))
+    assert "model.embed_tokens.weight" in full and "lm_head.weight" not in full
+    assert_params_close(full, two["actor1"], atol=0, what="safetensors")
+
+
+# --------------------------------------------------------------------------- (d) the CLI under torchrun
+def _run_cli(args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    if nproc:
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "rlplug", "train", *args]
+    else:
+        cmd = [PY, "-m", "rlplug", "train", *args]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlplug.checkpoint import export_checkpoint
+
+    run_dir = tmp_path / "run"
+    common = ["trainer=fsdp2", "debug=tiny", f"trainer.default_local_dir={run_dir}", "actor.use_kl_loss=true",
+              "model.enable_gradient_checkpointing=true"]
+    proc = _run_cli(common, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # only rank 0 logs: one console line per step
+    assert [line.split("|")[0].strip() for line in proc.stdout.splitlines() if line.startswith("step ")] == \
+        ["step 0", "step 1", "step 2"]
+    ckpt = run_dir / "global_step_2"
+    assert (ckpt / "COMPLETE").is_file() and (ckpt / "backend" / "actor" / "model.safetensors").is_file()
+    assert not list(run_dir.glob("*.partial-*"))
+    final = load_file(str(run_dir / "final_model" / "model.safetensors"))
+    saved = load_file(str(ckpt / "backend" / "actor" / "model.safetensors"))
+    assert_params_close({k: final[k] for k in saved}, saved, atol=0, what="final_model vs checkpoint")
+    exported = export_checkpoint(run_dir, tmp_path / "export")
+    assert_params_close({k: v for k, v in load_file(str(exported / "model.safetensors")).items() if k in saved},
+                        saved, atol=0, what="rlplug export")
+    # resume the 2-rank checkpoint in a plain process (one rank) for one more step
+    proc = _run_cli(common + ["trainer.total_training_steps=3", "trainer.val_before_train=false"], nproc=0)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert f"Resumed from {ckpt}" in proc.stdout
+    assert (run_dir / "global_step_3" / "COMPLETE").is_file()
+
+
+# --------------------------------------------------------------------------- GPU (NCCL)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_nccl_bf16_offload_step_close_to_local(step_results, tmp_path, model_path):
+    # One update on GPU ranks (NCCL, bf16 compute, fp32 reduce, CPU offload) lands near the fp32
+    # CPU single-process result: bf16 matmuls (8-bit mantissa) give ~1e-2 relative error in the
+    # gradient, and the AdamW step (lr 1e-2, eps 1) moves a parameter by at most ~1e-2, so the
+    # parameters agree to ~1e-3.
+    nproc = min(2, torch.cuda.device_count())
+    loc, _ = step_results["kl"]
+    overrides = {**SETTINGS["kl"], "trainer.device": "cuda", "actor.micro_batch_size_per_device": 1,
+                 "model.compute_dtype": "bf16",
+                 "trainer.backend_kwargs": {"param_dtype": "bf16", "reduce_dtype": "fp32", "cpu_offload": True}}
+    batch = W.prepare(LocalTrainingBackend(W.make_cfg(**SETTINGS["kl"]), model_path, use_critic=True, use_ref=True,
+                                           total_steps=4), W.make_batch())
+    torch.save(dict(batch.tensors), tmp_path / "batch.pt")
+    launch({"model_path": model_path, "out": str(tmp_path),
+            "jobs": [{"kind": "step", "name": "gpu", "batch": str(tmp_path / "batch.pt"), "overrides": overrides}]},
+           tmp_path, nproc=nproc)
+    res = torch.load(tmp_path / "gpu.pt", weights_only=False)
+    assert res["actor_metrics"]["actor/nonfinite_skipped"] == 0.0
+    torch.testing.assert_close(res["log_probs"]["log_probs"], loc["log_probs"]["log_probs"], rtol=0, atol=5e-2)
+    assert_params_close(res["actor"], loc["actor"], atol=2e-3, what="gpu actor")
