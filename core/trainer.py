@@ -16,6 +16,7 @@ The trainer talks to a training backend (kind ``training_backend``) through thes
     backend.actor_weights() -> Iterator[(hf_name, tensor)]
     backend.save(dir) / backend.load(dir) / backend.export_hf(dir, tokenizer) / backend.close()
     backend.consecutive_bad_steps: int                   # non-finite optimizer steps in a row
+    backend.world_size / is_main_process / broadcast_object(obj)   # multi-process backends only (fsdp2)
 
 and to a rollout backend (kind ``rollout_backend``, see :class:`rlplug.types.RolloutBackend`).
 Metric names follow verl (``actor/pg_loss``, ``critic/score/mean``, ``timing_s/gen`` ...).
@@ -29,6 +30,7 @@ that does nothing unless ``RLPLUG_TEST_KILL_AT`` is set; see :func:`rlplug.check
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -183,6 +185,19 @@ def build_batch(prompt_ids: list[list[int]], out_response_ids: list[list[int]], 
     })
 
 
+def _rank0_then_broadcast(method: Any) -> Any:
+    """Multi-process backends (``backend.world_size > 1``): run ``method`` on rank 0 only and return
+    its result on every rank, so all ranks train on the same rollouts and rewards."""
+
+    @functools.wraps(method)
+    def wrapper(self: "Trainer", *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "distributed", False):
+            return method(self, *args, **kwargs)
+        return self.backend.broadcast_object(method(self, *args, **kwargs) if self.is_main else None)
+
+    return wrapper
+
+
 # ============================================================================ trainer
 
 
@@ -236,16 +251,17 @@ class Trainer:
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
         self.backend = backend_factory(cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref,
                                        total_steps=self.total_steps)
+        # Multi-process backends (trainer=fsdp2 under torchrun) run this trainer on every rank. Rank 0
+        # alone owns the rollout engine, generates and scores (broadcast to the others by
+        # _rank0_then_broadcast), pushes weights, logs to trackers and writes checkpoint metadata.
+        self.distributed = getattr(self.backend, "world_size", 1) > 1
+        self.is_main = not self.distributed or bool(self.backend.is_main_process)
         rollout_factory = self.registry.get("rollout_backend", cfg.rollout.name)
-        self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer)
+        self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer) if self.is_main else None
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.global_step = 0
         self.trackers: list[Any] = []
         self._stop_signal: int | None = None
-        # Seed again now that everything is built: first-time imports and model loading above may
-        # draw from the global RNGs (e.g. Python's ``random`` changed during the first Trainer of a
-        # process only), so without this the same seed could give different runs in one process.
-        seed_everything(cfg.trainer.seed)
 
     # ------------------------------------------------------------------ state
     def _resume(self) -> None:
@@ -263,15 +279,24 @@ class Trainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
         self.global_step = int(state["global_step"])
-        self.rollout.update_weights(self.backend.actor_weights())
+        self._push_weights()
         log.info("Resumed from %s at step %d", path, self.global_step)
         print(f"Resumed from {path} (step {self.global_step}).", flush=True)
         _fault_point("resumed")
+
+    def _push_weights(self) -> None:
+        weights = self.backend.actor_weights()
+        if self.rollout is not None:
+            self.rollout.update_weights(weights)
+        for _ in weights:  # other ranks (or an engine that stopped early): join the remaining gathers
+            pass
 
     def save_checkpoint(self) -> Path:
         step = self.global_step
 
         def write(tmp: Path) -> None:
+            if self.distributed:  # the other ranks write their shards into the same folder
+                self.backend.broadcast_object(str(tmp))
             self.backend.save(tmp / "backend")
             _fault_point("ckpt_backend")
             torch.save(rng_state(), tmp / "rng_state.pt")
@@ -292,7 +317,12 @@ class Trainer:
             _fault_point("ckpt_state")
             (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
 
+        if self.distributed and not self.is_main:  # rank 0 owns the folder and its metadata (see write)
+            self.backend.save(Path(self.backend.broadcast_object(None)) / "backend")
+            return Path(self.backend.broadcast_object(None))
         path = self.ckpt.save(step, write)
+        if self.distributed:
+            self.backend.broadcast_object(str(path))
         self.registry.hook.on_checkpoint_saved(step=step, path=str(path))
         return path
 
@@ -307,6 +337,7 @@ class Trainer:
                               max_tokens=self.cfg.data.max_response_length,
                               seed=self.cfg.trainer.seed * 1_000_003 + step, logprobs=r.calculate_log_probs)
 
+    @_rank0_then_broadcast
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, label: str = "rollout"):
         wake = getattr(self.rollout, "wake_up", None)
         if wake:
@@ -319,6 +350,7 @@ class Trainer:
             if sleep:
                 sleep()
 
+    @_rank0_then_broadcast
     def _score(self, rows: list[dict], out, prompt_rows_index: list[int]) -> tuple[list[float], dict, dict]:
         texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         sample_rows = [rows[i] for i in prompt_rows_index]
@@ -403,7 +435,7 @@ class Trainer:
                     f"checkpoint is intact under {self.ckpt.root}. Lower the learning rate or check the data/reward."
                 )
             with timer(metrics, "update_weights"):
-                self.rollout.update_weights(self.backend.actor_weights())
+                self._push_weights()
             _fault_point("update_weights")
 
         # ---- metrics (verl's names)
@@ -477,6 +509,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ main loop
     def _open_trackers(self) -> None:
+        if not getattr(self, "is_main", True):  # only rank 0 logs
+            return
         for name in self.cfg.trainer.logger:
             self.trackers.append(self.registry.get("tracker", name)(self.cfg))
         flat = _flatten(OmegaConf.to_container(self.cfg, resolve=True))
@@ -530,6 +564,8 @@ class Trainer:
                 bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k: round(v, 3) for k, v in metrics.items()
                                  if k in ("critic/score/mean", "actor/pg_loss", "response_length/mean")})
                 out_of_time = cfg.trainer.max_wall_time_s is not None and time.time() - t_start > cfg.trainer.max_wall_time_s
+                if self.distributed:  # every rank must stop (and save) at the same step: rank 0 decides
+                    self._stop_signal, out_of_time = self.backend.broadcast_object((self._stop_signal, out_of_time))
                 if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal or out_of_time:
                     with timer(metrics, "save_checkpoint"):
                         self.save_checkpoint()
