@@ -223,12 +223,13 @@ class LocalTrainingBackend:
         grad_ckpt = bool(_get(model_cfg, "enable_gradient_checkpointing", False))
 
         # ---- actor
-        actor = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust).to(self.device)
+        actor = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
         if getattr(actor.config, "use_cache", None) is not None:
             actor.config.use_cache = False
         if grad_ckpt:
             actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._warn_dropout(actor)
+        actor = self._prepare_model(actor, "actor")
         actor_epochs = int(actor_cfg.ppo_epochs)
         self.actor = _Role(
             "actor", actor, actor_cfg.optim,
@@ -246,16 +247,17 @@ class LocalTrainingBackend:
         # ---- reference model
         self.ref: torch.nn.Module | None = None
         if self.use_ref:
-            ref = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust).to(self.device)
+            ref = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
             ref.requires_grad_(False)
-            self.ref = ref.eval()
+            self.ref = self._prepare_model(ref, "ref").eval()
 
         # ---- critic
         self.critic: _Role | None = None
         if self.use_critic:
-            critic = load_value_model(self.model_path, dtype=torch.float32, trust_remote_code=trust).to(self.device)
+            critic = load_value_model(self.model_path, dtype=torch.float32, trust_remote_code=trust)
             if grad_ckpt:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            critic = self._prepare_model(critic, "critic")
             c_mini = int(_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
             c_epochs = int(_get(critic_cfg, "ppo_epochs", actor_epochs))
             c_minis_per_step = max(1, int(_get(config.data, "train_batch_size", 1)) // c_mini)
@@ -270,6 +272,12 @@ class LocalTrainingBackend:
             )
 
     # ------------------------------------------------------------------ small helpers
+    def _prepare_model(self, model: torch.nn.Module, role: str) -> torch.nn.Module:  # noqa: ARG002
+        """Place a freshly loaded model (``role``: ``"actor"``, ``"ref"`` or ``"critic"``) for
+        training; its optimizer is built on the returned module's parameters. Here: move it to
+        ``self.device``. Subclasses override it (the ``fsdp2`` backend shards the model)."""
+        return model.to(self.device)
+
     def _bf16_autocast_works(self) -> bool:
         try:
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
