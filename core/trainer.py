@@ -262,6 +262,10 @@ class Trainer:
         self.global_step = 0
         self.trackers: list[Any] = []
         self._stop_signal: int | None = None
+        # Seed again now that everything is built: first-time imports and model loading above may
+        # draw from the global RNGs (e.g. Python's ``random`` changed during the first Trainer of a
+        # process only), so without this the same seed could give different runs in one process.
+        seed_everything(cfg.trainer.seed)
 
     # ------------------------------------------------------------------ state
     def _resume(self) -> None:
