@@ -221,3 +221,32 @@ def test_resume_path_to_an_incomplete_checkpoint_is_a_config_error(tmp_path):
             trainer.fit()
     finally:
         trainer.close()
+
+
+def test_training_starts_from_the_seeded_rng_state_whatever_construction_draws(tmp_path, monkeypatch):
+    """Libraries may draw from the global RNGs while the trainer builds things (the first tokenizer
+    load in a process changes Python's ``random`` state): the run must not depend on that."""
+    import rlplug.models
+    from rlplug.trainer import rng_state, seed_everything
+
+    real_load = rlplug.models.load_tokenizer
+
+    def load_tokenizer_that_draws(*args, **kwargs):
+        random.random(), np.random.rand(), torch.rand(1)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(rlplug.models, "load_tokenizer", load_tokenizer_that_draws)
+    cfg = compose(BASE + ["algorithm=grpo", "rollout.n=2", "trainer.seed=7", f"trainer.default_local_dir={tmp_path}"])
+    OmegaConf.set_readonly(cfg, False)
+    trainer = Trainer(cfg)
+    try:
+        after_init = rng_state()
+    finally:
+        trainer.close()
+    seed_everything(7)
+    seeded = rng_state()
+    for key, value in seeded.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, after_init[key]), key
+        else:  # python_gauss is NaN when no Gaussian is cached
+            assert value == after_init[key] or (math.isnan(value) and math.isnan(after_init[key])), key
