@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import signal
 import time
@@ -278,10 +279,20 @@ class Trainer:
         if not (path / "COMPLETE").is_file():
             raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint (no COMPLETE marker).")
         state = json.loads((path / "trainer_state.json").read_text())
-        self.backend.load(path / "backend")
+        try:
+            self.backend.load(path / "backend")
+            set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
+        except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) met a non-tensor object
+            lines = str(exc).splitlines() or [""]
+            detail = next((ln.strip() for ln in lines if "Unsupported" in ln), lines[0]).split(" Please use")[0]
+            raise ConfigError(
+                f"Refusing to resume from {path}: a file in it holds pickled Python objects other than tensors and "
+                f"plain containers ({detail}). rlplug loads checkpoints with torch.load(weights_only=True) and "
+                "safetensors only, because unpickling arbitrary objects can run code. Resume from a checkpoint "
+                "written by rlplug, or start fresh with trainer.resume_mode=disable."
+            ) from exc
         self.loader.load_state_dict(state["data_loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
         self.global_step = int(state["global_step"])
         self._push_weights()
         log.info("Resumed from %s at step %d", path, self.global_step)
