@@ -85,7 +85,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
     kwargs = json.loads(args.task_kwargs) if args.task_kwargs else None
     result = prepare_dataset(
-        args.task, args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, task_kwargs=kwargs
+        args.task, args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, task_kwargs=kwargs,
+        instruction=args.instruction,
     )
     console.print(result)
     return 0
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--test-size", type=int, default=200)
     dp.add_argument("--seed", type=int, default=0)
     dp.add_argument("--task-kwargs", default=None, help='JSON dict passed to the generator, e.g. \'{"min_terms": 2}\'')
+    dp.add_argument("--instruction", default=None, help="answer-format sentence appended to each question")
     dp.set_defaults(func=cmd_data_prepare)
 
     sp = sub.add_parser("export", help="write a checkpoint's actor as a Hugging Face folder")

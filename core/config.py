@@ -53,6 +53,9 @@ class DataConfig:
     data_seed: int = 0
     #: extra keyword arguments for the task generator (e.g. digit ranges)
     task_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: answer-format sentence appended to each generated question (None: the task's default,
+    #: verl's GSM8K instruction for numeric tasks)
+    instruction: Optional[str] = None
     prompt_key: str = "prompt"
     max_prompt_length: int = 256
     #: response length limit, in tokens (verl: data.max_response_length)

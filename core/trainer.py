@@ -80,7 +80,7 @@ def prepared_data_files(cfg: DictConfig) -> tuple[list[str], list[str]]:
     if d.train_files:
         return [str(Path(f).expanduser()) for f in d.train_files], [str(Path(f).expanduser()) for f in (d.val_files or [])]
     spec = {"task": d.task, "train": d.train_size, "test": d.test_size, "seed": d.data_seed,
-            "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True)}
+            "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True), "instruction": d.instruction}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     out = default_cache_dir() / "data" / f"{d.task}-{key}"
     train, test = out / "train.parquet", out / "test.parquet"
@@ -89,7 +89,7 @@ def prepared_data_files(cfg: DictConfig) -> tuple[list[str], list[str]]:
 
         tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
         prepare_dataset(d.task, tmp, train_size=d.train_size, test_size=d.test_size, seed=d.data_seed,
-                        task_kwargs=spec["kwargs"] or None)
+                        task_kwargs=spec["kwargs"] or None, instruction=d.instruction)
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.replace(tmp, out)
