@@ -182,14 +182,25 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         kwargs.update({k: v for k, v in given.items() if v is not None})
         self.backend_kwargs = kwargs
         self._init_distributed(config, kwargs)
-        self._mp_policy, self._offload_policy = self._policies(config, kwargs)
-        threads = _get(config.trainer, "num_threads", None)
-        if not threads and self._dist_device.type == "cpu":
-            # one share of the cores per local rank (threads spinning on a busy core are the
-            # biggest slowdown on small machines, see shared/MACHINE_NOTES.md)
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-        try:
+        try:  # from here on, an error must not leave the process group behind
+            self._mp_policy, self._offload_policy = self._policies(config, kwargs)
+            threads = _get(config.trainer, "num_threads", None)
+            if not threads and self._dist_device.type == "cpu":
+                # one share of the cores per local rank (threads spinning on a busy core are the
+                # biggest slowdown on small machines, see shared/MACHINE_NOTES.md)
+                local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+            n = int(_get(config.rollout, "n", 1))
+            minis = {"actor": int(config.actor.ppo_mini_batch_size) * n}
+            if use_critic:
+                minis["critic"] = int(_get(config.critic, "ppo_mini_batch_size", config.actor.ppo_mini_batch_size)) * n
+            for name, size in minis.items():
+                if size % self.world_size:
+                    raise ValueError(
+                        f"{name}: a mini-batch has {size} responses ({name}.ppo_mini_batch_size x rollout.n), which "
+                        f"does not split over {self.world_size} ranks. Choose {name}.ppo_mini_batch_size x rollout.n "
+                        "as a multiple of the number of ranks."
+                    )
             super().__init__(config, model_path, use_critic=use_critic, use_ref=use_ref, total_steps=total_steps)
         except BaseException:
             self._destroy_group()
@@ -197,13 +208,6 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         self.device = self._dist_device
         if self._mp_policy.param_dtype not in (None, torch.float32):
             self.autocast_dtype = None  # FSDP already computes in param_dtype
-        for role in self._roles():
-            if role.mini_batch % self.world_size:
-                raise ValueError(
-                    f"{role.name}: a mini-batch has {role.mini_batch} responses ({role.name}.ppo_mini_batch_size x "
-                    f"rollout.n), which does not split over {self.world_size} ranks. Choose "
-                    f"{role.name}.ppo_mini_batch_size x rollout.n as a multiple of the number of ranks."
-                )
         logger.info(
             "fsdp2: rank %d/%d on %s (%s), param_dtype %s, reduce_dtype %s, cpu_offload %s",
             self.rank, self.world_size, self.device, dist.get_backend(), self._mp_policy.param_dtype,

@@ -6,8 +6,8 @@
 
 SPEC (JSON): ``{"model_path", "out", "jobs": [...]}``; each job is
 ``{"kind": "step", "name", "overrides", "batch"}`` (log-probs, values, one critic and one actor
-update on a saved batch) or ``{"kind": "ckpt", ...}`` / ``{"kind": "resume", ...}`` (see
-:func:`run_ckpt` and :func:`run_resume`). The helpers ``make_cfg`` and ``make_batch`` are also
+update on a saved batch) or ``{"kind": "ckpt" | "resume" | "errors", ...}`` (see
+:func:`run_ckpt`, :func:`run_resume` and :func:`run_errors`). The helpers ``make_cfg`` and ``make_batch`` are also
 used by the test module for the single-process reference.
 """
 
@@ -175,6 +175,27 @@ def run_resume(job: dict, model_path: str) -> dict:
     return res
 
 
+def run_errors(job: dict, model_path: str) -> dict:
+    """Error messages (rank 0's; every rank must raise, or the launch hangs): a mini-batch that
+    does not split over the ranks, and ranks that were given different batches."""
+    res = {}
+    try:
+        _backend({"overrides": {"rollout.n": 1, "actor.ppo_mini_batch_size": 1}}, model_path, use_critic=False,
+                 use_ref=False)
+    except ValueError as exc:
+        res["split"] = str(exc)
+    backend = _backend(job, model_path, use_critic=False, use_ref=False)
+    batch = make_batch()
+    if int(os.environ.get("RANK", "0")) == 1:
+        batch["input_ids"][0, -1] += 1
+    try:
+        backend.compute_log_probs(batch)
+    except RuntimeError as exc:
+        res["mismatch"] = str(exc)
+    backend.close()
+    return res
+
+
 def main(spec_path: str) -> None:
     import torch.distributed as dist
 
@@ -189,7 +210,7 @@ def main(spec_path: str) -> None:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = int(os.environ.get("RANK", "0"))
     for job in spec["jobs"]:
-        fn = {"step": run_step, "ckpt": run_ckpt, "resume": run_resume}[job["kind"]]
+        fn = {"step": run_step, "ckpt": run_ckpt, "resume": run_resume, "errors": run_errors}[job["kind"]]
         res = fn(job, spec["model_path"])
         if rank == 0:
             torch.save(res, Path(spec["out"]) / f"{job['name']}.pt")

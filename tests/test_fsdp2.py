@@ -140,9 +140,11 @@ def step_results(model_path, tmp_path_factory):
                      "overrides": {**overrides, "actor.micro_batch_size_per_device": DIST_MICRO[name]}})
     # bf16 parameters (FSDP mixed precision) on the "kl" batch; compared with the fp32 "kl" result
     jobs.append({"kind": "step", "name": "bf16", "batch": str(tmp / "batch-kl.pt"), "overrides": BF16})
+    jobs.append({"kind": "errors", "name": "errors"})
     launch({"model_path": model_path, "out": str(tmp), "jobs": jobs}, tmp, nproc=2)
     out = {name: (local[name], torch.load(tmp / f"{name}.pt", weights_only=False)) for name in SETTINGS}
     out["bf16"] = (local["kl"], torch.load(tmp / "bf16.pt", weights_only=False))
+    out["errors"] = (None, torch.load(tmp / "errors.pt", weights_only=False))
     return out
 
 
@@ -196,6 +198,13 @@ def test_nonfinite_loss_on_one_rank_skips_the_step_on_all(step_results):
     assert dist["bad_steps"] == loc["bad_steps"] == 0  # the last mini-batch was good
     assert_params_close(dist["actor"], loc["actor"], what="nan actor")
     assert dist["actor_metrics"]["actor/pg_loss"] == pytest.approx(loc["actor_metrics"]["actor/pg_loss"], rel=1e-5)
+
+
+def test_errors_raised_on_every_rank(step_results):
+    # (the launch would hang if a rank did not raise, so reaching here means every rank did)
+    _, res = step_results["errors"]
+    assert "a mini-batch has 1 responses" in res["split"] and "multiple of the number of ranks" in res["split"]
+    assert "the ranks hold different batches" in res["mismatch"]
 
 
 def test_bf16_parameters_close_to_fp32(step_results):
