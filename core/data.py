@@ -121,6 +121,13 @@ def _check_schema(path: str, schema, prompt_key: str) -> None:
     import pyarrow as pa
 
     names = set(schema.names)
+    for col in ("data_source", prompt_key, "reward_model", "ability", "extra_info"):
+        if schema.names.count(col) > 1:
+            raise _err(
+                path, None, col,
+                f"appears {schema.names.count(col)} times; expected one column of that name. "
+                "Rename or drop the duplicates and rewrite the file.",
+            )
     for col in ("data_source", prompt_key, "reward_model"):
         if col not in names:
             hint = ""
