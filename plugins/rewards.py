@@ -39,6 +39,7 @@ __all__ = [
     "extract_tagged_answer",
     "extract_answer_text",
     "parse_number",
+    "too_costly_to_evaluate",
 ]
 
 # ---------------------------------------------------------------------------- extraction helpers
@@ -160,6 +161,32 @@ gsm8k.validate_kwargs = _validate_gsm8k  # type: ignore[attr-defined]
 
 # ---------------------------------------------------------------------------- math_verify
 
+# Expressions whose exact value sympy would compute for minutes (big-integer arithmetic in C,
+# which holds the GIL: no thread or signal timeout can stop it): a power tower with a numeric
+# inner base (``9^{9^9}``, ``9**9**9``), exponents with more than 6 digits in all
+# (``9^{9999999}``, ``(9^{999})^{9999}``), a factorial of a 6+ digit number or of a power.
+_POW_OP = r"(?:\^|\*\*)"
+_TOWER = re.compile(rf"{_POW_OP}\s*(?:\{{\s*\d[\d,.]*\s*{_POW_OP}|\(\s*\d[\d,.]*\s*{_POW_OP}|\d[\d,.]*\s*{_POW_OP})")
+_EXPONENT = re.compile(rf"{_POW_OP}\s*[{{(]?\s*(\d[\d,]*)")
+_BIG_FACTORIAL = re.compile(r"(?:\d{6,}|\{\s*\d{6,}\s*\}|\([^()]*(?:\^|\*\*)[^()]*\))\s*!")
+_MAX_EXPONENT_DIGITS = 6
+
+
+def too_costly_to_evaluate(text: str) -> bool:
+    """Whether ``text`` holds arithmetic whose exact value is too large to compute.
+
+    Flags a power tower with a numeric inner base (``9^{9^9}``, ``9**9**9``), exponent literals
+    with more than 6 digits in all (``9^{9999999}``, ``(9^{999})^{9999}``) and a factorial of a
+    6+ digit number or of a power (``(10^9)!``). A cheap regex screen (a heuristic, not a
+    bound) run before math-verify parses a prediction or a ground truth: such answers score 0
+    (not verifiable) instead of hanging the training process. Ordinary answers (``2^{2017}``,
+    ``e^{x^2}``, ``10000!``) pass.
+    """
+    if _TOWER.search(text) or _BIG_FACTORIAL.search(text):
+        return True
+    digits = sum(len(m.group(1).replace(",", "")) for m in _EXPONENT.finditer(text))
+    return digits > _MAX_EXPONENT_DIGITS
+
 
 def math_verify(
     data_source: str,
@@ -175,7 +202,9 @@ def math_verify(
     ground truth is parsed as ``\\boxed{ground_truth}``. math-verify's own timeouts use
     ``signal.alarm`` and work only on a main thread: they are used (``timeout_s`` seconds) when
     this runs on the main thread and turned off otherwise (the reward manager then guards time).
-    Returns ``{"score": 1.0/0.0, "acc": same}``.
+    Returns ``{"score": 1.0/0.0, "acc": same}``. Answers (or ground truths) that
+    :func:`too_costly_to_evaluate` flags (power towers, huge exponents or factorials) score 0
+    without being parsed: evaluating them would hang the process beyond any timeout's reach.
     """
     from math_verify import parse, verify
 
@@ -183,6 +212,8 @@ def math_verify(
     timeout = int(max(1, round(timeout))) if timeout else None
     candidate = extract_answer_text(solution_str)
     gt = str(ground_truth).strip()
+    if too_costly_to_evaluate(candidate if candidate is not None else solution_str) or too_costly_to_evaluate(gt):
+        return {"score": 0.0, "acc": 0.0}  # e.g. 9^{9^{9}}: sympy would compute it for minutes
     gold_text = gt if ("\\boxed" in gt or "$" in gt) else "\\boxed{" + gt + "}"
     gold = parse(gold_text, parsing_timeout=timeout) or parse(gt, parsing_timeout=timeout)
     pred = parse(candidate if candidate is not None else solution_str, parsing_timeout=timeout)
