@@ -172,6 +172,25 @@ class RolloutConfig:
     #: "inprocess" (engine in this process or its child) or "server"
     mode: str = "inprocess"
     server_url: Optional[str] = None
+    # ---- server mode (rollout.mode=server, rollout=sglang; see rlplug.plugins.rollout_server)
+    #: loopback address the launched server listens on
+    server_host: str = "127.0.0.1"
+    #: port of the launched server (0: pick a free port)
+    server_port: int = 0
+    #: launch command replacing the engine's own (placeholders {python} {model_path} {host} {port})
+    server_cmd: Optional[list[str]] = None
+    #: extra arguments appended to the engine's launch command
+    server_args: list[str] = field(default_factory=list)
+    #: seconds to wait for the server to become healthy (startup, restart)
+    server_timeout_s: float = 600.0
+    #: seconds one HTTP generation request may take
+    request_timeout_s: float = 600.0
+    #: retries of one failed request (connection error, timeout, 5xx)
+    max_retries: int = 3
+    #: server restarts allowed during the run (a dead server is restarted from the latest weights)
+    max_restarts: int = 3
+    #: HTTP requests in flight at once
+    max_concurrency: int = 64
     #: KV-cache memory cap, GiB (vLLM on CPU: VLLM_CPU_KVCACHE_SPACE)
     kv_cache_space_gib: float = 2.0
     gpu_memory_utilization: float = 0.4

@@ -387,8 +387,20 @@ def _shutdown(proc: subprocess.Popen, send: Connection | None, recv: Connection 
                 c.close()
 
 
-def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> VLLMRollout:
-    """Factory registered as rollout backend ``vllm``."""
+def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
+    """Factory registered as rollout backend ``vllm``.
+
+    ``rollout.mode=inprocess`` (default): :class:`VLLMRollout`; ``rollout.mode=server``: vLLM's
+    OpenAI-compatible server, :class:`rlplug.plugins.rollout_server.VLLMServerRollout`.
+    Raises ``ValueError`` for another mode.
+    """
+    mode = str(_cfg(config, "rollout.mode", "inprocess"))
+    if mode == "server":
+        from rlplug.plugins.rollout_server import VLLMServerRollout
+
+        return VLLMServerRollout(config, model_path, tokenizer)
+    if mode != "inprocess":
+        raise ValueError(f"rollout.mode={mode} is not a mode of rollout=vllm; use 'inprocess' or 'server'.")
     return VLLMRollout(config, model_path, tokenizer)
 
 

@@ -38,7 +38,7 @@ def stub_registry() -> Registry:
         r.register("policy_loss", name, PolicyLoss(_noop), "rlplug", "0.1.0")
     for name in ("kl", "low_var_kl"):
         r.register("kl_penalty", name, KLPenalty(_noop), "rlplug", "0.1.0")
-    for name in ("hf", "vllm"):
+    for name in ("hf", "vllm", "sglang"):
         r.register("rollout_backend", name, _noop, "rlplug", "0.1.0")
     r.register("training_backend", "local", _noop, "rlplug", "0.1.0")
     for name in ("console", "mlflow"):

