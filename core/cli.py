@@ -13,10 +13,17 @@
 
 from __future__ import annotations
 
-import argparse
+import os
+
+# Before torch loads OpenMP: spinning worker threads make a 2-core machine up to 50x slower
+# whenever another busy process (a rollout engine, a reward pool) holds a core
+# (shared/MACHINE_NOTES.md). Passive waiting costs a few percent on an idle machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
 import json
 import sys
-from typing import Sequence
+from typing import Sequence  # noqa: E402
 
 from rich.console import Console
 from rich.markup import escape
