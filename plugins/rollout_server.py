@@ -18,8 +18,9 @@ Server process
   process the server starts, e.g. vLLM's engine core) is killed when the backend is closed, when
   the interpreter exits (``atexit``), when the backend is garbage-collected, and -- by the
   supervisor, within a second -- when the training process dies without cleaning up (SIGKILL,
-  crash). So no engine outlives the run. The server's output goes to a log file whose last lines
-  are quoted in startup errors.
+  crash); the supervisor then also deletes the backend's folders (server logs, pushed weights in
+  ``/dev/shm``). So no engine or model copy outlives the run. The server's output goes to a log
+  file whose last lines are quoted in startup errors.
 
 Requests
 --------
@@ -147,17 +148,19 @@ def _kill_group(pgid: int, sig: int) -> None:
 class ServerProcess:
     """An engine server started under the rlplug supervisor in its own process group.
 
-    ``ServerProcess(cmd, env, log_path)`` starts ``python -m rlplug.plugins.rollout_server
-    --supervise <this pid> -- cmd...`` with stdout/stderr appended to ``log_path``.
+    ``ServerProcess(cmd, env, log_path, cleanup)`` starts ``python -m rlplug.plugins.rollout_server
+    --supervise <this pid> [--cleanup DIR]... -- cmd...`` with stdout/stderr appended to
+    ``log_path``; the supervisor deletes the ``cleanup`` folders if this process dies first.
     :meth:`stop` ends the whole group (SIGTERM, then SIGKILL after ``grace_s`` seconds).
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, cleanup: Iterable[str] = ()) -> None:
         self.cmd = list(cmd)
         self.log_path = Path(log_path)
+        extra = [a for d in cleanup for a in ("--cleanup", str(d))]
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rlplug.plugins.rollout_server", "--supervise", str(os.getpid()), "--", *cmd],
+                [sys.executable, "-m", "rlplug.plugins.rollout_server", "--supervise", str(os.getpid()), *extra, "--", *cmd],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
@@ -214,15 +217,25 @@ class ServerProcess:
             time.sleep(0.05)
 
 
-def _supervise(parent_pid: int, cmd: list[str]) -> int:
-    """Run ``cmd`` in this process group; end the group when it exits, on SIGTERM, or when the parent dies."""
+def _supervise(parent_pid: int, cmd: list[str], cleanup: Iterable[str] = ()) -> int:
+    """Run ``cmd`` in this process group; end the group when it exits, on SIGTERM, or when the parent dies.
+
+    When the parent died (it could not clean up), the ``cleanup`` folders (server logs, pushed
+    weights in ``/dev/shm``) are deleted too."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     child = subprocess.Popen(cmd)
+    orphaned = False
     while not stop.wait(0.2):
-        if child.poll() is not None or os.getppid() != parent_pid:
+        if child.poll() is not None:
             break
+        if os.getppid() != parent_pid:
+            orphaned = True
+            break
+    if orphaned:
+        for d in cleanup:
+            shutil.rmtree(d, ignore_errors=True)
     if child.poll() is None:
         child.terminate()
         try:
@@ -370,6 +383,9 @@ class ServerRollout:
         self._weights_count = 0
         self._server: ServerProcess | None = None
         self._state: dict[str, Any] = {}
+        for name in ("httpx", "httpcore"):  # one INFO line per request would flood the training log
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         self._client = httpx.Client(
             timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency),
@@ -387,6 +403,7 @@ class ServerRollout:
                 self._wait_healthy(self.server_timeout_s, None)
             else:
                 self._state["log_dir"] = tempfile.mkdtemp(prefix=f"rlplug-{self.engine}-server-")
+                self._weights_root()
                 self._start_server()
         except BaseException:
             self.close()
@@ -445,7 +462,7 @@ class ServerRollout:
         log_path = Path(self._state["log_dir"]) / f"server-{self.restarts}.log"
         env = self._launch_env()
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self._server = ServerProcess(cmd, env, log_path)
+        self._server = ServerProcess(cmd, env, log_path, cleanup=[self._state["log_dir"], self._weights_root()])
         self._state["server"] = self._server
         self.base_url = f"http://{self.host}:{port}"
         try:
@@ -650,13 +667,8 @@ class ServerRollout:
                 f"update_weights got {len(tensors)} of {len(self.shapes)} tensors; the {self.engine} server reloads the "
                 f"whole model and needs all of them. Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}."
             )
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        root = self._state.get("weights_root")
-        if root is None:
-            root = self._state["weights_root"] = tempfile.mkdtemp(prefix=f"rlplug-{self.engine}-weights-{os.getpid()}-",
-                                                                  dir=_shm_dir(nbytes))
         self._weights_count += 1
-        folder = Path(root) / f"v{self._weights_count:06d}"
+        folder = Path(self._weights_root()) / f"v{self._weights_count:06d}"
         folder.mkdir()
         for f in Path(self.model_path).iterdir():
             if f.is_file() and f.suffix in _META_SUFFIXES and not f.name.endswith(".safetensors.index.json"):
@@ -669,6 +681,15 @@ class ServerRollout:
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
         self.last_update_s = time.perf_counter() - t0
+
+    def _weights_root(self) -> str:
+        """The private folder (in /dev/shm when it has room for two model copies) that holds pushed weights."""
+        root = self._state.get("weights_root")
+        if root is None:
+            nbytes = sum(math.prod(shape) for shape in self.shapes.values()) * self.dtype.itemsize
+            root = self._state["weights_root"] = tempfile.mkdtemp(prefix=f"rlplug-{self.engine}-weights-{os.getpid()}-",
+                                                                  dir=_shm_dir(nbytes))
+        return root
 
     def _call_with_recovery(self, fn: Callable[[], Any]) -> Any:
         """Run a control call (weight load); on a dead/unhealthy server recover and call again."""
@@ -894,8 +915,12 @@ def create_vllm_server_rollout(config: Any, model_path: str, tokenizer: Any) -> 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 5 and sys.argv[1] == "--supervise" and sys.argv[3] == "--":
-        sys.exit(_supervise(int(sys.argv[2]), sys.argv[4:]))
-    print("usage: python -m rlplug.plugins.rollout_server --supervise PARENT_PID -- COMMAND...  (started by rlplug)",
-          file=sys.stderr)
+    argv = sys.argv[1:]
+    if len(argv) >= 4 and argv[0] == "--supervise" and "--" in argv:
+        sep = argv.index("--")
+        opts, command = argv[2:sep], argv[sep + 1:]
+        if command and len(opts) % 2 == 0 and all(o == "--cleanup" for o in opts[::2]):
+            sys.exit(_supervise(int(argv[1]), command, opts[1::2]))
+    print("usage: python -m rlplug.plugins.rollout_server --supervise PARENT_PID [--cleanup DIR]... -- COMMAND...  "
+          "(started by rlplug)", file=sys.stderr)
     sys.exit(2)

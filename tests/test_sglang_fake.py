@@ -291,22 +291,27 @@ def test_no_orphan_server_when_the_trainer_dies_or_forgets_close(ending, model_d
     script.write_text(textwrap.dedent(f"""
         import json, os, signal, sys
         from types import SimpleNamespace
+        from safetensors.torch import load_file
         from rlplug.config import compose
         from rlplug.plugins.sglang import SGLangRollout
         cfg = compose(["rollout=sglang", "trainer.device=cpu"])
         cfg.rollout.server_cmd = ["{{python}}", {str(FAKE)!r}, "--model-path", "{{model_path}}", "--host", "{{host}}", "--port", "{{port}}"]
         b = SGLangRollout(cfg, {str(model_dir)!r}, SimpleNamespace(eos_token_id=2))
-        print(json.dumps(b.server_group_pids()), flush=True)
+        b.update_weights(load_file({str(model_dir / "model.safetensors")!r}))  # a model copy in /dev/shm
+        print(json.dumps([b.server_group_pids(), b._state["log_dir"], b._state["weights_root"]]), flush=True)
         if {ending!r} == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         sys.exit(0)  # no close(): atexit must stop the server
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-    pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    pids, log_dir, weights_root = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(pids) == 2, proc.stderr
     assert proc.returncode == (-signal.SIGKILL if ending == "sigkill" else 0), proc.stderr
+    assert weights_root.startswith("/dev/shm/")
     assert wait_gone(pids, 10) == []
+    # the server log and the pushed weights (a model copy in RAM) are deleted too
+    assert not os.path.exists(log_dir) and not os.path.exists(weights_root)
 
 
 def test_external_server_url(base_cfg, model_dir) -> None:
