@@ -1,10 +1,18 @@
 """Crash safety: SIGKILL a real training process at 26 exact places, resume, compare.
 
-Each run is ``python -m rlplug train debug=tiny ...`` in a subprocess (PPO with a critic, the
-KL penalty in the reward with the adaptive controller, hf rollout, local backend; 4 steps of
-2 prompts, 2 steps per epoch, a checkpoint every step, at most 2 kept, validation every 2
-steps). ``RLPLUG_TEST_KILL_AT=<label>:<n>`` makes the process SIGKILL itself the ``n``-th time it
-reaches ``_fault_point("<label>")`` (rlplug.checkpoint). Labels::
+Each run is ``rlplug train debug=tiny ...`` in its own process (PPO with a critic, the KL
+penalty in the reward with the adaptive controller, hf rollout, local backend; 4 steps of 2
+prompts, 2 steps per epoch, a checkpoint every step, at most 2 kept, validation every 2 steps).
+``RLPLUG_TEST_KILL_AT=<label>:<n>`` makes the process SIGKILL itself the ``n``-th time it
+reaches ``_fault_point("<label>")`` (rlplug.checkpoint).
+
+Startup: importing torch + transformers + the plugins takes ~5 s of CPU per process, which for
+~30 runs would dominate. So the runs are forked from a "zygote": a Python process started once
+per chain that imports everything and then, per request, forks a child that runs exactly what
+``python -m rlplug train ARGS`` runs (``rlplug.cli.main(["train", *ARGS])``) with its own
+environment, stdout and stderr, and reports the child's exit status (``-9`` after SIGKILL). The
+uninterrupted reference run is a fresh ``python -m rlplug train`` process, so the forked runs
+are also checked against a real one. Labels::
 
     trainer   resumed, step_start, rollout, reward, old_log_prob, ref, values, adv,
               update_critic (critic stepped, actor not yet), update_actor, update_weights,
@@ -27,6 +35,7 @@ uninterrupted run's bit for bit.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -97,29 +106,93 @@ CHAIN_B = [
 ]
 
 RUN_TIMEOUT_S = 180
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+# The fork server: imports everything once, then forks one child per JSON request line.
+ZYGOTE = r"""
+import json, os, sys, traceback
+import rlplug.cli, rlplug.trainer, rlplug.plugins.local, rlplug.plugins.hf
+from rlplug.registry import get_registry
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # the lazy imports
+get_registry()
+print("READY", flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        rc = 1
+        try:
+            os.environ.pop("RLPLUG_TEST_KILL_AT", None)
+            os.environ.update(req["env"])
+            for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            rc = rlplug.cli.main(["train", *req["args"]])
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(rc)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
 
 
-def _env(kill_at: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.pop("RLPLUG_TEST_KILL_AT", None)
-    if kill_at:
-        env["RLPLUG_TEST_KILL_AT"] = kill_at
-    return env
+class _Run:
+    """What a finished run left: exit status (negative: killed by that signal), stdout, stderr."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def _train(run_dir: Path, kill_at: str | None) -> subprocess.CompletedProcess:
+class Zygote:
+    """A pre-imported Python process that runs ``rlplug train`` in a forked child per call."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(log_dir / "zygote.err", "w"), text=True, env={**os.environ, **ENV})
+        ready = self.proc.stdout.readline()
+        assert ready.strip() == "READY", (ready, (log_dir / "zygote.err").read_text()[-3000:])
+        self.count = 0
+
+    def train(self, run_dir: Path, kill_at: str | None) -> _Run:
+        self.count += 1
+        out, err = self.log_dir / f"{self.count}.out", self.log_dir / f"{self.count}.err"
+        env = dict(ENV, **({"RLPLUG_TEST_KILL_AT": kill_at} if kill_at else {}))
+        args = [*OVERRIDES, f"trainer.default_local_dir={run_dir}"]
+        self.proc.stdin.write(json.dumps({"args": args, "env": env, "stdout": str(out), "stderr": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, "the zygote died: " + (self.log_dir / "zygote.err").read_text()[-3000:]
+        return _Run(json.loads(reply)["rc"], out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _train_fresh(run_dir: Path) -> subprocess.CompletedProcess:
+    """A fresh ``python -m rlplug train`` process (the reference run)."""
+    env = {k: v for k, v in os.environ.items() if k != "RLPLUG_TEST_KILL_AT"}
     cmd = [sys.executable, "-m", "rlplug", "train", *OVERRIDES, f"trainer.default_local_dir={run_dir}"]
-    return subprocess.run(cmd, env=_env(kill_at), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(cmd, env={**env, **ENV}, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
-def _describe(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
+def _describe(proc, run_dir: Path) -> str:
     listing = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
     return (f"rc={proc.returncode}\n--- dir: {listing}\n--- stdout (tail):\n{proc.stdout[-3000:]}\n"
             f"--- stderr (tail):\n{proc.stderr[-3000:]}")
 
 
-def _resumed_step(proc: subprocess.CompletedProcess, run_dir: Path) -> int | None:
+def _resumed_step(proc, run_dir: Path) -> int | None:
     m = re.search(r"Resumed from (\S+) \(step (\d+)\)", proc.stdout)
     if m is None:
         return None
@@ -129,11 +202,19 @@ def _resumed_step(proc: subprocess.CompletedProcess, run_dir: Path) -> int | Non
 
 def _run_chain(run_dir: Path, chain: list[tuple[str, int | None, int | None, bool]]) -> list[str]:
     """Run the chain; returns the kill points it went through (asserting after each)."""
+    zygote = Zygote(run_dir.parent / f"{run_dir.name}_logs")
+    try:
+        return _run_chain_in(zygote, run_dir, chain)
+    finally:
+        zygote.close()
+
+
+def _run_chain_in(zygote: Zygote, run_dir: Path, chain: list[tuple[str, int | None, int | None, bool]]) -> list[str]:
     manager = CheckpointManager(run_dir)
     done = []
     for spec, resume_from, latest_after, partial_after in chain:
         had_partials = bool(manager.partial_dirs())
-        proc = _train(run_dir, spec)
+        proc = zygote.train(run_dir, spec)
         where = f"[{run_dir.name} kill at {spec}] "
         label, n = spec.split(":")
         # killed exactly where asked, by SIGKILL (not by some other failure)
@@ -151,7 +232,7 @@ def _run_chain(run_dir: Path, chain: list[tuple[str, int | None, int | None, boo
         assert bool(manager.partial_dirs()) == partial_after, where + _describe(proc, run_dir)
         done.append(spec)
     # the last run finishes from the latest complete checkpoint
-    proc = _train(run_dir, None)
+    proc = zygote.train(run_dir, None)
     assert proc.returncode == 0, f"[{run_dir.name} final run] " + _describe(proc, run_dir)
     assert "Training finished at step 4" in proc.stdout
     assert manager.partial_dirs() == []
@@ -190,15 +271,13 @@ def test_sigkill_at_26_points_then_resume_matches_uninterrupted(tmp_path):
     ref_dir, dir_a, dir_b = tmp_path / "reference", tmp_path / "chain_a", tmp_path / "chain_b"
     t0 = time.perf_counter()
 
-    def reference_then_b() -> list[str]:
-        proc = _train(ref_dir, None)
-        assert proc.returncode == 0, "[reference run] " + _describe(proc, ref_dir)
-        return _run_chain(dir_b, CHAIN_B)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        fut_ref = pool.submit(_train_fresh, ref_dir)
         fut_a = pool.submit(_run_chain, dir_a, CHAIN_A)
-        fut_b = pool.submit(reference_then_b)
+        fut_b = pool.submit(_run_chain, dir_b, CHAIN_B)
         done = fut_a.result() + fut_b.result()
+        proc = fut_ref.result()
+    assert proc.returncode == 0, "[reference run] " + _describe(proc, ref_dir)
     assert len(done) == 26 and len({s.split(":")[0] for s in done}) == 25
 
     from safetensors.torch import load_file
