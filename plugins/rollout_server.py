@@ -467,6 +467,7 @@ class ServerRollout:
         self.base_url = f"http://{self.host}:{port}"
         try:
             self._wait_healthy(self.server_timeout_s, self._server)
+            self._check_open()  # closed (e.g. Ctrl-C in the trainer) while a request thread was restarting it
         except BaseException:
             self._server.stop()
             raise
@@ -474,6 +475,7 @@ class ServerRollout:
     def _wait_healthy(self, timeout_s: float, server: ServerProcess | None) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
+            self._check_open()
             if server is not None and not server.alive:
                 raise ServerError(
                     f"The {self.engine} server exited with code {server.proc.returncode} before it became healthy. "
@@ -561,7 +563,8 @@ class ServerRollout:
             except _Retryable as exc:
                 last = str(exc)
             if attempt < self.max_retries:
-                self.retries += 1
+                with self._lock:
+                    self.retries += 1
                 self._recover(epoch, last)
         raise ServerError(f"{self.engine}: POST {path} failed {self.max_retries + 1} times (rollout.max_retries={self.max_retries}); last error: {last}")
 
@@ -704,7 +707,8 @@ class ServerRollout:
             except (httpx.TransportError, _Retryable) as exc:
                 last = exc
             if attempt < self.max_retries:
-                self.retries += 1
+                with self._lock:
+                    self.retries += 1
                 self._recover(epoch, last)
         raise ServerError(f"{self.engine}: control call failed {self.max_retries + 1} times; last error: {last}")
 
@@ -791,6 +795,10 @@ class VLLMServerRollout(ServerRollout):
     Weights: ``POST /collective_rpc`` calling :meth:`VLLMWorkerExtension.rlplug_load_weights`
     (vLLM's in-place reload from the pushed safetensors file in ``/dev/shm``; no restart), then
     ``POST /reset_prefix_cache``.
+
+    An external server (``rollout.server_url``) must serve the same model and be started the same
+    way for weight pushes to work: ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
+    rlplug.plugins.rollout_server.VLLMWorkerExtension`` (rlplug installed in its environment).
     """
 
     engine = "vllm"

@@ -336,6 +336,34 @@ def test_external_server_url(base_cfg, model_dir) -> None:
         httpd.shutdown()
 
 
+def test_trainer_runs_with_the_sglang_backend(tmp_path) -> None:
+    """Two PPO steps of the real loop on the tiny model with the fake server: weights pushed after each update."""
+    from omegaconf import OmegaConf
+
+    from rlplug.trainer import Trainer
+    from rlplug.validate import validate_config
+
+    log = tmp_path / "requests.jsonl"
+    cfg = compose(["debug=tiny", "rollout=sglang", "model.tiny.num_hidden_layers=1", "data.train_batch_size=2",
+                   "actor.ppo_mini_batch_size=1", "actor.micro_batch_size_per_device=1", "data.max_response_length=8",
+                   "data.val_max_samples=2", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0",
+                   "trainer.num_threads=1", "trainer.device=cpu", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    validate_config(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    cfg.rollout.server_cmd = ["{python}", str(FAKE), "--model-path", "{model_path}", "--host", "{host}", "--port", "{port}",
+                              "--log", str(log)]
+    trainer = Trainer(cfg)
+    try:
+        pids = trainer.rollout.server_group_pids()
+        assert trainer.fit() == "finished"
+    finally:
+        trainer.close()
+    assert wait_gone(pids, 10) == []
+    assert len(requests_log(log, "/generate")) == 2 * 2  # 2 steps x 2 prompts x n=1
+    pushes = requests_log(log, "/update_weights_from_disk")
+    assert len(pushes) == 2 and pushes[0]["body"]["model_path"] != pushes[1]["body"]["model_path"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 def test_real_sglang_greedy_matches_hf() -> None:  # pragma: no cover - needs SGLang (GPU machines)
