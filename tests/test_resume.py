@@ -178,6 +178,7 @@ def test_resume_rng_scheduler_mid_epoch_then_across_the_boundary(tmp_path, capsy
         "algorithm=grpo",
         f"algorithm.adv_estimator={noisy_estimator}",
         "rollout.n=2",
+        "actor.optim.lr=1e-4",
         "actor.optim.warmup_style=cosine",
         "actor.optim.lr_warmup_steps=3",
         "actor.optim.min_lr_ratio=0.1",
