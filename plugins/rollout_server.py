@@ -75,7 +75,6 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import rlplug
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = [

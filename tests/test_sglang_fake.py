@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 import rlplug
 from rlplug.config import compose
-from rlplug.plugins.rollout_server import ServerError, _group_members
+from rlplug.plugins.rollout_server import ServerError
 from rlplug.plugins.sglang import SGLangRollout, create_sglang_rollout
 from rlplug.types import SamplingParams
 
