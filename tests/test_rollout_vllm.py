@@ -82,11 +82,12 @@ def _cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def test_registered_and_rejects_unsupported_head_size(model_path, tok) -> None:
+def test_registered_and_rejects_unsupported_head_size(model_path, tok) -> None:  # noqa: ARG001
     from rlplug.plugins.vllm import create_vllm_rollout
 
     assert rlplug.get_plugin("rollout_backend", "vllm") is create_vllm_rollout
-    default_tiny = compose(["model=tiny", "rollout=vllm"])  # head size 64 / 4 = 16
+    default_tiny = compose(["model=tiny", "rollout=vllm", "model.tiny.num_attention_heads=4",
+                            "model.tiny.num_key_value_heads=2"])  # head size 64 / 4 = 16
     if torch.cuda.is_available():
         pytest.skip("head-size limit applies to the CPU engine only")
     with pytest.raises(ValueError, match=r"head size is 16"):
