@@ -27,6 +27,7 @@ from rlplug.validate import validate_config
 BASE = [
     "debug=tiny",
     "model.tiny.num_hidden_layers=1",
+    "data.train_size=64",
     "data.train_batch_size=2",
     "actor.ppo_mini_batch_size=1",
     "actor.micro_batch_size_per_device=1",
@@ -38,6 +39,7 @@ BASE = [
     "trainer.val_before_train=false",
     "trainer.logger=[console]",
     "trainer.num_threads=1",
+    "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU)
     "actor.optim.lr=1e-4",  # pinned: asserted below, whatever debug=tiny/experiment defaults become
     "actor.optim.lr_warmup_steps=0",
     # A random model never answers right (correctness 0 for all), which gives group estimators

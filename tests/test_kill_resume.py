@@ -69,6 +69,7 @@ OVERRIDES = [
     "trainer.val_before_train=false",
     "trainer.logger=[console]",
     "trainer.num_threads=1",
+    "trainer.device=cpu",  # bitwise comparisons: CPU kernels are deterministic
     "trainer.resume_mode=auto",
 ]
 

@@ -37,6 +37,7 @@ BASE = [
     "trainer.val_before_train=false",
     "trainer.logger=[]",
     "trainer.num_threads=1",
+    "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU)
     "reward.shaping=[{name:length_penalty,weight:1.0}]",  # scores differ: non-zero advantages
     "+reward.kwargs.length_penalty={target_chars:0,scale_chars:50.0}",
 ]

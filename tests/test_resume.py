@@ -51,6 +51,7 @@ BASE = [
     "trainer.val_before_train=false",
     "trainer.logger=[]",
     "trainer.num_threads=1",
+    "trainer.device=cpu",  # bitwise comparisons: CPU kernels are deterministic
     "reward.shaping=[{name:length_penalty,weight:1.0}]",  # scores differ between responses
     "+reward.kwargs.length_penalty={target_chars:0,scale_chars:50.0}",
 ]

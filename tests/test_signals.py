@@ -38,6 +38,7 @@ OVERRIDES = [
     "trainer.val_before_train=false",
     "trainer.logger=[console]",
     "trainer.num_threads=1",
+    "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU)
 ]
 
 

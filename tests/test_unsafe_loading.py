@@ -41,6 +41,7 @@ BASE = [
     "trainer.val_before_train=false",
     "trainer.logger=[]",
     "trainer.num_threads=1",
+    "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU)
 ]
 
 
