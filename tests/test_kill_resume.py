@@ -111,7 +111,7 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM":
 
 # The fork server: imports everything once, then forks one child per JSON request line.
 ZYGOTE = r"""
-import json, os, sys, traceback
+import json, os, signal, sys, traceback
 import rlplug.cli, rlplug.trainer, rlplug.plugins.local, rlplug.plugins.hf
 from rlplug.registry import get_registry
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # the lazy imports
@@ -123,6 +123,7 @@ for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         rc = 1
+        signal.alarm(req["timeout"])  # a hung run dies with SIGALRM (exit status -14) instead of blocking
         try:
             os.environ.pop("RLPLUG_TEST_KILL_AT", None)
             os.environ.update(req["env"])
@@ -165,7 +166,8 @@ class Zygote:
         out, err = self.log_dir / f"{self.count}.out", self.log_dir / f"{self.count}.err"
         env = dict(ENV, **({"RLPLUG_TEST_KILL_AT": kill_at} if kill_at else {}))
         args = [*OVERRIDES, f"trainer.default_local_dir={run_dir}"]
-        self.proc.stdin.write(json.dumps({"args": args, "env": env, "stdout": str(out), "stderr": str(err)}) + "\n")
+        self.proc.stdin.write(json.dumps({"args": args, "env": env, "stdout": str(out), "stderr": str(err),
+                                         "timeout": RUN_TIMEOUT_S}) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
         assert reply, "the zygote died: " + (self.log_dir / "zygote.err").read_text()[-3000:]
