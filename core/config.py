@@ -229,6 +229,9 @@ class ShapingConfig:
     #: reward function name (registry kind ``reward_function``)
     name: str = MISSING
     weight: float = 1.0
+    #: keyword arguments for this entry (None: reward.kwargs.<name>), so one function can
+    #: appear twice with different settings (e.g. gsm8k strict as correctness, flexible as shaping)
+    kwargs: Optional[dict[str, Any]] = None
 
 
 @dataclass

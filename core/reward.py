@@ -170,12 +170,17 @@ class RewardManager:
         self.fn_map: dict[str, str] = dict(cfg.get("reward_fn_map") or {})
         self.default: str | None = cfg.get("default")
         self.fn_kwargs: dict[str, dict] = {k: dict(v or {}) for k, v in (cfg.get("kwargs") or {}).items()}
-        self.shaping: list[tuple[str, float]] = []
+        # (label, function name, weight, kwargs); the label names the metric ``shaping/<label>``
+        self.shaping: list[tuple[str, str, float, dict]] = []
         for i, s in enumerate(cfg.get("shaping") or []):
             s = _section(s)
             if not s.get("name"):
                 raise RewardConfigError(f"reward.shaping[{i}] needs a 'name' (a reward function); got {s}.")
-            self.shaping.append((str(s["name"]), float(s.get("weight", 1.0))))
+            name = str(s["name"])
+            label = name if all(x[1] != name for x in self.shaping) else f"{name}_{i}"
+            kw = s.get("kwargs")
+            kwargs = dict(kw) if kw else dict(self.fn_kwargs.get(name, {}))
+            self.shaping.append((label, name, float(s.get("weight", 1.0)), kwargs))
         self.fallback_score = float(cfg.get("fallback_score", 0.0))
         timeout = cfg.get("timeout_s", 10.0)
         self.timeout_s: float | None = float(timeout) if timeout is not None and float(timeout) > 0 else None
@@ -196,19 +201,20 @@ class RewardManager:
         self._logged: set[str] = set()
         self.total_failures = 0
         self.total_timeouts = 0
-        for name, _ in self.shaping:
-            self._resolve(name, "reward.shaping")
+        for i, (_, name, _, kwargs) in enumerate(self.shaping):
+            self._resolve(name, f"reward.shaping[{i}]", kwargs)
 
     # ------------------------------------------------------------------ resolution
-    def _resolve(self, name: str, where: str) -> Callable:
+    def _resolve(self, name: str, where: str, kwargs: dict | None = None) -> Callable:
         fn = self._fns.get(name)
-        if fn is not None:
+        if fn is not None and kwargs is None:
             return fn
         try:
             fn = self.registry.get(_KIND, name)
         except Exception as exc:  # UnknownPluginError / PluginLoadError / PluginConflictError
             raise RewardConfigError(f"{where}: {exc}") from exc
-        kwargs = self.fn_kwargs.get(name, {})
+        kwargs = self.fn_kwargs.get(name, {}) if kwargs is None else kwargs
+        kw_key = f"{where}.kwargs" if where.startswith("reward.shaping") else f"reward.kwargs.{name}"
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -218,7 +224,7 @@ class RewardManager:
             unknown = sorted(set(kwargs) - set(params))
             if unknown:
                 raise RewardConfigError(
-                    f"reward.kwargs.{name} has unknown setting(s) {', '.join(unknown)}; reward function '{name}' "
+                    f"{kw_key} has unknown setting(s) {', '.join(unknown)}; reward function '{name}' "
                     f"accepts: {', '.join(params) or 'none'}."
                 )
         validate = getattr(fn, "validate_kwargs", None)
@@ -322,16 +328,17 @@ class RewardManager:
         calls: list[tuple[str, int, str]] = []  # (function name, sample, slot: "main" or "shape")
         payload: list[tuple[Callable, tuple, dict]] = []
         for i in range(n):
-            names = [(slots[i], "main")] + [(name, "shape") for name, _ in self.shaping]
-            for name, slot in names:
-                calls.append((name, i, slot))  # type: ignore[arg-type]
-                extra = dict(extras[i]) if isinstance(extras[i], Mapping) else extras[i]
-                payload.append((self._fns[name], (ds[i], responses[i], gts[i], extra), self.fn_kwargs.get(name, {})))
+            extra = dict(extras[i]) if isinstance(extras[i], Mapping) else extras[i]
+            calls.append((slots[i], i, "main"))  # type: ignore[arg-type]
+            payload.append((self._fns[slots[i]], (ds[i], responses[i], gts[i], extra), self.fn_kwargs.get(slots[i], {})))
+            for label, name, _, kwargs in self.shaping:
+                calls.append((name, i, label))
+                payload.append((self._fns[name], (ds[i], responses[i], gts[i], dict(extra) if isinstance(extra, dict) else extra), kwargs))
         results = self._run(payload)
 
         correctness = [self.fallback_score] * n
         acc = [0.0] * n
-        shaping_vals = {name: [0.0] * n for name, _ in self.shaping}
+        shaping_vals = {label: [0.0] * n for label, _, _, _ in self.shaping}
         other: dict[str, list[float]] = {}
         failures = timeouts = 0
         for (name, i, slot), (status, value) in zip(calls, results):
@@ -348,13 +355,13 @@ class RewardManager:
                     for k, v in extra_vals.items():
                         other.setdefault(k, [math.nan] * n)[i] = v
             else:
-                shaping_vals[name][i] = val
+                shaping_vals[slot][i] = val
         scores = [
-            correctness[i] + sum(w * shaping_vals[name][i] for name, w in self.shaping) for i in range(n)
+            correctness[i] + sum(w * shaping_vals[label][i] for label, _, w, _ in self.shaping) for i in range(n)
         ]
         extra_out: dict[str, list[float]] = {"acc": acc, "correctness": correctness}
-        for name, _ in self.shaping:
-            extra_out[f"shaping/{name}"] = shaping_vals[name]
+        for label, _, _, _ in self.shaping:
+            extra_out[f"shaping/{label}"] = shaping_vals[label]
         for k, v in other.items():
             extra_out.setdefault(k, v)
         self.total_failures += failures

@@ -125,6 +125,24 @@ def test_score_dispatches_per_data_source_and_combines_shaping():
     assert metrics == {"reward/failures": 0.0, "reward/timeouts": 0.0}
 
 
+def test_one_function_as_correctness_and_as_shaping_with_its_own_kwargs():
+    # gsm8k strict is the correctness score; gsm8k flexible (last number) is a shaping term, weight 0.5.
+    reg = registry_with(gsm8k=packaged.gsm8k)
+    m = RewardManager(
+        cfg(reward_fn_map={"a": "gsm8k"}, shaping=[{"name": "gsm8k", "weight": 0.5, "kwargs": {"method": "flexible"}}]),
+        registry=reg,
+    )
+    rows = [{"data_source": "a", "ground_truth": "42"}] * 4
+    scores, extra, _ = m.score(rows, ["6 * 7 = 42\n#### 42", "it is 42", "#### 41", "no idea"])
+    # row 0: strict 1 + 0.5 * flexible 1 = 1.5; row 1: strict 0 (no ####) + 0.5 * 1 = 0.5;
+    # row 2: strict wrong 0 + flexible 41 != 42 -> 0; row 3: nothing -> 0
+    assert scores == pytest.approx([1.5, 0.5, 0.0, 0.0])
+    assert extra["acc"] == [1.0, 0.0, 0.0, 0.0]  # acc comes from the correctness function only
+    assert extra["shaping/gsm8k"] == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(RewardConfigError, match=r"reward\.shaping\[0\]\.kwargs has unknown setting"):
+        RewardManager(cfg(reward_fn_map={"a": "gsm8k"}, shaping=[{"name": "gsm8k", "kwargs": {"nope": 1}}]), registry=reg)
+
+
 def test_fields_dict_and_verl_rows_are_accepted_and_lengths_checked():
     m = RewardManager(cfg(default="exact"), registry=registry_with(exact=exact))
     fields = {"data_source": ["a", "a"], "ground_truth": ["1", "2"], "extra_info": [None, {}]}
