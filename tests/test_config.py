@@ -40,7 +40,8 @@ def stub_registry() -> Registry:
         r.register("kl_penalty", name, KLPenalty(_noop), "rlplug", "0.1.0")
     for name in ("hf", "vllm", "sglang"):
         r.register("rollout_backend", name, _noop, "rlplug", "0.1.0")
-    r.register("training_backend", "local", _noop, "rlplug", "0.1.0")
+    for name in ("local", "fsdp2"):
+        r.register("training_backend", name, _noop, "rlplug", "0.1.0")
     for name in ("console", "mlflow"):
         r.register("tracker", name, _noop, "rlplug", "0.1.0")
     for name in ("gsm8k", "reasoning_gym", "math_verify"):
