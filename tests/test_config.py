@@ -175,7 +175,7 @@ def test_bad_value_type_is_a_config_error():
             "rloo (rlplug 0.1.0). Run 'rlplug plugins' to see what is installed (the plugin may not be installed).",
         ),
         (
-            ["actor.ppo_mini_batch_size=16"],
+            ["data.train_batch_size=8", "actor.ppo_mini_batch_size=16"],
             "actor.ppo_mini_batch_size=16 is larger than data.train_batch_size=8 (both count prompts). "
             "Set actor.ppo_mini_batch_size to at most 8.",
         ),
@@ -186,13 +186,14 @@ def test_bad_value_type_is_a_config_error():
         ),
         (
             # 8 prompts x 1 response per mini-batch = 8 responses; 3 does not divide 8
-            ["actor.micro_batch_size_per_device=3"],
+            ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size_per_device=3"],
             "actor.micro_batch_size_per_device=3 does not divide the mini-batch of 8 responses "
             "(actor.ppo_mini_batch_size=8 x rollout.n=1). Choose a divisor of 8.",
         ),
         (
             # grpo: 8 prompts x 4 responses = 32; 5 does not divide 32
-            ["algorithm=grpo", "actor.micro_batch_size_per_device=5"],
+            ["algorithm=grpo", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+             "actor.micro_batch_size_per_device=5"],
             "actor.micro_batch_size_per_device=5 does not divide the mini-batch of 32 responses "
             "(actor.ppo_mini_batch_size=8 x rollout.n=4). Choose a divisor of 32.",
         ),
@@ -239,11 +240,13 @@ def test_missing_data_file(stub_registry, tmp_path):
 
 
 def test_critic_batch_sizes_checked_only_with_a_critic(stub_registry):
+    # batch sizes pinned here: the default experiment preset sets its own
+    sizes = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size_per_device=4"]
     # ppo uses a critic: its own mini-batch is checked
     with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=16 is larger than data\.train_batch_size=8"):
-        validate_config(compose(["algorithm=ppo", "critic.ppo_mini_batch_size=16"]), registry=stub_registry)
+        validate_config(compose(["algorithm=ppo", *sizes, "critic.ppo_mini_batch_size=16"]), registry=stub_registry)
     # grpo has no critic: the same setting is ignored
-    validate_config(compose(["algorithm=grpo", "critic.ppo_mini_batch_size=16"]), registry=stub_registry)
+    validate_config(compose(["algorithm=grpo", *sizes, "critic.ppo_mini_batch_size=16"]), registry=stub_registry)
 
 
 def test_validate_reports_providers(stub_registry):
@@ -251,3 +254,4 @@ def test_validate_reports_providers(stub_registry):
     choices = validate_config(compose(["algorithm.adv_estimator=other"]), registry=stub_registry)
     assert str(choices[0]) == "algorithm.adv_estimator=other (rlplug-other 2.0)"
     assert str(choices[1]) == "actor.policy_loss=vanilla (rlplug 0.1.0)"
+
