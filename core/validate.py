@@ -15,9 +15,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from .config import ConfigError
+from .kl_control import KL_CONTROLLER_TYPES
+from .losses import LOSS_AGG_MODES
 from .registry import PluginError, Registry, get_registry
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -59,10 +59,18 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
 
     estimator = _resolve(registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices)
     loss = _resolve(registry, "policy_loss", "actor.policy_loss", a.policy_loss, choices)
+    kl_keys = []
     if a.use_kl_loss:
-        _resolve(registry, "kl_penalty", "actor.kl_loss_type", a.kl_loss_type, choices)
+        kl_keys.append(("actor.kl_loss_type", a.kl_loss_type))
     if cfg.algorithm.use_kl_in_reward:
-        _resolve(registry, "kl_penalty", "algorithm.kl_penalty", cfg.algorithm.kl_penalty, choices)
+        kl_keys.append(("algorithm.kl_penalty", cfg.algorithm.kl_penalty))
+    for key, name in kl_keys:
+        if getattr(_resolve(registry, "kl_penalty", key, name, choices), "needs_logits", False):
+            raise ConfigError(
+                f"{key}={name} needs the full (B, T, V) logits of the actor and the reference model, but the "
+                "trainer passes KL estimators log-probs only. Use an estimator on log-probs: kl (k1), mse (k2) "
+                "or low_var_kl (k3), optionally with a trailing '+'."
+            )
     _resolve(registry, "rollout_backend", "rollout.name", r.name, choices)
     _resolve(registry, "training_backend", "trainer.backend", cfg.trainer.backend, choices)
     for i, name in enumerate(cfg.trainer.logger):
@@ -89,8 +97,10 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     for key, mode in (("actor.loss_agg_mode", a.loss_agg_mode), ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
         if mode is not None and mode not in LOSS_AGG_MODES:
             raise ConfigError(f"{key}={mode} is not a loss aggregation mode. Use one of: {', '.join(LOSS_AGG_MODES)}.")
-    if cfg.algorithm.kl_ctrl.type not in ("fixed", "adaptive"):
-        raise ConfigError(f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type}: use 'fixed' or 'adaptive'.")
+    if cfg.algorithm.kl_ctrl.type not in KL_CONTROLLER_TYPES:
+        raise ConfigError(
+            f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type}: use one of {', '.join(KL_CONTROLLER_TYPES)}."
+        )
     if cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.kl_ctrl.horizon <= 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon={cfg.algorithm.kl_ctrl.horizon}: the adaptive controller needs horizon > 0.")
 
@@ -110,10 +120,24 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         _check_minibatch("critic", d.train_batch_size, mini, micro, r.n)
     _positive(d.max_response_length, "data.max_response_length")
     _positive(d.max_prompt_length, "data.max_prompt_length")
-    if not 0.0 <= r.temperature:
-        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy).")
+    if not r.temperature > 0.0:
+        raise ConfigError(
+            f"rollout.temperature={r.temperature}: training samples responses and computes their log-probs at this "
+            "temperature, so it must be > 0 (e.g. 1.0). Greedy decoding is for validation: rollout.val_kwargs.temperature=0."
+        )
     if not 0.0 < r.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1].")
+    if a.rollout_is_threshold is not None:
+        if not a.rollout_is_threshold > 0:
+            raise ConfigError(
+                f"actor.rollout_is_threshold={a.rollout_is_threshold} must be > 0 (the cap of the importance weight, "
+                "e.g. 2.0), or null to turn the correction off."
+            )
+        if not r.calculate_log_probs:
+            raise ConfigError(
+                "actor.rollout_is_threshold is set but rollout.calculate_log_probs=false, so the rollout engine returns "
+                "no log-probs to correct against. Set rollout.calculate_log_probs=true."
+            )
 
     # ---- model and data sources
     m = cfg.model

@@ -255,3 +255,27 @@ def test_validate_reports_providers(stub_registry):
     assert str(choices[0]) == "algorithm.adv_estimator=other (rlplug-other 2.0)"
     assert str(choices[1]) == "actor.policy_loss=vanilla (rlplug 0.1.0)"
 
+
+@pytest.mark.parametrize("key", ["actor.kl_loss_type", "algorithm.kl_penalty"])
+def test_kl_estimator_needing_logits_is_rejected(stub_registry, key):
+    # the trainer and the backends hand KL estimators log-probs only, never (B, T, V) logits
+    stub_registry.register("kl_penalty", "full", KLPenalty(_noop, needs_logits=True), "rlplug", "0.1.0")
+    overrides = {"actor.kl_loss_type": ["algorithm=grpo", "actor.kl_loss_type=full"],
+                 "algorithm.kl_penalty": ["algorithm=rloo", "algorithm.kl_penalty=full"]}[key]
+    with pytest.raises(ConfigError, match=rf"^{key}=full needs the full \(B, T, V\) logits"):
+        validate_config(compose(overrides), registry=stub_registry)
+
+
+def test_training_temperature_must_be_positive(stub_registry):
+    with pytest.raises(ConfigError, match=r"^rollout\.temperature=0\.0: training samples responses"):
+        validate_config(compose(["rollout.temperature=0"]), registry=stub_registry)
+    validate_config(compose(["rollout.val_kwargs.temperature=0"]), registry=stub_registry)  # greedy validation is fine
+
+
+def test_rollout_is_threshold_needs_engine_log_probs(stub_registry):
+    with pytest.raises(ConfigError, match=r"rollout\.calculate_log_probs=false"):
+        validate_config(compose(["actor.rollout_is_threshold=2.0"]), registry=stub_registry)
+    with pytest.raises(ConfigError, match=r"^actor\.rollout_is_threshold=0\.0 must be > 0"):
+        validate_config(compose(["actor.rollout_is_threshold=0", "rollout.calculate_log_probs=true"]),
+                        registry=stub_registry)
+    validate_config(compose(["actor.rollout_is_threshold=2.0", "rollout.calculate_log_probs=true"]), registry=stub_registry)
