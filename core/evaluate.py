@@ -49,7 +49,7 @@ def evaluate(cfg: DictConfig, checkpoint: str | None = None, k: int = 1, tempera
                           filter_overlong_prompts=cfg.data.filter_overlong_prompts, prompt_key=cfg.data.prompt_key,
                           system_prompt=cfg.data.system_prompt)
         rows = [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
-        reward = RewardManager(cfg.reward)
+        reward = stack.enter_context(RewardManager(cfg.reward))  # its worker pool is shut down on any exit
         reward.check_data_sources({r["data_source"] for r in rows})
         temp = temperature if temperature is not None else (0.0 if k == 1 else cfg.rollout.temperature)
         rollout = get_registry().get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
@@ -61,7 +61,6 @@ def evaluate(cfg: DictConfig, checkpoint: str | None = None, k: int = 1, tempera
             rollout.close()
         texts = tok.batch_decode(out.response_ids, skip_special_tokens=True)
         scores, extra, _ = reward.score([rows[i] for i in out.prompt_index], texts)
-        reward.close()
     correct = np.array([float(a) >= 1.0 for a in extra.get("acc", scores)], dtype=np.float64)
     by_prompt: dict[int, list[float]] = {}
     for j, i in enumerate(out.prompt_index):
@@ -83,6 +82,7 @@ def debug_rollout(cfg: DictConfig, prompts: list[str], ground_truth: str | None 
 
     Returns dicts with ``prompt``, ``response``, ``score`` and ``breakdown`` (the reward's extra values).
     """
+    from .data import _chat_ids
     from .models import load_tokenizer
     from .registry import get_registry
     from .reward import RewardManager
@@ -91,9 +91,7 @@ def debug_rollout(cfg: DictConfig, prompts: list[str], ground_truth: str | None 
     with ExitStack() as stack:
         path = _model_path(cfg, checkpoint, stack)
         tok = load_tokenizer(path)
-        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-               for p in prompts]
-        ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
+        ids = [_chat_ids(tok, [{"role": "user", "content": p}]) for p in prompts]  # as the training data is tokenized
         v = cfg.rollout.val_kwargs
         rollout = get_registry().get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
         try:
@@ -105,11 +103,10 @@ def debug_rollout(cfg: DictConfig, prompts: list[str], ground_truth: str | None 
     items = []
     if ground_truth is None:
         return [{"prompt": prompts[i], "response": t, "score": None, "breakdown": {}} for i, t in zip(out.prompt_index, texts)]
-    reward = RewardManager(cfg.reward)
     rows = [{"data_source": source, "ground_truth": ground_truth, "extra_info": {}, "messages": [], "prompt_ids": []}
             for _ in prompts]
-    scores, extra, _ = reward.score([rows[i] for i in out.prompt_index], texts)
-    reward.close()
+    with RewardManager(cfg.reward) as reward:
+        scores, extra, _ = reward.score([rows[i] for i in out.prompt_index], texts)
     for j, i in enumerate(out.prompt_index):
         items.append({"prompt": prompts[i], "response": texts[j], "score": scores[j],
                       "breakdown": {k: v[j] for k, v in extra.items()}})
