@@ -90,11 +90,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from .data_prepare import prepare_dataset
 
-    kwargs = json.loads(args.task_kwargs) if args.task_kwargs else None
-    result = prepare_dataset(
-        args.task, args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed, task_kwargs=kwargs,
-        instruction=args.instruction,
-    )
+    try:
+        kwargs = json.loads(args.task_kwargs) if args.task_kwargs else None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--task-kwargs is not valid JSON ({exc}); pass an object, e.g. '{{\"min_terms\": 2}}'.") from exc
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"--task-kwargs must be a JSON object (keyword -> value), got {args.task_kwargs!r}.")
+    try:
+        result = prepare_dataset(
+            args.task, args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed,
+            task_kwargs=kwargs, instruction=args.instruction,
+        )
+    except ValueError as exc:  # unknown task, bad sizes or task_kwargs: the message lists the valid choices
+        raise ConfigError(str(exc)) from exc
     console.print(result)
     return 0
 
@@ -102,7 +110,11 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint import export_checkpoint
 
-    path = export_checkpoint(args.checkpoint, args.out)
+    try:
+        path = export_checkpoint(args.checkpoint, args.out)
+    except FileNotFoundError as exc:  # no complete checkpoint there; the message says what was expected
+        err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
     console.print(f"Wrote a Hugging Face model folder to {path}")
     return 0
 
@@ -183,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors caused by the user's input whose messages say what to do: printed without a traceback.
+
+    Only modules already imported are consulted, so a failing command never imports torch for this.
+    """
+    from .data import DatasetError
+
+    types: list[type[BaseException]] = [DatasetError]
+    models = sys.modules.get(f"{__package__}.models")
+    if models is not None:
+        types.append(models.ModelPreparationError)
+    return tuple(types)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -193,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("Interrupted.")
         return 130
+    except Exception as exc:
+        if not isinstance(exc, _user_error_types()):
+            raise
+        err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

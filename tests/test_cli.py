@@ -110,6 +110,31 @@ def test_config_unknown_plugin_in_process(small_registry, capsys):
     assert "rlplug-typo" in err  # broken plugins are listed: one of them may have provided it
 
 
+def test_data_prepare_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["data", "prepare", "basic_arithmetc", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("Config error: Unknown task 'basic_arithmetc'. Did you mean 'basic_arithmetic'?")
+    assert cli.main(["data", "prepare", "basic_arithmetic", "--out", str(out), "--task-kwargs", "{min_terms: 2}"]) == 2
+    assert capsys.readouterr().err.startswith("Config error: --task-kwargs is not valid JSON")
+    assert not out.exists()
+
+
+def test_export_without_checkpoint_is_a_message(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"Error: No complete checkpoint at {tmp_path}: expected a global_step_N")
+
+
+def test_dataset_error_is_a_message(monkeypatch, capsys):
+    from rlplug.data import DatasetError
+
+    def broken(args):
+        raise DatasetError("train.parquet, row 3, column 'prompt': is an empty list")
+
+    monkeypatch.setattr(cli, "cmd_config", broken)
+    assert cli.main(["config"]) == 2
+    assert capsys.readouterr().err == "Error: train.parquet, row 3, column 'prompt': is an empty list\n"
+
+
 # ============================================================================ subprocesses (real entry points)
 
 
