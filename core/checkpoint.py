@@ -243,7 +243,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the actor of ``checkpoint`` (a ``global_step_N`` dir or a run dir) as a HF folder.
 
     The result loads with ``AutoModelForCausalLM.from_pretrained`` and vLLM.
-    Raises ``FileNotFoundError`` when no complete checkpoint is found there.
+    Raises ``FileNotFoundError`` when no complete checkpoint is found there, and ``ValueError``
+    when the saved weights do not fit the model described by ``hf_meta/config.json`` (missing or
+    unexpected tensor names), instead of writing a folder with uninitialised weights.
     """
     import torch
     from safetensors.torch import load_file
@@ -266,9 +268,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     state = load_file(str(weights))
-    model.load_state_dict(state, strict=False, assign=True)
+    result = model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
+        model.tie_weights()  # the tied output projection is saved once, under the embedding's name
+    # every parameter must now hold saved data: one still on the meta device was never loaded
+    missing = sorted(name for name, p in model.named_parameters() if p.is_meta)
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{weights} does not match the model in {meta / 'config.json'}: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {sorted(result.unexpected_keys)[:5]}. The checkpoint's "
+            "backend must save the actor under Hugging Face parameter names (as the local and fsdp2 backends do)."
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

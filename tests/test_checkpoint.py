@@ -236,3 +236,32 @@ def test_export_checkpoint_without_a_complete_checkpoint_says_so(tmp_path):
     (tmp_path / "global_step_1.partial-5").mkdir()
     with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("damage", ["drop", "rename"])
+def test_export_refuses_weights_that_do_not_fit_the_model(tmp_path, damage):
+    # a dropped tensor would stay uninitialised (meta) and a renamed one (a wrapper prefix) would be
+    # ignored by load_state_dict(strict=False): both must fail loudly, not write a broken folder
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlplug.config import TinyModelConfig
+    from rlplug.models import tiny_model_dir
+
+    src = tiny_model_dir(TinyModelConfig())
+    ckpt = tmp_path / "global_step_1"
+    (ckpt / "hf_meta").mkdir(parents=True)
+    (ckpt / "backend" / "actor").mkdir(parents=True)
+    shutil.copy(src / "config.json", ckpt / "hf_meta" / "config.json")
+    state = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensor = state.pop(name)
+    if damage == "rename":
+        state["_orig_mod." + name] = tensor
+    save_file(state, str(ckpt / "backend" / "actor" / "model.safetensors"))
+    (ckpt / COMPLETE).write_text("")
+    expected = rf"missing \['{name}'\], unexpected \[{repr('_orig_mod.' + name) if damage == 'rename' else ''}\]"
+    with pytest.raises(ValueError, match=expected):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
