@@ -67,6 +67,7 @@ class Batch:
         return key in self.tensors or key in self.meta
 
     def get(self, key: str, default: Any = None) -> Any:
+        """The tensor ``key``, else the metadata list ``key``, else ``default``."""
         return self.tensors.get(key, self.meta.get(key, default))
 
     def select(self, idx: Sequence[int] | torch.Tensor) -> "Batch":
@@ -79,6 +80,7 @@ class Batch:
         )
 
     def slice(self, start: int, stop: int) -> "Batch":
+        """Rows ``start:stop`` as a new batch; tensors are views (no copy), metadata lists are copied."""
         return Batch({k: v[start:stop] for k, v in self.tensors.items()}, {k: v[start:stop] for k, v in self.meta.items()})
 
     def split(self, size: int) -> Iterator["Batch"]:
@@ -89,6 +91,7 @@ class Batch:
             yield self.slice(start, start + size)
 
     def to(self, device: torch.device | str) -> "Batch":
+        """Every tensor moved to ``device`` (a no-op for tensors already there); metadata shared."""
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))
 
     @staticmethod

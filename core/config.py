@@ -385,4 +385,5 @@ def _explain_compose_error(exc: Exception) -> str:
 
 
 def to_container(cfg: DictConfig) -> dict:
+    """``cfg`` as plain nested dicts and lists, interpolations resolved."""
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
