@@ -43,6 +43,7 @@ vLLM's CPU attention needs a head dimension in {32, 64, 80, 96, 112, 128, 160, 1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -59,6 +60,7 @@ from typing import Any, Iterable
 import torch
 
 import rlplug
+from rlplug.plugins.hf import _cfg
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = ["VLLMRollout", "create_vllm_rollout", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
@@ -74,15 +76,6 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16"
 
 class EngineError(RuntimeError):
     """The vLLM engine process failed; the message carries the child's traceback."""
-
-
-def _cfg(config: Any, dotted: str, default: Any) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -359,12 +352,9 @@ class VLLMRollout:
         self.close()
 
 
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return True
+def _suppress() -> contextlib.suppress:
+    """Best-effort cleanup: swallow anything (a dead child's broken pipe, an interrupt mid-close)."""
+    return contextlib.suppress(BaseException)
 
 
 def _shutdown(proc: subprocess.Popen, send: Connection | None, recv: Connection | None) -> None:
