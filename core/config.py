@@ -3,7 +3,7 @@
 Keys follow verl's names where verl has one, with verl's ``actor_rollout_ref.`` prefix
 flattened (``actor.ppo_mini_batch_size``, ``rollout.n``, ``algorithm.adv_estimator`` ...).
 The schema is registered in Hydra's ConfigStore, so a misspelled key fails at compose time
-with the valid keys listed. Batch-size semantics are in ``shared/ALGORITHMS.md``:
+with the valid keys listed. Batch-size semantics are in ``docs/algorithms.md``:
 ``data.train_batch_size`` and ``*.ppo_mini_batch_size`` count prompts; ``rollout.n`` responses
 are generated per prompt.
 """

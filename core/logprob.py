@@ -14,7 +14,7 @@ Shape letters: ``B`` responses, ``P`` padded prompt length, ``T`` padded respons
 ``L = P + T``, ``H`` hidden size, ``V`` vocabulary size, ``N`` rows (tokens).
 
 All log-probs are natural-log (nats) of ``softmax(logits / temperature)`` with the rollout
-temperature (``shared/ALGORITHMS.md``); entropies are in nats of the same distribution.
+temperature (``docs/algorithms.md``); entropies are in nats of the same distribution.
 """
 
 from __future__ import annotations

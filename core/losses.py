@@ -5,7 +5,7 @@ Shape letters: ``B`` responses, ``T`` padded response length, ``V`` vocabulary s
 ``response_mask`` is ``(B, T)``, 1.0 on generated tokens and 0.0 elsewhere (a bool or integer
 mask is accepted too). Log-probs are natural-log (nats).
 
-The semantics follow ``/work/shared/ALGORITHMS.md`` (reference: verl's
+The semantics follow ``docs/algorithms.md`` (reference: verl's
 ``verl/trainer/ppo/core_algos.py``). Where a function differs from verl its docstring says so.
 
 Nothing here touches devices, process groups or global state: quantities such as the number of

@@ -11,7 +11,7 @@ Implementations are vectorised over the batch: recursions over time loop over ``
 statistics use scatter (``index_add_``) ops over all groups at once. Group statistics are computed
 in float64 so that a group of equal scores gives exactly zero advantage.
 
-Semantics: ``/work/shared/ALGORITHMS.md``; reference verl ``verl/trainer/ppo/core_algos.py``
+Semantics: ``docs/algorithms.md``; reference verl ``verl/trainer/ppo/core_algos.py``
 (``compute_gae_advantage_return``, ``compute_grpo_outcome_advantage``,
 ``compute_rloo_outcome_advantage``, ``compute_reinforce_plus_plus_outcome_advantage``,
 ``compute_reinforce_plus_plus_baseline_outcome_advantage``, ``compute_remax_outcome_advantage``).

@@ -20,7 +20,7 @@ which this class extends; only the distributed parts differ):
   (embedding = tied LM head) are gathered around the chunked log-prob computation. The
   reference model is sharded too (no optimizer): it costs one all-gather per layer per
   forward, and keeps its memory at ``1 / world_size`` like the actor's.
-* **Data parallelism** (``shared/ALGORITHMS.md``): every rank receives the same full batch (the
+* **Data parallelism** (``docs/algorithms.md``): every rank receives the same full batch (the
   trainer broadcasts rank 0's rollout; a fingerprint check fails loudly otherwise). Each
   global mini-batch of ``ppo_mini_batch_size * rollout.n`` responses is cut into
   ``world_size`` consecutive slices, one per rank; each rank splits its slice into micro-batches

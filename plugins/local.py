@@ -16,7 +16,7 @@ forward passes run under ``torch.autocast(dtype=torch.bfloat16)`` (fp32 when the
 bf16 autocast). Log-probs come from :func:`rlplug.logprob.response_log_probs`, which never
 materialises the ``(B, T, V)`` logits at once.
 
-The update loop (``shared/ALGORITHMS.md``, "Batch sizes and the update loop"): for each of
+The update loop (``docs/algorithms.md``, "Batch sizes and the update loop"): for each of
 ``ppo_epochs`` the batch is split IN ORDER (no shuffling, like verl's default) into mini-batches
 of ``ppo_mini_batch_size * rollout.n`` responses; each mini-batch is one optimizer step. Its
 loss normaliser (valid tokens or sequences, :func:`rlplug.losses.agg_normalizer`) is computed on
