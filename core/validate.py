@@ -143,6 +143,14 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     m = cfg.model
     if m.source not in ("default", "path", "tiny"):
         raise ConfigError(f"model.source={m.source}: use 'default', 'path' or 'tiny'.")
+    if m.compute_dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"model.compute_dtype={m.compute_dtype}: use 'bf16' (autocast, fp32 master weights) or 'fp32'.")
+    for key, optim in (("actor.optim", a.optim), ("critic.optim", cfg.critic.optim)):
+        if optim.warmup_style not in ("constant", "cosine"):
+            raise ConfigError(f"{key}.warmup_style={optim.warmup_style}: use 'constant' or 'cosine'.")
+    device = str(cfg.trainer.device)
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ConfigError(f"trainer.device={device}: use 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     if m.source == "path" or (m.source == "default" and m.path):
         if not m.path:
             raise ConfigError("model.source=path needs model.path: the folder of a Hugging Face model (config.json, weights, tokenizer).")

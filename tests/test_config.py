@@ -279,3 +279,14 @@ def test_rollout_is_threshold_needs_engine_log_probs(stub_registry):
         validate_config(compose(["actor.rollout_is_threshold=0", "rollout.calculate_log_probs=true"]),
                         registry=stub_registry)
     validate_config(compose(["actor.rollout_is_threshold=2.0", "rollout.calculate_log_probs=true"]), registry=stub_registry)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.compute_dtype=fp16", "model.compute_dtype=fp16: use 'bf16'"),
+    ("critic.optim.warmup_style=linear", "critic.optim.warmup_style=linear: use 'constant' or 'cosine'."),
+    ("trainer.device=gpu", "trainer.device=gpu: use 'auto'"),
+])
+def test_enumerated_values_fail_before_any_model_loads(stub_registry, override, expected):
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose([override]), registry=stub_registry)
+    assert str(info.value).startswith(expected)
