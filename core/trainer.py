@@ -74,21 +74,28 @@ def run_dir_for(cfg: DictConfig) -> Path:
     return Path("checkpoints") / cfg.trainer.project_name / cfg.trainer.experiment_name
 
 
+#: bump when data_prepare changes how prompts or ground truths are written
+DATA_FORMAT_VERSION = 1
+
+
 def prepared_data_files(cfg: DictConfig) -> tuple[list[str], list[str]]:
     """The train/val parquet files: ``data.train_files`` or a cached preparation of ``data.task``."""
     d = cfg.data
     if d.train_files:
         return [str(Path(f).expanduser()) for f in d.train_files], [str(Path(f).expanduser()) for f in (d.val_files or [])]
+    from . import data_prepare
+
+    # The key covers everything that shapes the files, including rlplug's task defaults and format
+    # version, so a change there never silently reuses stale data.
     spec = {"task": d.task, "train": d.train_size, "test": d.test_size, "seed": d.data_seed,
-            "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True), "instruction": d.instruction}
+            "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True), "instruction": d.instruction,
+            "defaults": data_prepare.TASK_DEFAULTS.get(d.task), "format": DATA_FORMAT_VERSION}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     out = default_cache_dir() / "data" / f"{d.task}-{key}"
     train, test = out / "train.parquet", out / "test.parquet"
     if not (train.is_file() and test.is_file()):
-        from .data_prepare import prepare_dataset
-
         tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-        prepare_dataset(d.task, tmp, train_size=d.train_size, test_size=d.test_size, seed=d.data_seed,
+        data_prepare.prepare_dataset(d.task, tmp, train_size=d.train_size, test_size=d.test_size, seed=d.data_seed,
                         task_kwargs=spec["kwargs"] or None, instruction=d.instruction)
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -102,12 +109,14 @@ def prepared_data_files(cfg: DictConfig) -> tuple[list[str], list[str]]:
 
 
 def set_threads(n: int | None) -> None:
+    """Use ``n`` torch threads (None: all cores); thread counts are set explicitly (MACHINE_NOTES)."""
     n = n or os.cpu_count() or 1
     torch.set_num_threads(n)
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global RNGs with ``seed``."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -130,6 +139,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the RNG states saved by :func:`rng_state`."""
     gauss = state["python_gauss"]
     random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()),
                      None if isinstance(gauss, float) and math.isnan(gauss) else gauss))
@@ -140,6 +150,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall time (seconds) to ``metrics["timing_s/<name>"]``."""
     start = time.perf_counter()
     yield
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
@@ -258,7 +269,12 @@ class Trainer:
         self.distributed = getattr(self.backend, "world_size", 1) > 1
         self.is_main = not self.distributed or bool(self.backend.is_main_process)
         rollout_factory = self.registry.get("rollout_backend", cfg.rollout.name)
-        self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer) if self.is_main else None
+        try:
+            self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer) if self.is_main else None
+        except BaseException:
+            self.rollout = None
+            self.close()  # the backend (and a process group) is already up: do not leak it
+            raise
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.global_step = 0
         self.trackers: list[Any] = []
@@ -291,8 +307,14 @@ class Trainer:
                 "safetensors only, because unpickling arbitrary objects can run code. Resume from a checkpoint "
                 "written by rlplug, or start fresh with trainer.resume_mode=disable."
             ) from exc
-        self.loader.load_state_dict(state["data_loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        try:
+            self.loader.load_state_dict(state["data_loader"])
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(
+                f"Cannot resume from {path}: {exc}. The data or KL settings differ from the checkpointed run; "
+                "restore them, or start fresh with trainer.resume_mode=disable (or another trainer.default_local_dir)."
+            ) from exc
         self.global_step = int(state["global_step"])
         self._push_weights()
         log.info("Resumed from %s at step %d", path, self.global_step)
@@ -465,9 +487,10 @@ class Trainer:
             ret, val = returns[valid], batch["values"][valid]
             var_r = ret.var(unbiased=False)
             metrics["critic/vf_explained_var"] = (1.0 - (ret - val).var(unbiased=False) / (var_r + 1e-8)).item()
-        for k, vals in extra.items():
-            if vals:
-                metrics[f"critic/{k}/mean"] = float(np.mean(vals))
+        for k, vals in extra.items():  # NaN marks samples whose reward did not report the key
+            finite = [v for v in vals if v is not None and not math.isnan(v)]
+            if finite:
+                metrics[f"critic/{k}/mean"] = float(np.mean(finite))
         metrics.update(_stats("response_length", lengths))
         metrics["response_length/clip_ratio"] = float(np.mean(out.truncated_flags))
         metrics["response_length/empty"] = float(sum(1 for n in out.response_lengths if n == 0))
@@ -550,7 +573,13 @@ class Trainer:
 
         cfg = self.cfg
         self._resume()
-        self._open_trackers()
+        try:
+            self._open_trackers()
+        except BaseException:
+            for t in self.trackers:  # close those already open, so no MLflow run is left RUNNING
+                with contextlib.suppress(Exception):
+                    t.close(status="FAILED")
+            raise
         old_handlers = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
