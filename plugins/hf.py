@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 import rlplug
+from rlplug.config import config_get
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = ["HFRollout", "create_hf_rollout", "parse_dtype", "strip_wrapper_prefixes", "validate_prompts"]
@@ -83,15 +84,6 @@ def validate_prompts(prompt_ids: Any, vocab_size: int | None, params: SamplingPa
     return out
 
 
-def _cfg(config: Any, dotted: str, default: Any) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
-
-
 def _eos_ids(tokenizer: Any, *extra: Any) -> list[int]:
     ids: set[int] = set()
     for src in (getattr(tokenizer, "eos_token_id", None), *extra):
@@ -148,18 +140,18 @@ class HFRollout:
 
         from rlplug.models import load_causal_lm
 
-        self.dtype = parse_dtype(_cfg(config, "rollout.dtype", "bf16"))
-        self.micro_batch_size = int(_cfg(config, "rollout.micro_batch_size", 64))
+        self.dtype = parse_dtype(config_get(config, "rollout.dtype", "bf16"))
+        self.micro_batch_size = int(config_get(config, "rollout.micro_batch_size", 64))
         if self.micro_batch_size < 1:
             raise ValueError(f"rollout.micro_batch_size must be >= 1, got {self.micro_batch_size}.")
-        threads = _cfg(config, "rollout.num_threads", None)
+        threads = config_get(config, "rollout.num_threads", None)
         self.num_threads = int(threads) if threads is not None else None
-        self.seed = int(_cfg(config, "trainer.seed", 0))
-        device = str(_cfg(config, "trainer.device", "auto"))
+        self.seed = int(config_get(config, "trainer.seed", 0))
+        device = str(config_get(config, "trainer.device", "auto"))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        trust = bool(_cfg(config, "model.trust_remote_code", False))
+        trust = bool(config_get(config, "model.trust_remote_code", False))
         self.model_path = str(model_path)
         self.model = load_causal_lm(self.model_path, dtype=self.dtype, trust_remote_code=trust)  # warns if trust
         self.model.to(self.device).eval()

@@ -23,20 +23,17 @@ from typing import Any
 import torch
 
 import rlplug
-from rlplug.losses import agg_loss, config_value, masked_mean
+from rlplug.config import config_get
+from rlplug.losses import agg_loss, masked_mean
 from rlplug.types import PolicyLoss
 
 __all__ = ["vanilla_policy_loss", "dual_clip_policy_loss", "validate_dual_clip"]
 
 
-def _get(config: Any, key: str, default: Any) -> Any:
-    return config_value(config, key, default)
-
-
 def _clip_range(config: Any) -> tuple[float, float]:
-    clip_ratio = float(_get(config, "clip_ratio", 0.2))
-    low = float(_get(config, "clip_ratio_low", clip_ratio))
-    high = float(_get(config, "clip_ratio_high", clip_ratio))
+    clip_ratio = float(config_get(config, "clip_ratio", 0.2))
+    low = float(config_get(config, "clip_ratio_low", clip_ratio))
+    high = float(config_get(config, "clip_ratio_high", clip_ratio))
     return low, high
 
 
@@ -97,7 +94,7 @@ def vanilla_policy_loss(
 
 def validate_dual_clip(config: Any) -> None:
     """Raise ``ValueError`` unless ``actor.clip_ratio_c`` (default 3.0) is > 1."""
-    c = _get(config, "clip_ratio_c", 3.0)
+    c = config_get(config, "clip_ratio_c", 3.0)
     try:
         c = float(c)
     except (TypeError, ValueError):
@@ -129,7 +126,7 @@ def dual_clip_policy_loss(
     """
     validate_dual_clip(config)
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
-    c = float(_get(config, "clip_ratio_c", 3.0))
+    c = float(config_get(config, "clip_ratio_c", 3.0))
     l1, l2, clipped = _surrogate(old_log_probs, log_probs, advantages, config)
     l3 = -advantages * c
     negative = advantages < 0

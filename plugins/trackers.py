@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import rlplug
+from rlplug.config import config_get
 
 __all__ = [
     "ConsoleTracker",
@@ -69,26 +70,13 @@ _STATUSES = {"finished": "FINISHED", "killed": "KILLED", "interrupted": "KILLED"
 # ============================================================================ helpers
 
 
-def _select(config: Any, dotted: str, default: Any = None) -> Any:
-    """``config.a.b`` for a DictConfig, a dataclass or nested mappings; ``default`` when absent."""
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping):
-            node = node.get(part, default) if part in node else default
-        else:
-            node = getattr(node, part, default)
-    return node
-
-
 def run_dir(config: Any) -> Path:
     """The run directory: ``trainer.default_local_dir``, else the trainer's default for the project.
 
     Delegates to :func:`rlplug.trainer.run_dir_for` so trackers and checkpoints share one folder
     (``<default>/<trainer.project_name>/<trainer.experiment_name>``). The folder is not created.
     """
-    local = _select(config, "trainer.default_local_dir")
+    local = config_get(config, "trainer.default_local_dir")
     if local:
         return Path(str(local)).expanduser()
     try:
@@ -96,8 +84,8 @@ def run_dir(config: Any) -> Path:
 
         return Path(run_dir_for(config))
     except Exception:  # the trainer could not be imported, or config is a plain mapping
-        return Path("checkpoints") / str(_select(config, "trainer.project_name", "rlplug")) / str(
-            _select(config, "trainer.experiment_name", "default")
+        return Path("checkpoints") / str(config_get(config, "trainer.project_name", "rlplug")) / str(
+            config_get(config, "trainer.experiment_name", "default")
         )
 
 
@@ -190,7 +178,7 @@ def _will_resume(config: Any, directory: Path) -> bool:
 
     A checkpoint is complete when ``global_step_N/COMPLETE`` exists (see :mod:`rlplug.checkpoint`).
     """
-    mode = str(_select(config, "trainer.resume_mode", "auto"))
+    mode = str(config_get(config, "trainer.resume_mode", "auto"))
     if mode == "resume_path":
         return True
     if mode != "auto":
@@ -249,8 +237,8 @@ class ConsoleTracker:
 
         self.console = console if console is not None else Console(highlight=False, soft_wrap=True)
         self.max_fields = max_fields
-        self.project = _select(config, "trainer.project_name", "rlplug")
-        self.experiment = _select(config, "trainer.experiment_name", "default")
+        self.project = config_get(config, "trainer.project_name", "rlplug")
+        self.experiment = config_get(config, "trainer.experiment_name", "default")
         self.closed = False
 
     def summary(self, metrics: Mapping[str, Any], step: int) -> str:
@@ -330,8 +318,8 @@ class MlflowTracker:
         self.tracking_uri = tracking_uri or env_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
         local_store = not (tracking_uri or env_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        project = str(_select(config, "trainer.project_name", "rlplug"))
-        run_name = str(_select(config, "trainer.experiment_name", "default"))
+        project = str(config_get(config, "trainer.project_name", "rlplug"))
+        run_name = str(config_get(config, "trainer.experiment_name", "default"))
         self.experiment_id = self._experiment(project, local_store)
         self.resumed = False
         self.closed = False

@@ -60,7 +60,7 @@ from typing import Any, Iterable
 import torch
 
 import rlplug
-from rlplug.plugins.hf import _cfg
+from rlplug.config import config_get
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = ["VLLMRollout", "create_vllm_rollout", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
@@ -117,12 +117,12 @@ class VLLMRollout:
                 "torchvision/torchaudio/torchcodec wheels it pulls in) or `pip install vllm` on a GPU; or use rollout=hf."
             )
         self.model_path = str(model_path)
-        dtype_key = str(_cfg(config, "rollout.dtype", "bf16")).lower()
+        dtype_key = str(config_get(config, "rollout.dtype", "bf16")).lower()
         parse_dtype(dtype_key)  # same error message as hf for an unknown dtype
         self.dtype_name = _DTYPE_NAMES[dtype_key]
         self.dtype = _TORCH_DTYPES[self.dtype_name]
-        self.seed = int(_cfg(config, "trainer.seed", 0))
-        device = str(_cfg(config, "trainer.device", "auto"))
+        self.seed = int(config_get(config, "trainer.seed", 0))
+        device = str(config_get(config, "trainer.device", "auto"))
         self.on_gpu = (device == "cuda") or (device == "auto" and torch.cuda.is_available())
         hf_cfg = json.loads((Path(self.model_path) / "config.json").read_text())
         self.tie_word_embeddings = bool(hf_cfg.get("tie_word_embeddings", False))
@@ -137,7 +137,7 @@ class VLLMRollout:
             )
         self.shapes = _checkpoint_shapes(self.model_path)
         self.eos_ids = _eos_ids(tokenizer, hf_cfg.get("eos_token_id"))
-        threads = _cfg(config, "rollout.num_threads", None)
+        threads = config_get(config, "rollout.num_threads", None)
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         n_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
         self.num_threads = n_threads
@@ -155,7 +155,7 @@ class VLLMRollout:
         env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
         if not self.on_gpu:
-            kv_gib = float(_cfg(config, "rollout.kv_cache_space_gib", 2.0))
+            kv_gib = float(config_get(config, "rollout.kv_cache_space_gib", 2.0))
             env.update(
                 VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
                 VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in cores[:n_threads]),
@@ -168,13 +168,13 @@ class VLLMRollout:
             tokenizer=self.model_path,
             dtype=self.dtype_name,
             seed=self.seed,
-            enforce_eager=bool(_cfg(config, "rollout.enforce_eager", True)),
-            trust_remote_code=bool(_cfg(config, "model.trust_remote_code", False)),
+            enforce_eager=bool(config_get(config, "rollout.enforce_eager", True)),
+            trust_remote_code=bool(config_get(config, "model.trust_remote_code", False)),
             logprobs_mode="processed_logprobs",
             max_logprobs=0,
         )
         if self.on_gpu:
-            engine_kwargs["gpu_memory_utilization"] = float(_cfg(config, "rollout.gpu_memory_utilization", 0.4))
+            engine_kwargs["gpu_memory_utilization"] = float(config_get(config, "rollout.gpu_memory_utilization", 0.4))
 
         self._closed = False
         self._proc: subprocess.Popen | None = None
@@ -384,7 +384,7 @@ def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
     OpenAI-compatible server, :class:`rlplug.plugins.rollout_server.VLLMServerRollout`.
     Raises ``ValueError`` for another mode.
     """
-    mode = str(_cfg(config, "rollout.mode", "inprocess"))
+    mode = str(config_get(config, "rollout.mode", "inprocess"))
     if mode == "server":
         from rlplug.plugins.rollout_server import VLLMServerRollout
 

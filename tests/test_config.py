@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlplug.config import ConfigError, RunConfig, compose, config_dir
+from rlplug.config import ConfigError, RunConfig, compose, config_dir, config_get
 from rlplug.registry import Registry
 from rlplug.types import AdvantageEstimator, KLPenalty, PolicyLoss
 from rlplug.validate import validate_config
@@ -290,3 +290,27 @@ def test_enumerated_values_fail_before_any_model_loads(stub_registry, override, 
     with pytest.raises(ConfigError) as info:
         validate_config(compose([override]), registry=stub_registry)
     assert str(info.value).startswith(expected)
+
+
+def test_config_get_reads_dictconfig_dataclass_and_dict_alike():
+    # The same dotted keys through the three container kinds, each checked against plain
+    # attribute / item access on that container (the composed presets may override the schema).
+    composed = compose([])  # a struct DictConfig: an unknown key must give the default, not raise
+    dataclass_cfg = RunConfig()
+    plain = {"rollout": {"n": 3}, "actor": {"optim": {"lr": 2e-6}}}
+    cases = [
+        (composed, composed.rollout.n, composed.actor.optim.lr),
+        (dataclass_cfg, dataclass_cfg.rollout.n, dataclass_cfg.actor.optim.lr),
+        (plain, 3, 2e-6),
+    ]
+    for cfg, n, lr in cases:
+        assert config_get(cfg, "rollout.n") == n
+        assert config_get(cfg, "actor.optim.lr") == lr
+        assert config_get(cfg, "rollout.no_such_key", 7) == 7
+        assert config_get(cfg, "no_section.n", "d") == "d"
+    # a None value (or a None config / section on the way) gives the default; falsy values do not
+    assert config_get({"a": {"b": None}}, "a.b", 5) == 5
+    assert config_get({"a": None}, "a.b", 5) == 5
+    assert config_get(None, "a", 5) == 5
+    assert config_get({"a": 0}, "a", 5) == 0
+    assert config_get({"a": False}, "a", True) is False
