@@ -637,30 +637,12 @@ class ServerRollout:
         """
         from safetensors.torch import save_file
 
-        from rlplug.plugins.hf import strip_wrapper_prefixes
+        from rlplug.plugins.vllm import _checked_weights
 
         self._check_open()
         t0 = time.perf_counter()
-        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        tensors: dict[str, Any] = {}
-        for raw, t in items:
-            name = strip_wrapper_prefixes(raw)
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied to the embedding, which is sent too
-            if name not in self.shapes:
-                raise KeyError(
-                    f"update_weights got '{raw}', which the model checkpoint at {self.model_path} has no tensor for. "
-                    f"Expected Hugging Face names such as '{next(iter(self.shapes))}'."
-                )
-            if tuple(t.shape) != self.shapes[name]:
-                raise ValueError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the engine expects {self.shapes[name]}.")
-            tensors[name] = t.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
-        missing = sorted(set(self.shapes) - set(tensors) - ({"lm_head.weight"} if self.tie_word_embeddings else set()))
-        if missing:
-            raise ValueError(
-                f"update_weights got {len(tensors)} of {len(self.shapes)} tensors; the {self.engine} server reloads the "
-                f"whole model and needs all of them. Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}."
-            )
+        tensors = _checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
+                                   model_path=self.model_path, reloads=f"the {self.engine} server reloads the whole model")
         self._weights_count += 1
         folder = Path(self._weights_root()) / f"v{self._weights_count:06d}"
         folder.mkdir()

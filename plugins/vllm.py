@@ -90,6 +90,52 @@ def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _checked_weights(
+    named_tensors: Iterable[tuple[str, Any]] | dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    dtype: Any,
+    tie_word_embeddings: bool,
+    model_path: str,
+    reloads: str,
+) -> dict[str, Any]:
+    """The actor's weights ready for an engine that reloads the whole checkpoint (this backend and
+    :class:`rlplug.plugins.rollout_server.ServerRollout`).
+
+    ``named_tensors``: ``(name, tensor)`` pairs or a dict, Hugging Face names (wrapper prefixes
+    such as ``module.`` are stripped), any dtype/device. ``shapes``: the checkpoint's names and
+    shapes (:func:`_checkpoint_shapes` of ``model_path``). Returns ``{name: tensor}``, each a
+    contiguous CPU copy in ``dtype``; ``lm_head.weight`` is dropped when embeddings are tied.
+
+    Raises ``KeyError`` for a name the checkpoint has no tensor for, ``ValueError`` for a shape
+    mismatch or a missing tensor (``reloads`` says why every tensor is needed, e.g. "the vllm
+    backend reloads whole layers"); all checked before the caller sends anything.
+    """
+    from rlplug.plugins.hf import strip_wrapper_prefixes
+
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    tensors: dict[str, Any] = {}
+    for raw, t in items:
+        name = strip_wrapper_prefixes(raw)
+        if name == "lm_head.weight" and tie_word_embeddings:
+            continue  # tied to the embedding, which is sent too
+        if name not in shapes:
+            raise KeyError(
+                f"update_weights got '{raw}', which the model checkpoint at {model_path} has no tensor for. "
+                f"Expected Hugging Face names such as '{next(iter(shapes))}'."
+            )
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the engine expects {shapes[name]}.")
+        tensors[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+    missing = sorted(set(shapes) - set(tensors) - ({"lm_head.weight"} if tie_word_embeddings else set()))
+    if missing:
+        raise ValueError(
+            f"update_weights got {len(tensors)} of {len(shapes)} tensors; {reloads} and needs all of them. "
+            f"Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}."
+        )
+    return tensors
+
+
 def _shm_dir() -> str:
     d = "/dev/shm"
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
@@ -286,31 +332,11 @@ class VLLMRollout:
         """
         from safetensors.torch import save_file
 
-        from rlplug.plugins.hf import strip_wrapper_prefixes
-
         if self._closed:
             raise RuntimeError("This vllm rollout backend was closed.")
         t0 = time.perf_counter()
-        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        tensors: dict[str, torch.Tensor] = {}
-        for raw, t in items:
-            name = strip_wrapper_prefixes(raw)
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied to the embedding, which is sent too
-            if name not in self.shapes:
-                raise KeyError(
-                    f"update_weights got '{raw}', which the model checkpoint at {self.model_path} has no tensor for. "
-                    f"Expected Hugging Face names such as '{next(iter(self.shapes))}'."
-                )
-            if tuple(t.shape) != self.shapes[name]:
-                raise ValueError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the engine expects {self.shapes[name]}.")
-            tensors[name] = t.detach().to(device="cpu", dtype=self.dtype, copy=True).contiguous()
-        missing = sorted(set(self.shapes) - set(tensors) - ({"lm_head.weight"} if self.tie_word_embeddings else set()))
-        if missing:
-            raise ValueError(
-                f"update_weights got {len(tensors)} of {len(self.shapes)} tensors; the vllm backend reloads whole layers and "
-                f"needs all of them. Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}."
-            )
+        tensors = _checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
+                                   model_path=self.model_path, reloads="the vllm backend reloads whole layers")
         fd, path = tempfile.mkstemp(prefix=f"rlplug-vllm-weights-{os.getpid()}-", suffix=".safetensors", dir=_shm_dir())
         os.close(fd)
         try:
