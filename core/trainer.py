@@ -597,7 +597,15 @@ class Trainer:
             while self.global_step < self.total_steps:
                 metrics = self.train_step()
                 step = self.global_step
-                last = step >= self.total_steps
+                out_of_time = cfg.trainer.max_wall_time_s is not None and time.time() - t_start > cfg.trainer.max_wall_time_s
+                if self.distributed:  # every rank must stop (and save) at the same step: rank 0 decides
+                    self._stop_signal, out_of_time = self.backend.broadcast_object((self._stop_signal, out_of_time))
+                # the time budget is part of the experiment: reaching it ends the run like its last step
+                # (validation, checkpoint, final model)
+                last = step >= self.total_steps or out_of_time
+                if out_of_time and step < self.total_steps:
+                    print(f"Reached trainer.max_wall_time_s={cfg.trainer.max_wall_time_s} after step {step}: "
+                          "validating, saving and exporting.", flush=True)
                 if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                     with timer(metrics, "testing"):
                         metrics.update(self._run_validation(log_now=False))
@@ -607,17 +615,16 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k: round(v, 3) for k, v in metrics.items()
                                  if k in ("critic/score/mean", "actor/pg_loss", "response_length/mean")})
-                out_of_time = cfg.trainer.max_wall_time_s is not None and time.time() - t_start > cfg.trainer.max_wall_time_s
-                if self.distributed:  # every rank must stop (and save) at the same step: rank 0 decides
-                    self._stop_signal, out_of_time = self.backend.broadcast_object((self._stop_signal, out_of_time))
-                if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal or out_of_time:
+                if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal:
                     with timer(metrics, "save_checkpoint"):
                         self.save_checkpoint()
-                if (self._stop_signal is not None or out_of_time) and not last:  # a stop in the last step just finishes
+                if self._stop_signal is not None and not last:  # a stop in the last step just finishes
                     status = "interrupted"
-                    why = "a signal" if self._stop_signal is not None else f"trainer.max_wall_time_s={cfg.trainer.max_wall_time_s}"
-                    print(f"Stopped after step {step} ({why}); checkpoint saved in {self.ckpt.root}. "
+                    print(f"Stopped after step {step} (a signal); checkpoint saved in {self.ckpt.root}. "
                           f"Resume with the same command (trainer.resume_mode=auto).", flush=True)
+                    break
+                if out_of_time:
+                    status = "finished"
                     break
             else:
                 status = "finished"
