@@ -77,7 +77,8 @@ def _fault_point(label: str) -> None:
 # ============================================================================ files
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path | str) -> None:
+    """fsync the file or directory ``path``, best effort (a file system that refuses is skipped)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -94,17 +95,8 @@ def _fsync_tree(root: Path) -> None:
     """fsync every file and directory under ``root`` (so COMPLETE never precedes the data on disk)."""
     for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync(os.path.join(dirpath, name))
+        _fsync(Path(dirpath))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -116,7 +108,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     _fault_point("pointer_tmp_written")
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    _fsync(path.parent)
 
 
 class CheckpointManager:
@@ -197,13 +189,13 @@ class CheckpointManager:
             f.write(json.dumps({"step": step}))
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        _fsync(tmp)
         _fault_point("ckpt_marked")
         if final.exists():  # an older save of the same step (e.g. after resume_path): move it aside first
             self._discard(final)
             _fault_point("ckpt_old_moved")
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         _fault_point("ckpt_renamed")
         atomic_write_text(self.root / LATEST, str(step))
         _fault_point("ckpt_pointer")
@@ -220,7 +212,7 @@ class CheckpointManager:
         if doomed.exists():
             shutil.rmtree(doomed, ignore_errors=True)
         os.replace(path, doomed)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         shutil.rmtree(doomed, ignore_errors=True)
 
     def _cleanup(self, keep: Path) -> None:
