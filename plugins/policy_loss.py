@@ -58,6 +58,19 @@ def _surrogate(old_log_probs, log_probs, advantages, config):
     return l1, l2, torch.maximum(l1, l2)
 
 
+def _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask, lower_clipped=None) -> dict[str, float]:
+    """``pg_clipfrac`` (share of valid tokens where ``L2 > L1``), ``pg_clipfrac_lower`` (share where
+    ``lower_clipped`` holds; 0.0 without a lower clip) and ``ppo_kl`` (masked mean of
+    ``old_log_probs - log_probs``, nats); no gradient."""
+    with torch.no_grad():
+        lower = 0.0 if lower_clipped is None else float(masked_mean(lower_clipped.float(), response_mask).item())
+        return {
+            "pg_clipfrac": float(masked_mean((l2 > l1).float(), response_mask).item()),
+            "pg_clipfrac_lower": lower,
+            "ppo_kl": float(masked_mean(old_log_probs - log_probs, response_mask).item()),
+        }
+
+
 def vanilla_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -83,13 +96,7 @@ def vanilla_policy_loss(
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
     l1, l2, per_token = _surrogate(old_log_probs, log_probs, advantages, config)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": float(masked_mean((l2 > l1).float(), response_mask).item()),
-            "pg_clipfrac_lower": 0.0,
-            "ppo_kl": float(masked_mean(old_log_probs - log_probs, response_mask).item()),
-        }
-    return loss, metrics
+    return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask)
 
 
 def validate_dual_clip(config: Any) -> None:
@@ -132,13 +139,7 @@ def dual_clip_policy_loss(
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, l3), clipped)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": float(masked_mean((l2 > l1).float(), response_mask).item()),
-            "pg_clipfrac_lower": float(masked_mean(((clipped > l3) & negative).float(), response_mask).item()),
-            "ppo_kl": float(masked_mean(old_log_probs - log_probs, response_mask).item()),
-        }
-    return loss, metrics
+    return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask, lower_clipped=(clipped > l3) & negative)
 
 
 @rlplug.hookimpl
