@@ -8,15 +8,13 @@ import pytest
 import torch
 
 import rlplug
+from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
-from rlplug.models import load_causal_lm, load_tokenizer, resolve_model_path
+from rlplug.models import load_causal_lm
 from rlplug.plugins.hf import HFRollout, create_hf_rollout
 from rlplug.types import SamplingParams
 
 torch.set_num_threads(1)
-
-# Two prompts of different lengths, so batching them needs left padding.
-PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5248, 30], [1, 4093, 28, 540]]
 
 
 @pytest.fixture(scope="module")
@@ -24,35 +22,10 @@ def cfg():
     return compose(["model=tiny", "rollout.dtype=fp32", "rollout.micro_batch_size=8", "trainer.seed=7"])
 
 
-@pytest.fixture(scope="module")
-def model_path(cfg) -> str:
-    return resolve_model_path(cfg.model)
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    return load_tokenizer(model_path)
-
-
-@pytest.fixture(scope="module")
-def ref_model(model_path):
-    return load_causal_lm(model_path)
-
-
 @pytest.fixture()
 def backend(cfg, model_path, tok):
     with HFRollout(cfg, model_path, tok) as b:
         yield b
-
-
-def manual_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    """Reference: argmax of the full-sequence logits, one token at a time, no cache, no padding."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt) :]
 
 
 def test_registered_through_the_plugin_registry() -> None:
@@ -132,11 +105,7 @@ def test_log_probs_equal_log_softmax_of_logits_over_temperature(backend, ref_mod
     T = 0.7
     out = backend.generate(PROMPTS, SamplingParams(n=2, temperature=T, max_tokens=6, logprobs=True, seed=1))
     for i, resp in enumerate(out.response_ids):
-        prompt = PROMPTS[out.prompt_index[i]]
-        ids = torch.tensor([prompt + resp])
-        with torch.no_grad():
-            logits = ref_model(ids).logits[0, len(prompt) - 1 : -1]  # (T_resp, V) predicting resp
-        expected = torch.log_softmax(logits / T, dim=-1).gather(1, torch.tensor(resp)[:, None]).squeeze(1)
+        expected = reference_log_probs(ref_model, PROMPTS[out.prompt_index[i]], resp, T)
         torch.testing.assert_close(torch.tensor(out.log_probs[i]), expected, atol=1e-4, rtol=1e-4)
     greedy = backend.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4, logprobs=True))
     ids = torch.tensor([PROMPTS[0] + greedy.response_ids[0]])

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import rlplug
+from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
-from rlplug.models import load_causal_lm, load_tokenizer, resolve_model_path
+from rlplug.models import load_causal_lm, resolve_model_path
 from rlplug.types import SamplingParams
 from rlplug.plugins.vllm import EngineError
 
@@ -28,7 +29,6 @@ pytestmark = [
 
 torch.set_num_threads(1)
 
-PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5248, 30], [1, 4093, 28, 540]]
 OVERRIDES = ["model=tiny", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1", "rollout=vllm",
              "rollout.dtype=fp32", "rollout.kv_cache_space_gib=1", "trainer.seed=7"]
 
@@ -36,16 +36,6 @@ OVERRIDES = ["model=tiny", "model.tiny.num_attention_heads=2", "model.tiny.num_k
 @pytest.fixture(scope="module")
 def cfg():
     return compose(OVERRIDES)
-
-
-@pytest.fixture(scope="module")
-def model_path(cfg) -> str:
-    return resolve_model_path(cfg.model)
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    return load_tokenizer(model_path)
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +52,6 @@ def hf(cfg, model_path, tok):
 
     with HFRollout(cfg, model_path, tok) as h:
         yield h
-
-
-@pytest.fixture(scope="module")
-def ref_model(model_path):
-    return load_causal_lm(model_path)
-
-
-def manual_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -107,10 +84,7 @@ def test_log_probs_match_the_model(engine, ref_model) -> None:
     T = 0.7
     out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=T, max_tokens=6, logprobs=True, seed=1))
     for i, resp in enumerate(out.response_ids):
-        prompt = PROMPTS[out.prompt_index[i]]
-        with torch.no_grad():
-            logits = ref_model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : -1]
-        expected = torch.log_softmax(logits / T, -1).gather(1, torch.tensor(resp)[:, None]).squeeze(1)
+        expected = reference_log_probs(ref_model, PROMPTS[out.prompt_index[i]], resp, T)
         torch.testing.assert_close(torch.tensor(out.log_probs[i]), expected, atol=2e-3, rtol=1e-3)
 
 

@@ -23,8 +23,8 @@ import time
 import pytest
 import torch
 
+from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
-from rlplug.models import load_causal_lm, load_tokenizer, resolve_model_path
 from rlplug.plugins.rollout_server import VLLMServerRollout
 from rlplug.types import SamplingParams
 
@@ -36,7 +36,6 @@ pytestmark = [
 
 torch.set_num_threads(1)
 
-PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5248, 30], [1, 4093, 28, 540]]
 OVERRIDES = ["model=tiny", "rollout=vllm", "rollout.mode=server", "rollout.dtype=fp32", "rollout.kv_cache_space_gib=1",
              "trainer.seed=7", "trainer.device=cpu"]
 
@@ -47,16 +46,6 @@ def cfg():
 
 
 @pytest.fixture(scope="module")
-def model_path(cfg) -> str:
-    return resolve_model_path(cfg.model)
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    return load_tokenizer(model_path)
-
-
-@pytest.fixture(scope="module")
 def server(cfg, model_path, tok):
     from rlplug.plugins.vllm import create_vllm_rollout
 
@@ -64,19 +53,6 @@ def server(cfg, model_path, tok):
         assert isinstance(s, VLLMServerRollout)
         print(f"vLLM server started in {s.startup_s:.1f} s")
         yield s
-
-
-@pytest.fixture(scope="module")
-def ref_model(model_path):
-    return load_causal_lm(model_path)
-
-
-def manual_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def forcing_weights(model, token: int) -> dict[str, torch.Tensor]:
@@ -109,10 +85,7 @@ def test_log_probs_match_the_model(server, ref_model) -> None:
     T = 0.7
     out = server.generate(PROMPTS, SamplingParams(n=2, temperature=T, max_tokens=6, logprobs=True))
     for i, resp in enumerate(out.response_ids):
-        prompt = PROMPTS[out.prompt_index[i]]
-        with torch.no_grad():
-            logits = ref_model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1: -1]
-        expected = torch.log_softmax(logits / T, -1).gather(1, torch.tensor(resp)[:, None]).squeeze(1)
+        expected = reference_log_probs(ref_model, PROMPTS[out.prompt_index[i]], resp, T)
         torch.testing.assert_close(torch.tensor(out.log_probs[i]), expected, atol=2e-3, rtol=1e-3)
 
 

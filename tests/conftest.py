@@ -1,0 +1,34 @@
+"""Fixtures shared by the rollout test modules (test_rollout_hf, test_rollout_vllm, test_vllm_server).
+
+Each of those modules defines its own module-scoped ``cfg`` fixture (the composed run config);
+these build the model folder, tokenizer and reference model from it. A module that defines a
+fixture of the same name (``model_path`` in test_local_backend, for instance) keeps its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def model_path(cfg) -> str:
+    """The local folder of ``cfg.model`` (:func:`rlplug.models.resolve_model_path`)."""
+    from rlplug.models import resolve_model_path
+
+    return resolve_model_path(cfg.model)
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    """The model's tokenizer."""
+    from rlplug.models import load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="module")
+def ref_model(model_path):
+    """The model loaded with transformers (fp32, eval): the reference for outputs and log-probs."""
+    from rlplug.models import load_causal_lm
+
+    return load_causal_lm(model_path)
