@@ -16,30 +16,19 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import rlplug
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 from rlplug.checkpoint import CheckpointManager
-from rlplug.config import compose
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer, run
 from rlplug.types import AdvantageEstimator
-from rlplug.validate import validate_config
 
-BASE = [
-    "debug=tiny",
-    "model.tiny.num_hidden_layers=1",
-    "data.train_batch_size=2",
+BASE = TINY_CPU_RUN + [
     "actor.ppo_mini_batch_size=1",  # 2 optimizer steps per training step
     "actor.micro_batch_size_per_device=1",
-    "data.max_response_length=8",
-    "trainer.test_freq=0",
-    "trainer.val_before_train=false",
     "trainer.logger=[]",
-    "trainer.num_threads=1",
-    "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU)
-    "reward.shaping=[{name:length_penalty,weight:1.0}]",  # scores differ: non-zero advantages
-    "+reward.kwargs.length_penalty={target_chars:0,scale_chars:50.0}",
+    *LENGTH_SHAPING,  # scores differ: non-zero advantages
 ]
 NAME = "test_poisoned"
 
@@ -95,10 +84,7 @@ class _Snapshots:
 
 
 def _cfg(tmp_path, *extra: str):
-    cfg = compose(BASE + [f"trainer.default_local_dir={tmp_path}", *extra])
-    validate_config(cfg)
-    OmegaConf.set_readonly(cfg, False)
-    return cfg
+    return run_config(BASE, tmp_path, *extra)
 
 
 def _train_with_snapshots(cfg) -> tuple[str, _Snapshots]:

@@ -28,32 +28,21 @@ import signal
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import rlplug
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 from rlplug.checkpoint import CheckpointManager
-from rlplug.config import compose
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer
 from rlplug.types import AdvantageEstimator
-from rlplug.validate import validate_config
 
-BASE = [
-    "debug=tiny",
-    "model.tiny.num_hidden_layers=1",
-    "data.train_batch_size=2",
+BASE = TINY_CPU_RUN + [  # on CPU: bitwise comparisons need its deterministic kernels
     "actor.ppo_mini_batch_size=1",
     "actor.micro_batch_size_per_device=1",
-    "data.max_response_length=8",
     "trainer.total_training_steps=4",
     "trainer.save_freq=0",  # checkpoints only when stopping and at the end
-    "trainer.test_freq=0",
-    "trainer.val_before_train=false",
     "trainer.logger=[]",
-    "trainer.num_threads=1",
-    "trainer.device=cpu",  # bitwise comparisons: CPU kernels are deterministic
-    "reward.shaping=[{name:length_penalty,weight:1.0}]",  # scores differ between responses
-    "+reward.kwargs.length_penalty={target_chars:0,scale_chars:50.0}",
+    *LENGTH_SHAPING,  # scores differ between responses
 ]
 WALL_CLOCK = ("timing_s/", "perf/throughput", "perf/gen_tokens_per_s")
 
@@ -72,9 +61,7 @@ class _Recorder:
 
 def _run(overrides: list[str], run_dir, stop_after: int | None = None):
     """One training run; returns (status, metrics per step, rows served per step, final weights)."""
-    cfg = compose(overrides + [f"trainer.default_local_dir={run_dir}"])
-    validate_config(cfg)
-    OmegaConf.set_readonly(cfg, False)
+    cfg = run_config(overrides, run_dir)
     rec = _Recorder(stop_after)
     get_registry().pm.register(rec)
     rows_served: dict[int, tuple[int, list[int]]] = {}
@@ -214,9 +201,8 @@ def test_resume_path_to_an_incomplete_checkpoint_is_a_config_error(tmp_path):
 
     partial = tmp_path / "global_step_1.partial-1"
     partial.mkdir(parents=True)
-    cfg = compose(BASE + ["algorithm=grpo", "rollout.n=2", f"trainer.default_local_dir={tmp_path}",
-                          "trainer.resume_mode=resume_path", f"trainer.resume_from_path={partial}"])
-    OmegaConf.set_readonly(cfg, False)
+    cfg = run_config(BASE, tmp_path, "algorithm=grpo", "rollout.n=2", "trainer.resume_mode=resume_path",
+                     f"trainer.resume_from_path={partial}", validate=False)
     trainer = Trainer(cfg)
     try:
         with pytest.raises(ConfigError, match="not a complete checkpoint"):
@@ -238,8 +224,7 @@ def test_training_starts_from_the_seeded_rng_state_whatever_construction_draws(t
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(rlplug.models, "load_tokenizer", load_tokenizer_that_draws)
-    cfg = compose(BASE + ["algorithm=grpo", "rollout.n=2", "trainer.seed=7", f"trainer.default_local_dir={tmp_path}"])
-    OmegaConf.set_readonly(cfg, False)
+    cfg = run_config(BASE, tmp_path, "algorithm=grpo", "rollout.n=2", "trainer.seed=7", validate=False)
     trainer = Trainer(cfg)
     try:
         after_init = rng_state()

@@ -16,29 +16,19 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import OmegaConf
 
+from _helpers import TINY_CPU_RUN, run_config
 from rlplug.checkpoint import CheckpointManager
-from rlplug.config import compose
 from rlplug.trainer import run
-from rlplug.validate import validate_config
 
-OVERRIDES = [
-    "debug=tiny",
+OVERRIDES = TINY_CPU_RUN + [
     "algorithm=grpo",
     "rollout.n=2",
-    "model.tiny.num_hidden_layers=1",
-    "data.train_batch_size=2",
     "actor.ppo_mini_batch_size=1",
     "actor.micro_batch_size_per_device=1",
-    "data.max_response_length=8",
     "trainer.total_training_steps=4",
     "trainer.save_freq=0",  # a checkpoint only because of the signal (and at the end)
-    "trainer.test_freq=0",
-    "trainer.val_before_train=false",
     "trainer.logger=[console]",
-    "trainer.num_threads=1",
-    "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU)
 ]
 
 
@@ -51,10 +41,7 @@ def _fresh_fault_counts(monkeypatch):
 
 
 def _cfg(run_dir, *extra: str):
-    cfg = compose(OVERRIDES + [f"trainer.default_local_dir={run_dir}", *extra])
-    validate_config(cfg)
-    OmegaConf.set_readonly(cfg, False)
-    return cfg
+    return run_config(OVERRIDES, run_dir, *extra)
 
 
 def _state_step(checkpoint_dir) -> int:

@@ -20,28 +20,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from _helpers import TINY_CPU_RUN, run_config
 from rlplug.config import ConfigError, compose
 from rlplug.registry import KINDS, UnknownPluginError, get_registry
 from rlplug.trainer import Trainer
 from rlplug.validate import validate_config
 
-BASE = [
-    "debug=tiny",
+BASE = TINY_CPU_RUN + [
     "algorithm=grpo",
     "rollout.n=2",
     "actor.use_kl_loss=false",
-    "model.tiny.num_hidden_layers=1",
-    "data.train_batch_size=2",
     "actor.ppo_mini_batch_size=2",
     "actor.micro_batch_size_per_device=2",
-    "data.max_response_length=8",
-    "trainer.test_freq=0",
-    "trainer.val_before_train=false",
     "trainer.logger=[]",
-    "trainer.num_threads=1",
-    "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU)
 ]
 
 
@@ -56,9 +48,7 @@ class _Payload:
 
 
 def _cfg(tmp_path, *extra: str):
-    cfg = compose(BASE + [f"trainer.default_local_dir={tmp_path}", *extra])
-    OmegaConf.set_readonly(cfg, False)
-    return cfg
+    return run_config(BASE, tmp_path, *extra, validate=False)
 
 
 def _fit(cfg) -> str:
