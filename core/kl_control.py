@@ -11,6 +11,8 @@ trainer checkpoint.
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any
 
 from .losses import config_value
@@ -82,13 +84,19 @@ class AdaptiveKLController:
         return {"type": self.type, "value": self.value, "target_kl": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``value`` (and ``target_kl``/``horizon`` when present) from :meth:`state_dict`."""
+        """Restore ``value`` from :meth:`state_dict`.
+
+        ``target_kl`` and ``horizon`` are settings, so the current config wins over the
+        checkpoint; a difference is logged (warning) so a changed setting is never silent.
+        """
         _check_state(self.type, state)
         self.value = float(state["value"])
-        if state.get("target_kl") is not None:
-            self.target = float(state["target_kl"])
-        if state.get("horizon") is not None:
-            self.horizon = float(state["horizon"])
+        for key, mine in (("target_kl", self.target), ("horizon", self.horizon)):
+            saved = state.get(key)
+            if saved is not None and float(saved) != float(mine):
+                logging.getLogger(__name__).warning(
+                    "algorithm.kl_ctrl.%s is %g in the config but %g in the checkpoint; using the config's value",
+                    key, mine, float(saved))
 
     def __repr__(self) -> str:
         return f"AdaptiveKLController(value={self.value}, target_kl={self.target}, horizon={self.horizon:g})"

@@ -56,6 +56,18 @@ def test_adaptive_state_save_restore():
         FixedKLController(0.1).load_state_dict(state)
 
 
+def test_adaptive_settings_come_from_the_config_on_resume(caplog):
+    saved = AdaptiveKLController(0.2, target_kl=0.1, horizon=500).state_dict()
+    restored = AdaptiveKLController(0.9, target_kl=0.05, horizon=1000)  # the config changed since
+    with caplog.at_level("WARNING"):
+        restored.load_state_dict(saved)
+    assert restored.value == 0.2 and restored.target == 0.05 and restored.horizon == 1000
+    assert "target_kl is 0.05 in the config but 0.1 in the checkpoint" in caplog.text
+    # value 0.2, kl 0.1 vs target 0.05: err = clip(0.1/0.05 - 1, -.2, .2) = 0.2; 0.2 * (1 + 0.2 * 100/1000) = 0.204
+    restored.update(0.1, n_steps=100)
+    assert restored.value == pytest.approx(0.204)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
