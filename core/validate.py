@@ -166,6 +166,11 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         for f in d[key]:
             if not Path(str(f)).expanduser().is_file():
                 raise ConfigError(f"data.{key}: file {f} does not exist. Prepare one with 'rlplug data prepare TASK --out DIR'.")
+    if cfg.trainer.max_ckpt_to_keep is not None and cfg.trainer.max_ckpt_to_keep < 1:
+        raise ConfigError(
+            f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep}: keep at least 1 checkpoint, "
+            "or set it to null to keep them all."
+        )
     if cfg.trainer.resume_mode not in ("auto", "disable", "resume_path"):
         raise ConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode}: use 'auto', 'disable' or 'resume_path'.")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

@@ -314,3 +314,9 @@ def test_config_get_reads_dictconfig_dataclass_and_dict_alike():
     assert config_get(None, "a", 5) == 5
     assert config_get({"a": 0}, "a", 5) == 0
     assert config_get({"a": False}, "a", True) is False
+
+
+def test_max_ckpt_to_keep_must_keep_one(stub_registry):
+    with pytest.raises(ConfigError, match=r"trainer\.max_ckpt_to_keep=0: keep at least 1 checkpoint"):
+        validate_config(compose(["trainer.max_ckpt_to_keep=0"]), registry=stub_registry)
+    validate_config(compose(["trainer.max_ckpt_to_keep=null"]), registry=stub_registry)
