@@ -68,7 +68,6 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -79,14 +78,12 @@ import torch.distributed as dist
 import rlplug
 from rlplug.batch import Batch
 from rlplug.logprob import response_log_probs
-from rlplug.losses import agg_normalizer
-from rlplug.plugins.local import _SEQ_KEYS, LocalTrainingBackend, _check_keys, _get, _Role
+from rlplug.plugins.local import _STATE_FILE, LocalTrainingBackend, _get, _resolve_device, _Role
 
 __all__ = ["FSDP2TrainingBackend"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_FILE = "backend_state.json"
 _KWARGS = {
     "dist_backend": "auto",  # auto | gloo | nccl
     "param_dtype": "auto",  # auto | fp32 | bf16
@@ -205,7 +202,6 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         except BaseException:
             self._destroy_group()
             raise
-        self.device = self._dist_device
         if self._mp_policy.param_dtype not in (None, torch.float32):
             self.autocast_dtype = None  # FSDP already computes in param_dtype
         logger.info(
@@ -218,14 +214,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
     def _init_distributed(self, config: Any, kwargs: dict[str, Any]) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device = str(_get(config.trainer, "device", "auto"))
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device_type = "cuda" if device.startswith("cuda") else device
-        if device_type not in ("cpu", "cuda"):
-            raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda' for the fsdp2 backend, got {device!r}.")
-        if device_type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("trainer.device='cuda' but torch sees no CUDA device; use trainer.device=cpu or auto.")
+        device_type = torch.device(_resolve_device(config.trainer, "fsdp2")).type  # the index comes from LOCAL_RANK
         backend = str(kwargs["dist_backend"])
         if backend == "auto":
             backend = "nccl" if device_type == "cuda" else "gloo"
@@ -282,6 +271,9 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def _training_device(self) -> torch.device:
+        return self._dist_device
 
     # ------------------------------------------------------------------ sharding
     def _policies(self, config: Any, kwargs: dict[str, Any]):
@@ -354,16 +346,16 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
                 "does this when backend.world_size > 1)."
             )
 
-    def _rank_rows(self, batch: Batch, keys: tuple[str, ...]) -> tuple[Batch, int]:
+    def _rank_rows(self, batch: Batch, keys: tuple[str, ...]) -> Batch:
         """This rank's consecutive block of ``ceil(B / world_size)`` rows (padded with copies of
-        row 0 so every rank runs the same number of forwards) and the number of real rows."""
+        row 0 so every rank runs the same number of forwards; :meth:`_gather_rows` drops them)."""
         size = len(batch)
         per = -(-size // self.world_size)
         start = min(self.rank * per, size)
         stop = min(start + per, size)
         index = list(range(start, stop)) + [0] * (per - (stop - start))
         idx = torch.tensor(index, dtype=torch.long)
-        return Batch({k: batch.tensors[k][idx] for k in keys if k in batch.tensors}), stop - start
+        return Batch({k: batch.tensors[k][idx] for k in keys if k in batch.tensors})
 
     def _gather_rows(self, local: torch.Tensor, size: int, out_device: torch.device) -> torch.Tensor:
         """Concatenate every rank's ``local`` rows (all the same shape) and keep the first ``size``."""
@@ -386,57 +378,6 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         with _quiet_view_warning():
             return super()._values(model, tensors, t)
 
-    @torch.no_grad()
-    def compute_log_probs(self, batch: Batch, *, which: str = "actor", with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """As :meth:`LocalTrainingBackend.compute_log_probs` (same shapes and units); each rank
-        computes a block of rows and the blocks are all-gathered, so every rank returns the full
-        ``(B, T)`` result. Collective."""
-        if which == "actor":
-            model = self.actor.model
-        elif which == "ref":
-            if self.ref is None:
-                raise ValueError("compute_log_probs(which='ref') but this backend was built with use_ref=False.")
-            model = self.ref
-        else:
-            raise ValueError(f"compute_log_probs: which must be 'actor' or 'ref', got {which!r}.")
-        _check_keys(batch, _SEQ_KEYS, "compute_log_probs")
-        if len(batch) == 0:
-            raise ValueError("compute_log_probs: the batch is empty.")
-        self._check_same_batch(batch, "compute_log_probs")
-        t = self._response_length(batch)
-        out_device = batch.tensors["input_ids"].device
-        local, _ = self._rank_rows(batch, _SEQ_KEYS)
-        model.eval()
-        lps, ents = [], []
-        for micro in local.split(self.actor.micro_batch):
-            lp, ent = self._log_probs(model, self._to_device(micro, _SEQ_KEYS), t, with_entropy)
-            lps.append(lp.float())
-            if with_entropy:
-                ents.append(ent.float())
-        model.reshard()
-        result = {"log_probs": self._gather_rows(torch.cat(lps), len(batch), out_device)}
-        if with_entropy:
-            result["entropy"] = self._gather_rows(torch.cat(ents), len(batch), out_device)
-        return result
-
-    @torch.no_grad()
-    def compute_values(self, batch: Batch) -> torch.Tensor:
-        """As :meth:`LocalTrainingBackend.compute_values`: ``(B, T) float32`` on every rank. Collective."""
-        if self.critic is None:
-            raise ValueError("compute_values called but this backend was built with use_critic=False.")
-        _check_keys(batch, _SEQ_KEYS, "compute_values")
-        if len(batch) == 0:
-            raise ValueError("compute_values: the batch is empty.")
-        self._check_same_batch(batch, "compute_values")
-        t = self._response_length(batch)
-        out_device = batch.tensors["input_ids"].device
-        local, _ = self._rank_rows(batch, _SEQ_KEYS)
-        model = self.critic.model
-        model.eval()
-        vals = [self._values(model, self._to_device(m, _SEQ_KEYS), t) for m in local.split(self.critic.micro_batch)]
-        model.reshard()
-        return self._gather_rows(torch.cat(vals), len(batch), out_device)
-
     # ------------------------------------------------------------------ updates
     def _all_reduce(self, values: list[float]) -> list[float]:
         x = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -444,98 +385,14 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
             dist.all_reduce(x)
         return x.tolist()
 
-    def _run_update(
-        self,
-        role: _Role,
-        batch: Batch,
-        micro_loss: Callable[[dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]],
-    ) -> dict[str, float]:
-        """The distributed epoch / mini-batch / micro-batch loop (module docstring, "Data parallelism").
-
-        Each rank processes its slice of every global mini-batch; the normaliser and the metric
-        sums are all-reduced, gradients summed by FSDP. Metrics as in the local backend.
-        """
-        size = len(batch)
-        if size == 0:
-            raise ValueError(f"update_{role.name}: the batch is empty.")
-        if size % role.mini_batch:
-            raise ValueError(
-                f"update_{role.name}: the batch has {size} responses, which does not split into mini-batches of "
-                f"{role.mini_batch} responses ({role.name}.ppo_mini_batch_size x rollout.n). Choose "
-                f"data.train_batch_size as a multiple of {role.name}.ppo_mini_batch_size."
-            )
-        self._check_same_batch(batch, f"update_{role.name}")
+    def _rank_slice(self, mini: Batch, role: _Role) -> Batch:
+        """This rank's consecutive ``1 / world_size`` of a global mini-batch (the sizes divide
+        evenly: checked in ``__init__``)."""
         per_rank = role.mini_batch // self.world_size
-        role.model.train()
-        totals: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        skipped = 0
-        lrs: list[float] = []
-        for epoch in range(role.epochs):
-            for index, mini in enumerate(batch.split(role.mini_batch)):
-                local = mini.slice(self.rank * per_rank, (self.rank + 1) * per_rank)
-                local_mask = local.tensors["response_mask"]
-                normalizer, valid_tokens = self._all_reduce(
-                    [agg_normalizer(local_mask, role.loss_agg_mode), float(local_mask.sum())]
-                )
-                lrs.append(role.lr)
-                if normalizer <= 0:
-                    logger.warning("%s: mini-batch %d of epoch %d has no valid response token; no optimizer step.",
-                                   role.name, index, epoch)
-                    self._scheduler_step(role)
-                    continue
-                role.optimizer.zero_grad(set_to_none=True)
-                mini_metrics: dict[str, float] = defaultdict(float)
-                bad_stage: str | None = None
-                for micro in local.split(role.micro_batch):
-                    tensors = self._to_device(micro, tuple(micro.tensors))
-                    loss, parts = micro_loss(tensors, normalizer)
-                    loss_value = float(loss.detach())
-                    # decided together: a rank that skipped backward alone would hang the others
-                    (n_bad,) = self._all_reduce([0.0 if math.isfinite(loss_value) else 1.0])
-                    if n_bad:
-                        bad_stage = f"{role.name} loss (non-finite on {int(n_bad)} rank(s); here {loss_value})"
-                        break
-                    loss.backward()
-                    share = float(micro.tensors["response_mask"].sum()) / valid_tokens if valid_tokens else 0.0
-                    for key, value in parts.items():
-                        if key.startswith("mean:"):
-                            mini_metrics[key[5:]] += value * share
-                        else:
-                            mini_metrics[key] += value
-                grad_norm = float("nan")
-                if bad_stage is None:
-                    grad_norm = self._clip_grad(role)  # global norm: the same on every rank
-                    if not math.isfinite(grad_norm):
-                        bad_stage = f"{role.name} gradient norm ({grad_norm})"
-                if bad_stage is not None:
-                    role.optimizer.zero_grad(set_to_none=True)
-                    role.model.reshard()
-                    skipped += 1
-                    role.consecutive_bad_steps += 1
-                    logger.warning(
-                        "%s: non-finite %s in mini-batch %d of epoch %d; optimizer step skipped (%d in a row).",
-                        role.name, bad_stage, index, epoch, role.consecutive_bad_steps,
-                    )
-                else:
-                    role.optimizer.step()
-                    role.consecutive_bad_steps = 0
-                    keys = sorted(mini_metrics)  # the same keys on every rank
-                    for key, value in zip(keys, self._all_reduce([mini_metrics[k] for k in keys])):
-                        totals[key] += value
-                        counts[key] += 1
-                    totals["grad_norm"] += grad_norm
-                    counts["grad_norm"] += 1
-                self._scheduler_step(role)
-        role.optimizer.zero_grad(set_to_none=True)
-        role.model.eval()
-        prefix = role.name + "/"
-        metrics = {prefix + k: (totals[k] / counts[k]) for k in totals}
-        if not counts.get("grad_norm"):
-            metrics[prefix + "grad_norm"] = float("nan")
-        metrics[prefix + "lr"] = sum(lrs) / len(lrs) if lrs else role.lr
-        metrics[prefix + "nonfinite_skipped"] = float(skipped)
-        return metrics
+        return mini.slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def _release(self, model: torch.nn.Module) -> None:
+        model.reshard()
 
     def _clip_grad(self, role: _Role) -> float:
         """Clip the sharded gradients to ``grad_clip`` by their GLOBAL norm; returns that norm

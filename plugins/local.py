@@ -63,6 +63,20 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _resolve_device(trainer: Any, backend: str) -> str:
+    """``trainer.device`` as a torch device string: ``"auto"`` is ``"cuda"`` when torch sees a CUDA
+    device, else ``"cpu"``. Raises ``ValueError`` for anything but auto / cpu / cuda / cuda:N, or
+    for CUDA without a CUDA device (``backend`` names the backend in the message)."""
+    device = str(_get(trainer, "device", "auto"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda' for the {backend} backend, got {device!r}.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda' but torch sees no CUDA device; use trainer.device=cpu or auto.")
+    return device
+
+
 def build_lr_lambda(warmup_steps: int, total_steps: int, style: str = "constant", min_lr_ratio: float = 0.0) -> Callable[[int], float]:
     """Learning-rate multiplier per optimizer step, for ``torch.optim.lr_scheduler.LambdaLR``.
 
@@ -188,14 +202,7 @@ class LocalTrainingBackend:
         trainer, model_cfg, actor_cfg, critic_cfg = config.trainer, config.model, config.actor, config.critic
 
         # ---- device, threads, precision
-        device = str(_get(trainer, "device", "auto"))
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda' for the local backend, got {device!r}.")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("trainer.device='cuda' but torch sees no CUDA device; use trainer.device=cpu or auto.")
-        self.device = torch.device(device)
+        self.device = self._training_device()
         threads = _get(trainer, "num_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
@@ -271,6 +278,35 @@ class LocalTrainingBackend:
                 total_optimizer_steps=max(1, self.total_steps * c_epochs * c_minis_per_step),
             )
 
+    # ------------------------------------------------------------------ hooks for subclasses
+    # The data-parallel ``fsdp2`` backend overrides these; everything else (the update loop,
+    # inference, metrics) is shared. Here: one process that holds every row.
+    def _training_device(self) -> torch.device:
+        """The device the models train on (from ``trainer.device``)."""
+        return torch.device(_resolve_device(self.config.trainer, "local"))
+
+    def _check_same_batch(self, batch: Batch, what: str) -> None:  # noqa: ARG002
+        """Fail when the processes were not given the same batch; nothing to check in one process."""
+
+    def _rank_rows(self, batch: Batch, keys: tuple[str, ...]) -> Batch:  # noqa: ARG002
+        """The rows of ``batch`` (tensors ``keys`` at least) this process computes at inference: all."""
+        return batch
+
+    def _gather_rows(self, local: torch.Tensor, size: int, out_device: torch.device) -> torch.Tensor:
+        """Every process's ``local`` rows together (the first ``size``), on ``out_device``."""
+        return local[:size].to(out_device)
+
+    def _rank_slice(self, mini: Batch, role: _Role) -> Batch:  # noqa: ARG002
+        """This process's share of a training mini-batch: all of it."""
+        return mini
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        """Sums of ``values`` over the processes: the values themselves."""
+        return list(values)
+
+    def _release(self, model: torch.nn.Module) -> None:  # noqa: ARG002
+        """Free what a forward/backward of ``model`` gathered (sharded parameters); nothing here."""
+
     # ------------------------------------------------------------------ small helpers
     def _prepare_model(self, model: torch.nn.Module, role: str) -> torch.nn.Module:  # noqa: ARG002
         """Place a freshly loaded model (``role``: ``"actor"``, ``"ref"`` or ``"critic"``) for
@@ -331,6 +367,15 @@ class LocalTrainingBackend:
         return values[:, length - t - 1 : length - 1].float()
 
     # ------------------------------------------------------------------ inference
+    def _check_inference_batch(self, batch: Batch, what: str) -> tuple[int, torch.device]:
+        """Check a batch for ``what`` (sequence tensors present, not empty, the same in every
+        process); returns the response length ``T`` and the batch's device."""
+        _check_keys(batch, _SEQ_KEYS, what)
+        if len(batch) == 0:
+            raise ValueError(f"{what}: the batch is empty.")
+        self._check_same_batch(batch, what)
+        return self._response_length(batch), batch.tensors["input_ids"].device
+
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, *, which: str = "actor", with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Log-probs of the response tokens under the actor or the reference model (no grad).
@@ -342,7 +387,8 @@ class LocalTrainingBackend:
         of a response hold the log-prob of the padding token; multiply by ``response_mask`` (or
         use masked statistics) downstream. Micro-batched by ``actor.micro_batch_size_per_device``.
 
-        Raises ``ValueError`` for an unknown ``which`` or ``which="ref"`` without a reference model.
+        Raises ``ValueError`` for an unknown ``which``, ``which="ref"`` without a reference model,
+        a missing tensor or an empty batch.
         """
         if which == "actor":
             model = self.actor.model
@@ -352,19 +398,18 @@ class LocalTrainingBackend:
             model = self.ref
         else:
             raise ValueError(f"compute_log_probs: which must be 'actor' or 'ref', got {which!r}.")
-        _check_keys(batch, _SEQ_KEYS, "compute_log_probs")
-        t = self._response_length(batch)
-        out_device = batch.tensors["input_ids"].device
+        t, out_device = self._check_inference_batch(batch, "compute_log_probs")
         model.eval()
         lps, ents = [], []
-        for micro in batch.split(self.actor.micro_batch):
+        for micro in self._rank_rows(batch, _SEQ_KEYS).split(self.actor.micro_batch):
             lp, ent = self._log_probs(model, self._to_device(micro, _SEQ_KEYS), t, with_entropy)
-            lps.append(lp.float().to(out_device))
+            lps.append(lp.float())
             if with_entropy:
-                ents.append(ent.float().to(out_device))
-        result = {"log_probs": torch.cat(lps)}
+                ents.append(ent.float())
+        self._release(model)
+        result = {"log_probs": self._gather_rows(torch.cat(lps), len(batch), out_device)}
         if with_entropy:
-            result["entropy"] = torch.cat(ents)
+            result["entropy"] = self._gather_rows(torch.cat(ents), len(batch), out_device)
         return result
 
     @torch.no_grad()
@@ -373,17 +418,18 @@ class LocalTrainingBackend:
 
         ``values[:, j]`` is the critic's output at the hidden position that predicts response
         token ``j`` (positions ``P - 1 .. P + T - 2``, as verl). Not masked (see
-        :meth:`compute_log_probs`). Raises ``ValueError`` when the backend has no critic.
+        :meth:`compute_log_probs`). Raises ``ValueError`` when the backend has no critic, for a
+        missing tensor or an empty batch.
         """
         if self.critic is None:
             raise ValueError("compute_values called but this backend was built with use_critic=False.")
-        _check_keys(batch, _SEQ_KEYS, "compute_values")
-        t = self._response_length(batch)
-        out_device = batch.tensors["input_ids"].device
+        t, out_device = self._check_inference_batch(batch, "compute_values")
         model = self.critic.model
         model.eval()
-        vals = [self._values(model, self._to_device(m, _SEQ_KEYS), t).to(out_device) for m in batch.split(self.critic.micro_batch)]
-        return torch.cat(vals)
+        local = self._rank_rows(batch, _SEQ_KEYS)
+        vals = [self._values(model, self._to_device(m, _SEQ_KEYS), t) for m in local.split(self.critic.micro_batch)]
+        self._release(model)
+        return self._gather_rows(torch.cat(vals), len(batch), out_device)
 
     # ------------------------------------------------------------------ updates
     def _run_update(
@@ -400,6 +446,10 @@ class LocalTrainingBackend:
         the micro-batch (weighted here by its share of valid tokens).
         Returns the mean of each metric over the good mini-batches of all epochs, plus
         ``grad_norm``, ``lr`` and ``nonfinite_skipped`` (count), prefixed ``<role>/``.
+
+        Data-parallel subclasses run the same loop through the hooks: each process takes its
+        :meth:`_rank_slice` of every mini-batch, and the normaliser, the non-finite-loss flags
+        and the metric sums go through :meth:`_all_reduce`, so every process decides alike.
         """
         size = len(batch)
         if size == 0:
@@ -410,6 +460,7 @@ class LocalTrainingBackend:
                 f"{role.mini_batch} responses ({role.name}.ppo_mini_batch_size x rollout.n). Choose "
                 f"data.train_batch_size as a multiple of {role.name}.ppo_mini_batch_size."
             )
+        self._check_same_batch(batch, f"update_{role.name}")
         role.model.train()
         totals: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
@@ -417,24 +468,31 @@ class LocalTrainingBackend:
         lrs: list[float] = []
         for epoch in range(role.epochs):
             for index, mini in enumerate(batch.split(role.mini_batch)):
-                mask = mini.tensors["response_mask"]
-                normalizer = agg_normalizer(mask, role.loss_agg_mode)
+                local = self._rank_slice(mini, role)
+                local_mask = local.tensors["response_mask"]
+                # normaliser and token count of the WHOLE mini-batch (summed over the processes)
+                normalizer, valid_tokens = self._all_reduce(
+                    [agg_normalizer(local_mask, role.loss_agg_mode), float(local_mask.sum())]
+                )
                 lrs.append(role.lr)
                 if normalizer <= 0:
                     logger.warning("%s: mini-batch %d of epoch %d has no valid response token; no optimizer step.",
                                    role.name, index, epoch)
                     self._scheduler_step(role)
                     continue
-                valid_tokens = float(mask.sum())
                 role.optimizer.zero_grad(set_to_none=True)
                 mini_metrics: dict[str, float] = defaultdict(float)
                 bad_stage: str | None = None
-                for micro in mini.split(role.micro_batch):
+                for micro in local.split(role.micro_batch):
                     tensors = self._to_device(micro, tuple(micro.tensors))
                     loss, parts = micro_loss(tensors, normalizer)
                     loss_value = float(loss.detach())
-                    if not math.isfinite(loss_value):
-                        bad_stage = f"{role.name} loss ({loss_value})"
+                    # decided together: a process that skipped backward alone would hang the others
+                    (n_bad,) = self._all_reduce([0.0 if math.isfinite(loss_value) else 1.0])
+                    if n_bad:
+                        here_only = n_bad == 1 and not math.isfinite(loss_value)
+                        bad_stage = f"{role.name} loss ({loss_value})" if here_only else (
+                            f"{role.name} loss (non-finite on {int(n_bad)} rank(s); here {loss_value})")
                         break
                     loss.backward()
                     share = float(micro.tensors["response_mask"].sum()) / valid_tokens if valid_tokens else 0.0
@@ -445,11 +503,12 @@ class LocalTrainingBackend:
                             mini_metrics[key] += value
                 grad_norm = float("nan")
                 if bad_stage is None:
-                    grad_norm = self._clip_grad(role)
+                    grad_norm = self._clip_grad(role)  # global norm: the same in every process
                     if not math.isfinite(grad_norm):
                         bad_stage = f"{role.name} gradient norm ({grad_norm})"
                 if bad_stage is not None:
                     role.optimizer.zero_grad(set_to_none=True)
+                    self._release(role.model)
                     skipped += 1
                     role.consecutive_bad_steps += 1
                     logger.warning(
@@ -459,7 +518,8 @@ class LocalTrainingBackend:
                 else:
                     role.optimizer.step()
                     role.consecutive_bad_steps = 0
-                    for key, value in mini_metrics.items():
+                    keys = sorted(mini_metrics)  # the same keys in every process
+                    for key, value in zip(keys, self._all_reduce([mini_metrics[k] for k in keys])):
                         totals[key] += value
                         counts[key] += 1
                     totals["grad_norm"] += grad_norm

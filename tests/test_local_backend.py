@@ -306,6 +306,8 @@ def test_batch_not_divisible_by_mini_batch(model_path):
     del batch.tensors["old_log_probs"]
     with pytest.raises(ValueError, match=r"missing \['old_log_probs'\]"):
         backend.update_actor(batch)
+    with pytest.raises(ValueError, match="compute_log_probs: the batch is empty"):
+        backend.compute_log_probs(batch.slice(0, 0))
     backend.close()
 
 
