@@ -78,7 +78,8 @@ import torch.distributed as dist
 import rlplug
 from rlplug.batch import Batch
 from rlplug.logprob import response_log_probs
-from rlplug.plugins.local import _STATE_FILE, LocalTrainingBackend, _get, _resolve_device, _Role
+from rlplug.config import config_get
+from rlplug.plugins.local import _STATE_FILE, LocalTrainingBackend, _resolve_device, _Role
 
 __all__ = ["FSDP2TrainingBackend"]
 
@@ -170,7 +171,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         self._owns_group = False
         self._store_dir: str | None = None
         kwargs = dict(_KWARGS)
-        given = dict(_get(config.trainer, "backend_kwargs", {}) or {})
+        given = dict(config_get(config.trainer, "backend_kwargs", {}) or {})
         unknown = sorted(set(given) - set(_KWARGS))
         if unknown:
             raise ValueError(
@@ -181,16 +182,16 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         self._init_distributed(config, kwargs)
         try:  # from here on, an error must not leave the process group behind
             self._mp_policy, self._offload_policy = self._policies(config, kwargs)
-            threads = _get(config.trainer, "num_threads", None)
+            threads = config_get(config.trainer, "num_threads", None)
             if not threads and self._dist_device.type == "cpu":
                 # one share of the cores per local rank (threads spinning on a busy core are the
                 # biggest slowdown on small machines, see shared/MACHINE_NOTES.md)
                 local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-            n = int(_get(config.rollout, "n", 1))
+            n = int(config_get(config.rollout, "n", 1))
             minis = {"actor": int(config.actor.ppo_mini_batch_size) * n}
             if use_critic:
-                minis["critic"] = int(_get(config.critic, "ppo_mini_batch_size", config.actor.ppo_mini_batch_size)) * n
+                minis["critic"] = int(config_get(config.critic, "ppo_mini_batch_size", config.actor.ppo_mini_batch_size)) * n
             for name, size in minis.items():
                 if size % self.world_size:
                     raise ValueError(
@@ -281,7 +282,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
 
         name = str(kwargs["param_dtype"])
         if name == "auto":
-            compute = str(_get(config.model, "compute_dtype", "bf16"))
+            compute = str(config_get(config.model, "compute_dtype", "bf16"))
             name = "bf16" if (compute == "bf16" and self._dist_device.type == "cuda") else "fp32"
         if name not in _DTYPES or str(kwargs["reduce_dtype"]) not in _DTYPES:
             raise ValueError(

@@ -41,6 +41,7 @@ import torch
 
 import rlplug
 from rlplug.batch import Batch
+from rlplug.config import config_get
 from rlplug.logprob import response_log_probs
 from rlplug.losses import agg_loss, agg_normalizer, masked_mean, value_loss
 
@@ -55,19 +56,11 @@ _STATE_FILE = "backend_state.json"
 # ============================================================================ helpers
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg.key`` (DictConfig, dataclass or mapping); ``default`` when absent or ``None``."""
-    if cfg is None:
-        return default
-    value = cfg.get(key, None) if hasattr(cfg, "get") else getattr(cfg, key, None)
-    return default if value is None else value
-
-
 def _resolve_device(trainer: Any, backend: str) -> str:
     """``trainer.device`` as a torch device string: ``"auto"`` is ``"cuda"`` when torch sees a CUDA
     device, else ``"cpu"``. Raises ``ValueError`` for anything but auto / cpu / cuda / cuda:N, or
     for CUDA without a CUDA device (``backend`` names the backend in the message)."""
-    device = str(_get(trainer, "device", "auto"))
+    device = str(config_get(trainer, "device", "auto"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -145,23 +138,23 @@ class _Role:
                 f"{name}: ppo_mini_batch_size x rollout.n ({self.mini_batch}), micro_batch_size_per_device "
                 f"({self.micro_batch}) and ppo_epochs ({self.epochs}) must all be positive."
             )
-        betas = tuple(float(b) for b in _get(optim_cfg, "betas", [0.9, 0.999]))
+        betas = tuple(float(b) for b in config_get(optim_cfg, "betas", [0.9, 0.999]))
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
-            lr=float(_get(optim_cfg, "lr", 1e-6)),
+            lr=float(config_get(optim_cfg, "lr", 1e-6)),
             betas=betas,  # type: ignore[arg-type]
-            eps=float(_get(optim_cfg, "eps", 1e-8)),
-            weight_decay=float(_get(optim_cfg, "weight_decay", 0.0)),
+            eps=float(config_get(optim_cfg, "eps", 1e-8)),
+            weight_decay=float(config_get(optim_cfg, "weight_decay", 0.0)),
         )
-        warmup = int(_get(optim_cfg, "lr_warmup_steps", -1))
+        warmup = int(config_get(optim_cfg, "lr_warmup_steps", -1))
         if warmup < 0:
-            warmup = int(float(_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_optimizer_steps)
+            warmup = int(float(config_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_optimizer_steps)
         self.total_optimizer_steps = total_optimizer_steps
         self.warmup_steps = warmup
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            build_lr_lambda(warmup, total_optimizer_steps, str(_get(optim_cfg, "warmup_style", "constant")),
-                            float(_get(optim_cfg, "min_lr_ratio", 0.0))),
+            build_lr_lambda(warmup, total_optimizer_steps, str(config_get(optim_cfg, "warmup_style", "constant")),
+                            float(config_get(optim_cfg, "min_lr_ratio", 0.0))),
         )
 
     @property
@@ -203,10 +196,10 @@ class LocalTrainingBackend:
 
         # ---- device, threads, precision
         self.device = self._training_device()
-        threads = _get(trainer, "num_threads", None)
+        threads = config_get(trainer, "num_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
-        compute_dtype = str(_get(model_cfg, "compute_dtype", "bf16"))
+        compute_dtype = str(config_get(model_cfg, "compute_dtype", "bf16"))
         if compute_dtype not in ("bf16", "fp32"):
             raise ValueError(f"model.compute_dtype must be 'bf16' or 'fp32', got {compute_dtype!r}.")
         self.autocast_dtype: torch.dtype | None = None
@@ -216,18 +209,18 @@ class LocalTrainingBackend:
             else:
                 logger.warning("bf16 autocast is not available on %s; computing in fp32.", self.device)
 
-        self.temperature = float(_get(config.rollout, "temperature", 1.0))
+        self.temperature = float(config_get(config.rollout, "temperature", 1.0))
         if not self.temperature > 0:
             raise ValueError(
                 f"rollout.temperature={self.temperature}: training needs sampled responses (temperature > 0); "
                 "log-probs of greedy decoding are undefined."
             )
-        self.chunk_size = int(_get(actor_cfg, "logprob_chunk_size", 1024))
-        self.max_response_length = int(_get(config.data, "max_response_length", 0)) or None
-        n = int(_get(config.rollout, "n", 1))
-        minis_per_step = max(1, int(_get(config.data, "train_batch_size", 1)) // int(actor_cfg.ppo_mini_batch_size))
-        trust = bool(_get(model_cfg, "trust_remote_code", False))
-        grad_ckpt = bool(_get(model_cfg, "enable_gradient_checkpointing", False))
+        self.chunk_size = int(config_get(actor_cfg, "logprob_chunk_size", 1024))
+        self.max_response_length = int(config_get(config.data, "max_response_length", 0)) or None
+        n = int(config_get(config.rollout, "n", 1))
+        minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // int(actor_cfg.ppo_mini_batch_size))
+        trust = bool(config_get(model_cfg, "trust_remote_code", False))
+        grad_ckpt = bool(config_get(model_cfg, "enable_gradient_checkpointing", False))
 
         # ---- actor
         actor = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
@@ -244,7 +237,7 @@ class LocalTrainingBackend:
             micro_batch=int(actor_cfg.micro_batch_size_per_device),
             epochs=actor_epochs,
             loss_agg_mode=str(actor_cfg.loss_agg_mode),
-            grad_clip=_get(actor_cfg, "grad_clip", None),
+            grad_clip=config_get(actor_cfg, "grad_clip", None),
             total_optimizer_steps=max(1, self.total_steps * actor_epochs * minis_per_step),
         )
         registry = rlplug.get_registry()
@@ -265,16 +258,16 @@ class LocalTrainingBackend:
             if grad_ckpt:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             critic = self._prepare_model(critic, "critic")
-            c_mini = int(_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
-            c_epochs = int(_get(critic_cfg, "ppo_epochs", actor_epochs))
-            c_minis_per_step = max(1, int(_get(config.data, "train_batch_size", 1)) // c_mini)
+            c_mini = int(config_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
+            c_epochs = int(config_get(critic_cfg, "ppo_epochs", actor_epochs))
+            c_minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // c_mini)
             self.critic = _Role(
                 "critic", critic, critic_cfg.optim,
                 mini_batch=c_mini * n,
-                micro_batch=int(_get(critic_cfg, "micro_batch_size_per_device", actor_cfg.micro_batch_size_per_device)),
+                micro_batch=int(config_get(critic_cfg, "micro_batch_size_per_device", actor_cfg.micro_batch_size_per_device)),
                 epochs=c_epochs,
-                loss_agg_mode=str(_get(critic_cfg, "loss_agg_mode", actor_cfg.loss_agg_mode)),
-                grad_clip=_get(critic_cfg, "grad_clip", None),
+                loss_agg_mode=str(config_get(critic_cfg, "loss_agg_mode", actor_cfg.loss_agg_mode)),
+                grad_clip=config_get(critic_cfg, "grad_clip", None),
                 total_optimizer_steps=max(1, self.total_steps * c_epochs * c_minis_per_step),
             )
 
@@ -581,14 +574,14 @@ class LocalTrainingBackend:
         if self.kl_loss is not None:
             _check_keys(batch, ("ref_log_probs",), "update_actor with actor.use_kl_loss",
                         " The trainer fills ref_log_probs when a reference model is used (use_ref=True).")
-        tis = _get(cfg, "rollout_is_threshold", None)
+        tis = config_get(cfg, "rollout_is_threshold", None)
         if tis is not None:
             _check_keys(batch, ("rollout_log_probs",), "update_actor with actor.rollout_is_threshold",
                         " Set rollout.calculate_log_probs=true so the rollout engine returns its log-probs.")
         t = self._response_length(batch)
         mode = self.actor.loss_agg_mode
-        entropy_coeff = float(_get(cfg, "entropy_coeff", 0.0))
-        kl_coef = float(_get(cfg, "kl_loss_coef", 0.0))
+        entropy_coeff = float(config_get(cfg, "entropy_coeff", 0.0))
+        kl_coef = float(config_get(cfg, "kl_loss_coef", 0.0))
         model = self.actor.model
 
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -639,7 +632,7 @@ class LocalTrainingBackend:
         _check_keys(batch, (*_SEQ_KEYS, "response_mask", "values", "returns"), "update_critic")
         t = self._response_length(batch)
         role = self.critic
-        cliprange = float(_get(self.config.critic, "cliprange_value", 0.5))
+        cliprange = float(config_get(self.config.critic, "cliprange_value", 0.5))
 
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
             values = self._values(role.model, tensors, t)
