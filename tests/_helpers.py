@@ -17,8 +17,9 @@ from omegaconf import OmegaConf
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5248, 30], [1, 4093, 28, 540]]
 
 #: Overrides shared by the small training runs: the tiny model with one layer, 2 prompts per step,
-#: responses of at most 8 tokens, no validation, actor updates from the first step, one thread,
-#: CPU. Modules add their algorithm, batch split, logger and step count.
+#: responses of at most 8 tokens, no validation, one thread, CPU (``debug=tiny`` also turns the
+#: critic warm-up off, so the actor updates from step 1). Modules add their algorithm, batch
+#: split, logger and step count.
 TINY_CPU_RUN = [
     "debug=tiny",
     "model.tiny.num_hidden_layers=1",
@@ -26,7 +27,6 @@ TINY_CPU_RUN = [
     "data.max_response_length=8",
     "trainer.test_freq=0",
     "trainer.val_before_train=false",
-    "trainer.critic_warmup=0",  # the actor updates from step 1 (the default experiment warms the critic up first)
     "trainer.num_threads=1",
     "trainer.device=cpu",  # the CPU path on every machine (auto would pick a GPU); deterministic kernels
 ]
