@@ -154,6 +154,10 @@ class ActorConfig:
     logprob_chunk_size: int = 1024
     #: truncated importance-sampling correction with the engine's log-probs (None: off)
     rollout_is_threshold: Optional[float] = None
+    #: when one optimizer step uses the whole batch once (ppo_epochs=1, ppo_mini_batch_size =
+    #: data.train_batch_size) the policy being updated is the one that sampled, so old_log_probs
+    #: equal the update's own log-probs: skip the separate forward pass and use them detached
+    skip_old_log_prob_on_policy: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -220,6 +224,8 @@ class RolloutConfig:
     num_threads: Optional[int] = None
     #: return engine log-probs (for rollout_is_threshold)
     calculate_log_probs: bool = False
+    #: generate exactly max_response_length tokens per response (EOS suppressed); for benchmarks
+    ignore_eos: bool = False
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
 
 

@@ -2,7 +2,8 @@
 
 One loop runs every algorithm preset; the plugins decide the math::
 
-    rollout -> reward -> old log-probs -> ref log-probs -> values -> in-reward KL -> advantages
+    rollout -> [reward scoring on a thread, overlapping:] old log-probs -> ref log-probs -> values
+            -> in-reward KL -> advantages
             -> critic update -> actor update (after critic_warmup) -> push weights to rollout
             -> validation (every trainer.test_freq) -> checkpoint (every trainer.save_freq)
 
@@ -29,6 +30,7 @@ that does nothing unless ``RLPLUG_TEST_KILL_AT`` is set; see :func:`rlplug.check
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import functools
 import hashlib
@@ -235,6 +237,12 @@ class Trainer:
         self.use_critic = uses_critic(cfg, self.estimator)
         self.use_ref = bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
         self.needs_baseline = "reward_baselines" in self.estimator.requires
+        # one optimizer step over the whole batch, nothing reading old_log_probs before it (the
+        # in-reward KL does): the actor update uses its own detached log-probs (see ActorConfig)
+        self.skip_old_log_prob = bool(
+            cfg.actor.skip_old_log_prob_on_policy and int(cfg.actor.ppo_epochs) == 1
+            and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
+            and not cfg.algorithm.use_kl_in_reward)
         self.kl_in_reward = (self.registry.get("kl_penalty", cfg.algorithm.kl_penalty)
                              if cfg.algorithm.use_kl_in_reward else None)
         self.reward = RewardManager(cfg.reward, registry=self.registry)
@@ -263,6 +271,7 @@ class Trainer:
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
         self.backend = backend_factory(cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref,
                                        total_steps=self.total_steps)
+        self.skip_old_log_prob = self.skip_old_log_prob and bool(getattr(self.backend, "reuses_on_policy_log_probs", False))
         # Multi-process backends (trainer=fsdp2 under torchrun) run this trainer on every rank. Rank 0
         # alone owns the rollout engine, generates and scores (broadcast to the others by
         # _rank0_then_broadcast), pushes weights, logs to trackers and writes checkpoint metadata.
@@ -279,6 +288,7 @@ class Trainer:
         self.global_step = 0
         self.trackers: list[Any] = []
         self._stop_signal: int | None = None
+        self._score_pool: cf.ThreadPoolExecutor | None = None
         # Seed again now that everything is built: first-time imports and model loading above may
         # draw from the global RNGs (e.g. Python's ``random`` changed during the first Trainer of a
         # process only), so without this the same seed could give different runs in one process.
@@ -372,7 +382,8 @@ class Trainer:
                                   max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed + 7919)
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_tokens=self.cfg.data.max_response_length,
-                              seed=self.cfg.trainer.seed * 1_000_003 + step, logprobs=r.calculate_log_probs)
+                              seed=self.cfg.trainer.seed * 1_000_003 + step, logprobs=r.calculate_log_probs,
+                              ignore_eos=bool(r.ignore_eos))
 
     @_rank0_then_broadcast
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, label: str = "rollout"):
@@ -387,11 +398,48 @@ class Trainer:
             if sleep:
                 sleep()
 
-    @_rank0_then_broadcast
-    def _score(self, rows: list[dict], out, prompt_rows_index: list[int]) -> tuple[list[float], dict, dict]:
+    def _score_here(self, rows: list[dict], out) -> tuple[list[float], dict, dict]:
+        """Decode ``out``'s responses and score them in this process (rank 0's share of :meth:`_score`)."""
         texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        sample_rows = [rows[i] for i in prompt_rows_index]
-        return self.reward.score(sample_rows, texts)
+        return self.reward.score([rows[i] for i in out.prompt_index], texts)
+
+    @_rank0_then_broadcast
+    def _score(self, rows: list[dict], out) -> tuple[list[float], dict, dict]:
+        return self._score_here(rows, out)
+
+    def _start_scoring(self, rows: list[dict], out) -> "cf.Future | None":
+        """Start scoring ``out`` on a background thread (rank 0 only) and return its future.
+
+        Scores are needed first by the advantage estimator, so decoding and scoring run while the
+        actor computes old log-probs (and ref log-probs and values): the reward functions are plain
+        Python or run in ``reward.num_workers`` processes, and torch releases the GIL inside its
+        kernels, so the two proceed together. The future yields ``(result, seconds)``.
+        """
+        if not self.is_main:
+            return None
+        if self._score_pool is None:
+            self._score_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlplug-score")
+        t0 = time.perf_counter()
+
+        def work() -> tuple[tuple[list[float], dict, dict], float]:
+            return self._score_here(rows, out), time.perf_counter() - t0
+
+        return self._score_pool.submit(work)
+
+    def _finish_scoring(self, future: "cf.Future | None", metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
+        """Wait for :meth:`_start_scoring`'s result and share it with every rank.
+
+        ``timing_s/reward`` is the scoring time itself; ``timing_s/reward_wait`` is what the step
+        waited for it after the log-prob/value passes (the part on the critical path).
+        """
+        with timer(metrics, "reward_wait"):
+            result = None
+            if future is not None:
+                result, seconds = future.result()
+                metrics["timing_s/reward"] = seconds
+        if self.distributed:  # in the main thread: collectives must not interleave with the backend's
+            result = self.backend.broadcast_object(result)
+        return result
 
     def train_step(self) -> dict[str, float]:
         from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
@@ -410,28 +458,24 @@ class Trainer:
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
 
-        with timer(metrics, "reward"):
-            scores, extra, reward_metrics = self._score(rows, out, out.prompt_index)
-        _fault_point("reward")
-        metrics.update(reward_metrics)
-        score_t = torch.tensor(scores, dtype=torch.float32)
-        batch["token_level_scores"] = compute_token_level_scores(score_t, mask)
         if self.needs_baseline:
             with timer(metrics, "gen_baseline"):
                 base_out = self._generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length),
                                           label="rollout_baseline")
-                base_scores, _, _ = self._score(rows, base_out, base_out.prompt_index)
+                base_scores, _, _ = self._score(rows, base_out)
             batch["reward_baselines"] = torch.tensor([base_scores[i] for i in out.prompt_index], dtype=torch.float32)
+        scoring = self._start_scoring(rows, out)  # overlaps the passes below; joined before the advantages
         if out.log_probs is not None:
             T = mask.shape[1]
             batch["rollout_log_probs"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in out.log_probs], dtype=torch.float32)
 
-        with timer(metrics, "old_log_prob"):
-            res = self.backend.compute_log_probs(batch, which="actor", with_entropy=True)
-            batch["old_log_probs"] = res["log_probs"]
-            if "entropy" in res:
-                metrics["actor/entropy_rollout"] = masked_mean(res["entropy"], mask).item()
-        _fault_point("old_log_prob")
+        if not self.skip_old_log_prob:
+            with timer(metrics, "old_log_prob"):
+                res = self.backend.compute_log_probs(batch, which="actor", with_entropy=True)
+                batch["old_log_probs"] = res["log_probs"]
+                if "entropy" in res:
+                    metrics["actor/entropy_rollout"] = masked_mean(res["entropy"], mask).item()
+            _fault_point("old_log_prob")
         if self.use_ref:
             with timer(metrics, "ref"):
                 batch["ref_log_probs"] = self.backend.compute_log_probs(batch, which="ref")["log_probs"]
@@ -440,6 +484,12 @@ class Trainer:
             with timer(metrics, "values"):
                 batch["values"] = self.backend.compute_values(batch) * mask
             _fault_point("values")
+
+        scores, extra, reward_metrics = self._finish_scoring(scoring, metrics)
+        _fault_point("reward")
+        metrics.update(reward_metrics)
+        score_t = torch.tensor(scores, dtype=torch.float32)
+        batch["token_level_scores"] = compute_token_level_scores(score_t, mask)
 
         with timer(metrics, "adv"):
             if self.kl_in_reward is not None:
@@ -663,6 +713,9 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
+        if self._score_pool is not None:
+            self._score_pool.shutdown(wait=False, cancel_futures=True)
+            self._score_pool = None
         for obj in (getattr(self, "rollout", None), getattr(self, "backend", None), getattr(self, "reward", None)):
             close = getattr(obj, "close", None)
             if close:

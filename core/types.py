@@ -158,7 +158,10 @@ class SamplingParams:
     """Sampling settings for one ``generate`` call.
 
     ``top_k = -1`` disables top-k; ``temperature = 0`` means greedy.
-    ``max_tokens`` is the response length limit in tokens.
+    ``max_tokens`` is the response length limit in tokens. ``ignore_eos`` makes every response
+    exactly ``max_tokens`` tokens long (EOS and the other stop tokens are suppressed, like vLLM's
+    ``min_tokens = max_tokens``); it is for benchmarks that need a fixed length (verl's
+    ``rollout.ignore_eos``), not for training.
     """
 
     n: int = 1
@@ -168,6 +171,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     logprobs: bool = False
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -223,6 +223,8 @@ class HFRollout:
         neutral = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
         gen_cfg = GenerationConfig(
             max_new_tokens=int(params.max_tokens),
+            # ignore_eos: EOS is masked until max_tokens, so every row has exactly max_tokens tokens
+            min_new_tokens=int(params.max_tokens) if params.ignore_eos else None,
             do_sample=not greedy,
             **neutral,
             num_beams=1,

@@ -179,10 +179,14 @@ class LocalTrainingBackend:
     Attributes:
         consecutive_bad_steps: optimizer steps skipped in a row because of a non-finite loss or
             gradient norm (the larger of the actor's and the critic's count); reset by a good step.
+        reuses_on_policy_log_probs: ``True``: :meth:`update_actor` accepts an on-policy batch
+            without ``old_log_probs`` (the trainer then skips the old-log-prob pass).
 
     Raises ``ValueError`` for settings this backend cannot honour (unknown ``compute_dtype`` or
     device, ``rollout.temperature <= 0``).
     """
+
+    reuses_on_policy_log_probs = True
 
     def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
         from rlplug.models import load_causal_lm, load_value_model
@@ -550,7 +554,10 @@ class LocalTrainingBackend:
         """PPO-style policy update on ``batch``; returns ``actor/*`` metrics.
 
         Needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,
-        ``response_mask``, ``old_log_probs`` and ``advantages``; ``ref_log_probs`` with
+        ``response_mask``, ``old_log_probs`` and ``advantages``; ``old_log_probs`` may be absent
+        when the call is on-policy (``actor.ppo_epochs == 1`` and the batch is one mini-batch):
+        then each micro-batch's own log-probs, detached, are the old ones (the weights have not
+        moved yet; verl's ``dp_actor`` ``on_policy`` shortcut); ``ref_log_probs`` with
         ``actor.use_kl_loss``; ``rollout_log_probs`` with ``actor.rollout_is_threshold``.
         Per micro-batch the loss is ``policy_loss + kl_loss_coef * agg(kl) - entropy_coeff *
         agg(entropy)``, every term aggregated with the whole mini-batch's normaliser.
@@ -569,7 +576,11 @@ class LocalTrainingBackend:
         Raises ``ValueError`` for a missing tensor or a batch that does not split into mini-batches.
         """
         cfg = self.config.actor
-        keys = (*_SEQ_KEYS, "response_mask", "old_log_probs", "advantages")
+        # on-policy (one optimizer step over the whole batch): without old_log_probs the update uses
+        # its own log-probs, detached (the same values, as the weights have not moved yet)
+        on_policy = self.actor.epochs == 1 and len(batch) == self.actor.mini_batch
+        reuse = on_policy and "old_log_probs" not in batch.tensors
+        keys = (*_SEQ_KEYS, "response_mask", "advantages", *(() if reuse else ("old_log_probs",)))
         _check_keys(batch, keys, "update_actor")
         if self.kl_loss is not None:
             _check_keys(batch, ("ref_log_probs",), "update_actor with actor.use_kl_loss",
@@ -587,16 +598,17 @@ class LocalTrainingBackend:
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
             mask = tensors["response_mask"]
             log_probs, entropy = self._log_probs(model, tensors, t, with_entropy=True)
+            old_log_probs = log_probs.detach() if reuse else tensors["old_log_probs"]
             advantages = tensors["advantages"]
             parts: dict[str, float] = {}
             if tis is not None:
                 with torch.no_grad():
-                    weight = torch.exp(torch.clamp(tensors["old_log_probs"] - tensors["rollout_log_probs"], -20.0, 20.0))
+                    weight = torch.exp(torch.clamp(old_log_probs - tensors["rollout_log_probs"], -20.0, 20.0))
                     weight = torch.clamp(weight, max=float(tis))
                 advantages = advantages * weight
                 parts["mean:rollout_is_weight"] = float(masked_mean(weight, mask))
             pg_loss, pg_metrics = self.policy_loss(
-                tensors["old_log_probs"], log_probs, advantages, mask, config=cfg, loss_agg_mode=mode,
+                old_log_probs, log_probs, advantages, mask, config=cfg, loss_agg_mode=mode,
                 normalizer=normalizer, max_response_length=self.max_response_length,
             )
             entropy_agg = agg_loss(entropy if entropy_coeff else entropy.detach(), mask, mode, normalizer,

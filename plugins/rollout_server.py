@@ -861,6 +861,8 @@ class VLLMServerRollout(ServerRollout):
         }
         if params.logprobs:
             body["logprobs"] = 0
+        if params.ignore_eos:  # stop tokens are masked until max_tokens
+            body["min_tokens"] = int(params.max_tokens)
         if self.on_gpu and not params.greedy:
             body["seed"] = seed
         return "/v1/completions", body

@@ -93,6 +93,8 @@ class SGLangRollout(ServerRollout):
             "skip_special_tokens": False,
             "n": 1,
         }
+        if params.ignore_eos:  # stop tokens are masked until max_new_tokens
+            sampling["min_new_tokens"] = int(params.max_tokens)
         body: dict[str, Any] = {"input_ids": prompt, "sampling_params": sampling}
         if params.logprobs:
             body["return_logprob"] = True

@@ -301,6 +301,7 @@ class VLLMRollout:
             max_tokens=int(params.max_tokens),
             logprobs=bool(params.logprobs),
             stop_token_ids=list(self.eos_ids),
+            min_tokens=int(params.max_tokens) if params.ignore_eos else 0,
             seed=seed,
         )
         res = self._call("generate", request)
@@ -460,6 +461,7 @@ def _child_generate(llm: Any, req: dict) -> dict:
         max_tokens=req["max_tokens"],
         logprobs=0 if req["logprobs"] else None,
         stop_token_ids=req["stop_token_ids"],
+        min_tokens=req.get("min_tokens", 0),  # == max_tokens for ignore_eos: stop tokens are masked until then
         detokenize=False,
     )
     torch.manual_seed(req["seed"])

@@ -14,7 +14,8 @@ environment, stdout and stderr, and reports the child's exit status (``-9`` afte
 uninterrupted reference run is a fresh ``python -m rlplug train`` process, so the forked runs
 are also checked against a real one. Labels::
 
-    trainer   resumed, step_start, rollout, reward, old_log_prob, ref, values, adv,
+    trainer   resumed, step_start, rollout, old_log_prob, ref, values, reward (scored on a thread
+              during the passes before it), adv,
               update_critic (critic stepped, actor not yet), update_actor, update_weights,
               validation, step_end (after the step's hooks, before its checkpoint), export
     save      ckpt_tmp_created, ckpt_backend, ckpt_rng, ckpt_meta, ckpt_state (inside the

@@ -157,6 +157,36 @@ def test_update_actor_micro_batch_invariance(model_path, mode):
             assert m[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-6), key
 
 
+
+def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model_path):
+    """One mini-batch, one epoch: an update without ``old_log_probs`` (its own detached log-probs)
+    moves the weights exactly like one given the log-probs of a separate pass; the ratio is 1, so
+    nothing is clipped. Off-policy (two mini-batches) it still refuses to guess them."""
+    results = []
+    for reuse in (False, True):
+        cfg = make_cfg(**{"actor.ppo_mini_batch_size": B // N_SAMPLES, "actor.micro_batch_size_per_device": 3,
+                          "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.5, "actor.entropy_coeff": 0.01})
+        backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=2)
+        assert backend.reuses_on_policy_log_probs
+        batch = make_batch(0)
+        batch["ref_log_probs"] = backend.compute_log_probs(batch, which="ref")["log_probs"] + 0.1
+        if not reuse:
+            batch["old_log_probs"] = backend.compute_log_probs(batch)["log_probs"]
+        results.append((params(backend), backend.update_actor(batch)))
+        backend.close()
+    (p_two, m_two), (p_one, m_one) = results
+    for name in p_two:
+        torch.testing.assert_close(p_one[name], p_two[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert m_one["actor/ppo_kl"] == 0.0 and m_one["actor/pg_clipfrac"] == 0.0
+    assert abs(m_two["actor/ppo_kl"]) < 1e-6
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert m_one[key] == pytest.approx(m_two[key], rel=1e-5, abs=1e-7), key
+
+    backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
+    with pytest.raises(ValueError, match=r"missing \['old_log_probs'\]"):
+        backend.update_actor(make_batch(0))  # 2 mini-batches of 4: the second would be off-policy
+    backend.close()
+
 def test_metrics_are_means_over_mini_batches(model_path):
     # With lr = 0 the parameters never move, so each mini-batch's loss is what an update on that
     # mini-batch alone reports; a call over both mini-batches and 2 epochs must report the MEAN

@@ -77,6 +77,23 @@ def test_response_is_cut_after_the_first_eos(cfg, model_path, tok, ref_model) ->
     assert 2 in b.eos_ids and stop in b.eos_ids
 
 
+
+def test_ignore_eos_generates_exactly_max_tokens(cfg, model_path, tok, ref_model) -> None:
+    """``ignore_eos`` masks the EOS tokens until max_tokens: prompt 0 follows greedy up to the token
+    declared EOS, then takes another one and runs to 8 tokens; prompt 1 is unchanged."""
+    g0 = manual_greedy(ref_model, PROMPTS[0], 8)
+    g1 = manual_greedy(ref_model, PROMPTS[1], 8)
+    stop = g0[2]
+    k = g0.index(stop)
+    tok2 = copy.deepcopy(tok)
+    tok2.eos_token = tok.convert_ids_to_tokens(stop)
+    with HFRollout(cfg, model_path, tok2) as b:
+        out = b.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [len(r) for r in out.response_ids] == [8, 8]
+    assert out.finish_reasons == ["length", "length"]
+    assert out.response_ids[0][:k] == g0[:k] and stop not in out.response_ids[0]
+    assert out.response_ids[1] == g1
+
 def test_same_seed_same_output_and_default_seed_is_trainer_seed(backend) -> None:
     p = dict(n=2, temperature=1.0, top_p=0.9, max_tokens=10)
     a = backend.generate(PROMPTS, SamplingParams(**p, seed=11))

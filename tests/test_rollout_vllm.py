@@ -120,6 +120,24 @@ def test_stops_at_eos_and_keeps_it(engine, ref_model) -> None:
     assert [len(x) for x in out.log_probs] == [k + 1, 8]
 
 
+
+def test_ignore_eos_generates_exactly_max_tokens(engine, ref_model) -> None:
+    """With ``ignore_eos`` the declared EOS (prompt 0's 3rd greedy token) is masked: the response
+    follows greedy up to it, then takes another token and runs to max_tokens; prompt 1 is unchanged."""
+    g0, g1 = manual_greedy(ref_model, PROMPTS[0], 8), manual_greedy(ref_model, PROMPTS[1], 8)
+    stop = g0[2]
+    k = g0.index(stop)
+    saved = engine.eos_ids
+    engine.eos_ids = sorted({*saved, stop})
+    try:
+        out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finally:
+        engine.eos_ids = saved
+    assert [len(r) for r in out.response_ids] == [8, 8]
+    assert out.finish_reasons == ["length", "length"]
+    assert out.response_ids[0][:k] == g0[:k] and stop not in out.response_ids[0]
+    assert out.response_ids[1] == g1
+
 def test_update_weights_greedy_follows_pushed_weights(engine, hf, model_path, ref_model) -> None:
     """Perturb every weight (the tied embedding included), push to both engines: greedy output
     changes and equals the manual greedy loop of the perturbed model; pushing back restores it."""

@@ -152,6 +152,13 @@ def test_generate_order_finish_reasons_logprobs_and_request_fields(make) -> None
     assert reqs[0]["body"]["return_logprob"] is True
 
 
+
+def test_ignore_eos_asks_for_max_new_tokens_at_least(make) -> None:
+    b = make()
+    b.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    sp = requests_log(make.log, "/generate")[0]["body"]["sampling_params"]
+    assert sp["min_new_tokens"] == sp["max_new_tokens"] == 4
+
 def test_greedy_and_no_logprobs(make) -> None:
     b = make()
     out = b.generate(PROMPTS[:2], SamplingParams(n=3, temperature=0.0, top_p=0.5, top_k=5, max_tokens=4))

@@ -1,0 +1,81 @@
+"""Stage overlap in the training step: reward scoring runs while the actor computes log-probs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
+from rlplug.trainer import Trainer
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_reward_scoring_overlaps_the_log_prob_and_value_passes(algorithm, tmp_path) -> None:
+    cfg = run_config([*TINY_CPU_RUN, *LENGTH_SHAPING, f"algorithm={algorithm}", "trainer.logger=[]",
+                      "actor.skip_old_log_prob_on_policy=false"], tmp_path)  # keep the old-log-prob pass
+    trainer = Trainer(cfg)
+    spans: dict[str, list] = {"score": [], "passes": []}
+    try:
+        score, log_probs = trainer.reward.score, trainer.backend.compute_log_probs
+
+        def slow_score(*args, **kwargs):
+            t0 = time.perf_counter()
+            time.sleep(0.6)  # a reward that takes 0.6 s
+            result = score(*args, **kwargs)
+            spans["score"].append((t0, time.perf_counter(), threading.current_thread() is threading.main_thread()))
+            return result
+
+        def slow_log_probs(*args, **kwargs):
+            t0 = time.perf_counter()
+            time.sleep(0.4)  # a forward pass that takes 0.4 s
+            result = log_probs(*args, **kwargs)
+            spans["passes"].append((t0, time.perf_counter()))
+            return result
+
+        trainer.reward.score, trainer.backend.compute_log_probs = slow_score, slow_log_probs
+        m = trainer.train_step()
+    finally:
+        trainer.close()
+    (s0, s1, on_main), = spans["score"]
+    first_pass_start = min(p[0] for p in spans["passes"])
+    last_pass_end = max(p[1] for p in spans["passes"])
+    assert not on_main  # scored on the background thread
+    assert s0 <= first_pass_start + 0.05  # scoring starts before the first pass ...
+    assert s1 > first_pass_start + 0.4  # ... and is still running after it: they overlap
+    passes = sum(p[1] - p[0] for p in spans["passes"])
+    assert m["timing_s/reward"] >= 0.6
+    # the step waited only for the part of the scoring that the passes did not cover
+    assert m["timing_s/reward_wait"] == pytest.approx(max(0.0, s1 - last_pass_end), abs=0.05)
+    assert m["timing_s/reward_wait"] <= max(0.0, 0.6 - passes) + 0.1
+    assert m["critic/score/mean"] < 0  # the scores still reach the advantages (length penalty)
+
+
+def test_on_policy_steps_skip_the_old_log_prob_pass_and_train_the_same(tmp_path) -> None:
+    """2 prompts per step in one mini-batch, one epoch: the step has no old-log-prob pass, and the
+    weights after two steps equal those of a run that makes the pass (fp32, so bitwise-close)."""
+    import torch
+
+    base = [*TINY_CPU_RUN, *LENGTH_SHAPING, "algorithm=grpo", "trainer.logger=[]", "model.compute_dtype=fp32",
+            "actor.ppo_mini_batch_size=2"]
+    weights, timings = [], []
+    for skip in (True, False):
+        trainer = Trainer(run_config(base, tmp_path / str(skip), f"actor.skip_old_log_prob_on_policy={skip}"))
+        try:
+            assert trainer.skip_old_log_prob is skip
+            timings.append([set(trainer.train_step()) for _ in range(2)])
+            weights.append({k: v.clone() for k, v in trainer.backend.actor.model.state_dict().items()})
+        finally:
+            trainer.close()
+    assert all("timing_s/old_log_prob" not in keys for keys in timings[0])
+    assert all("timing_s/old_log_prob" in keys for keys in timings[1])
+    for name, w in weights[1].items():
+        torch.testing.assert_close(weights[0][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+    # something reads old_log_probs before the update (the KL penalty in the reward): no skipping
+    trainer = Trainer(run_config(base, tmp_path / "kl", "algorithm.use_kl_in_reward=true"))
+    try:
+        assert not trainer.skip_old_log_prob
+    finally:
+        trainer.close()
