@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["log_probs_from_hidden", "response_log_probs", "lm_head_of"]
+__all__ = ["log_probs_from_hidden", "response_log_probs", "lm_head_of", "trim_padding_columns"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,50 @@ def lm_head_of(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
     return backbone, head
 
 
+def _pad_right(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B, t)`` bool mask widened to ``(B, width)`` with False columns on the right."""
+    if mask.shape[1] == width:
+        return mask
+    return torch.cat([mask, mask.new_zeros((mask.shape[0], width - mask.shape[1]))], dim=1)
+
+
+def trim_padding_columns(
+    batch_tensors: Mapping[str, torch.Tensor], response_length: int
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Drop the columns that are padding in every row of a prompt+response batch.
+
+    Args:
+        batch_tensors: ``input_ids`` ``(B, L) int64`` (left-padded prompts, right-padded
+            responses), optional ``attention_mask`` ``(B, L)`` (1 = real token) and
+            ``position_ids`` ``(B, L)``; other keys are passed through untouched.
+        response_length: ``T``, the padded response length; the responses are the last ``T``
+            columns.
+
+    Returns:
+        ``(trimmed, t)``: the sequence tensors without the leading columns where no row has a
+        prompt token and the trailing columns where no row has a response token, and ``t``, the
+        response columns kept (``1 <= t <= T``; the first ``t`` of the original ``T``). Causal
+        attention never lets a real token see a later column, and left padding is masked, so
+        the model's outputs at the kept positions are unchanged; compute time drops with the
+        number of columns (a micro-batch of short responses no longer pays for the longest
+        response of the whole batch). Without ``attention_mask`` nothing is trimmed.
+    """
+    t = int(response_length)
+    mask = batch_tensors.get("attention_mask")
+    if mask is None:
+        return dict(batch_tensors), t
+    seq_len = mask.shape[1]
+    p = seq_len - t  # first response column
+    used = mask.bool().any(dim=0)  # (L,)
+    cols = torch.nonzero(used, as_tuple=False).flatten()
+    lo = min(int(cols[0]) if cols.numel() else p - 1, p - 1)  # the last prompt column predicts the first response token
+    hi = max(int(cols[-1]) + 1 if cols.numel() else p + 1, p + 1)  # keep at least one response column
+    if lo == 0 and hi == seq_len:
+        return dict(batch_tensors), t
+    trimmed = {k: (v[:, lo:hi] if k in ("input_ids", "attention_mask", "position_ids") else v) for k, v in batch_tensors.items()}
+    return trimmed, hi - p
+
+
 def response_log_probs(
     model: torch.nn.Module,
     batch_tensors: Mapping[str, torch.Tensor],
@@ -203,12 +247,14 @@ def response_log_probs(
 
     Returns:
         ``(log_probs, entropy)``: ``(B, T) float32`` nats, and ``(B, T) float32`` nats or
-        ``None``. Values at padding positions are computed like any other and are NOT masked:
-        multiply by ``response_mask`` (or use masked statistics) downstream.
+        ``None``. Positions where ``attention_mask`` is 0 (response padding) hold 0.0: they are
+        not computed at all. Multiply by ``response_mask`` (or use masked statistics) downstream.
 
     The hidden state at position ``p`` predicts token ``p + 1``, so the states at positions
     ``P - 1 .. P + T - 2`` (``P = L - T``) give the response tokens' log-probs. The backbone runs
-    without its output projection (``model.get_decoder()``), and the projection is chunked. For
+    without its output projection (``model.get_decoder()``) on the columns that hold a token in
+    some row (:func:`trim_padding_columns`), and the projection is chunked and applied only to the
+    real response tokens (padding rows of the ``(B*T, V)`` projection are skipped). For
     models without an accessible plain ``lm_head`` (see :func:`lm_head_of`) the model's full
     ``(B, L, V)`` logits are computed instead (correct, but without the memory saving).
 
@@ -227,23 +273,33 @@ def response_log_probs(
             f"response_log_probs: response_length must be between 1 and L - 1 = {seq_len - 1} (at least "
             f"one prompt token precedes the response); got {t}."
         )
-    labels = input_ids[:, seq_len - t :]  # (B, T)
     parts = lm_head_of(model)
     if parts is not None:
         backbone, head = parts
+        full_t = t
+        trimmed, t = trim_padding_columns(batch_tensors, t)
+        input_ids, attention_mask, position_ids = trimmed["input_ids"], trimmed.get("attention_mask"), trimmed.get("position_ids")
+        seq_len = input_ids.shape[1]
+        labels = input_ids[:, seq_len - t :]  # (B, t)
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        hidden_all = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, H)
-        hidden = hidden_all[:, seq_len - t - 1 : seq_len - 1]  # (B, T, H)
-        lp, ent = log_probs_from_hidden(
-            hidden.reshape(bsz * t, -1),
+        hidden_all = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L', H)
+        hidden = hidden_all[:, seq_len - t - 1 : seq_len - 1]  # (B, t, H)
+        valid = (attention_mask[:, seq_len - t :].bool() if attention_mask is not None
+                 else torch.ones_like(labels, dtype=torch.bool))  # (B, t): real response tokens
+        lp_rows, ent_rows = log_probs_from_hidden(
+            hidden[valid],
             head.weight,
-            labels.reshape(-1),
+            labels[valid],
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
             lm_head_bias=head.bias,
         )
-        return lp.view(bsz, t), (ent.view(bsz, t) if ent is not None else None)
+        lp = lp_rows.new_zeros((bsz, full_t)).masked_scatter(_pad_right(valid, full_t), lp_rows)
+        ent = (ent_rows.new_zeros((bsz, full_t)).masked_scatter(_pad_right(valid, full_t), ent_rows)
+               if ent_rows is not None else None)
+        return lp, ent
+    labels = input_ids[:, seq_len - t :]  # (B, T)
     # Fallback: the model's own logits (soft-capped / scaled heads, custom remote code).
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]

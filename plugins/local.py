@@ -42,7 +42,7 @@ import torch
 import rlplug
 from rlplug.batch import Batch
 from rlplug.config import config_get
-from rlplug.logprob import response_log_probs
+from rlplug.logprob import response_log_probs, trim_padding_columns
 from rlplug.losses import agg_loss, agg_normalizer, masked_mean, value_loss
 
 __all__ = ["LocalTrainingBackend", "build_lr_lambda"]
@@ -357,11 +357,35 @@ class LocalTrainingBackend:
                                       with_entropy=with_entropy)
 
     def _values(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int) -> torch.Tensor:
+        trimmed, kept = trim_padding_columns(tensors, t)  # columns that are padding in every row are skipped
         with self._autocast():
-            values = model(tensors["input_ids"], tensors.get("attention_mask"), tensors.get("position_ids"))  # (B, L)
+            values = model(trimmed["input_ids"], trimmed.get("attention_mask"), trimmed.get("position_ids"))  # (B, L')
         length = values.shape[1]
         # the value at position p is read after token p, i.e. where token p+1 is predicted (verl)
-        return values[:, length - t - 1 : length - 1].float()
+        values = values[:, length - kept - 1 : length - 1].float()
+        if "attention_mask" in trimmed:  # 0.0 after the end of each response, as the log-probs
+            values = values * trimmed["attention_mask"][:, length - kept :].to(values.dtype)
+        return torch.nn.functional.pad(values, (0, t - kept)) if kept < t else values
+
+    @staticmethod
+    def _micro_batches(batch: Batch, size: int) -> tuple[list[Batch], torch.Tensor]:
+        """Micro-batches of ``size`` rows taken in order of sequence length, and that order.
+
+        Rows of similar length share a micro-batch, so each micro-batch's forward runs on fewer
+        padding columns (:func:`rlplug.logprob.trim_padding_columns`). Results do not depend on
+        the grouping (losses use the whole mini-batch's normaliser); ``order[i]`` is the batch row
+        at sorted position ``i`` (a stable sort, so the same batch always splits the same way).
+        """
+        lengths = batch.tensors["attention_mask"].sum(dim=1)
+        order = torch.sort(lengths.cpu(), stable=True).indices
+        ordered = batch.select(order)
+        return list(ordered.split(size)), order
+
+    @staticmethod
+    def _unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        out[order.to(rows.device)] = rows
+        return out
 
     # ------------------------------------------------------------------ inference
     def _check_inference_batch(self, batch: Batch, what: str) -> tuple[int, torch.device]:
@@ -380,9 +404,9 @@ class LocalTrainingBackend:
         ``batch`` needs ``input_ids``, ``attention_mask``, ``position_ids`` ``(B, P+T)`` and
         ``responses`` ``(B, T)``. Returns ``{"log_probs": (B, T) float32}`` (nats, of
         ``logits / rollout.temperature``) plus ``"entropy"`` ``(B, T) float32`` (nats) when
-        ``with_entropy``, on the batch's device. Values are NOT masked: positions after the end
-        of a response hold the log-prob of the padding token; multiply by ``response_mask`` (or
-        use masked statistics) downstream. Micro-batched by ``actor.micro_batch_size_per_device``.
+        ``with_entropy``, on the batch's device. Positions after the end of a response hold 0.0
+        (not computed); multiply by ``response_mask`` (or use masked statistics) downstream.
+        Micro-batched by ``actor.micro_batch_size_per_device``, rows grouped by length.
 
         Raises ``ValueError`` for an unknown ``which``, ``which="ref"`` without a reference model,
         a missing tensor or an empty batch.
@@ -398,15 +422,16 @@ class LocalTrainingBackend:
         t, out_device = self._check_inference_batch(batch, "compute_log_probs")
         model.eval()
         lps, ents = [], []
-        for micro in self._rank_rows(batch, _SEQ_KEYS).split(self.actor.micro_batch):
+        micros, order = self._micro_batches(self._rank_rows(batch, _SEQ_KEYS), self.actor.micro_batch)
+        for micro in micros:
             lp, ent = self._log_probs(model, self._to_device(micro, _SEQ_KEYS), t, with_entropy)
             lps.append(lp.float())
             if with_entropy:
                 ents.append(ent.float())
         self._release(model)
-        result = {"log_probs": self._gather_rows(torch.cat(lps), len(batch), out_device)}
+        result = {"log_probs": self._gather_rows(self._unsort(torch.cat(lps), order), len(batch), out_device)}
         if with_entropy:
-            result["entropy"] = self._gather_rows(torch.cat(ents), len(batch), out_device)
+            result["entropy"] = self._gather_rows(self._unsort(torch.cat(ents), order), len(batch), out_device)
         return result
 
     @torch.no_grad()
@@ -414,8 +439,8 @@ class LocalTrainingBackend:
         """Critic values ``(B, T) float32`` (no grad), on the batch's device.
 
         ``values[:, j]`` is the critic's output at the hidden position that predicts response
-        token ``j`` (positions ``P - 1 .. P + T - 2``, as verl). Not masked (see
-        :meth:`compute_log_probs`). Raises ``ValueError`` when the backend has no critic, for a
+        token ``j`` (positions ``P - 1 .. P + T - 2``, as verl); 0.0 after the end of each
+        response (see :meth:`compute_log_probs`). Raises ``ValueError`` when the backend has no critic, for a
         missing tensor or an empty batch.
         """
         if self.critic is None:
@@ -423,10 +448,10 @@ class LocalTrainingBackend:
         t, out_device = self._check_inference_batch(batch, "compute_values")
         model = self.critic.model
         model.eval()
-        local = self._rank_rows(batch, _SEQ_KEYS)
-        vals = [self._values(model, self._to_device(m, _SEQ_KEYS), t) for m in local.split(self.critic.micro_batch)]
+        micros, order = self._micro_batches(self._rank_rows(batch, _SEQ_KEYS), self.critic.micro_batch)
+        vals = [self._values(model, self._to_device(m, _SEQ_KEYS), t) for m in micros]
         self._release(model)
-        return self._gather_rows(torch.cat(vals), len(batch), out_device)
+        return self._gather_rows(self._unsort(torch.cat(vals), order), len(batch), out_device)
 
     # ------------------------------------------------------------------ updates
     def _run_update(
@@ -480,7 +505,7 @@ class LocalTrainingBackend:
                 role.optimizer.zero_grad(set_to_none=True)
                 mini_metrics: dict[str, float] = defaultdict(float)
                 bad_stage: str | None = None
-                for micro in local.split(role.micro_batch):
+                for micro in self._micro_batches(local, role.micro_batch)[0]:
                     tensors = self._to_device(micro, tuple(micro.tensors))
                     loss, parts = micro_loss(tensors, normalizer)
                     loss_value = float(loss.detach())

@@ -123,8 +123,11 @@ def test_compute_log_probs_match_full_logits_and_ref(model_path):
     # position p predicts token p + 1: positions P-1 .. P+T-2 predict the response
     logp = torch.log_softmax(logits[:, P - 1 : P + T - 1], -1)
     ref_lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
-    torch.testing.assert_close(out["log_probs"], ref_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["entropy"], -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-5)
+    # micro-batches of 3 rows grouped by length, each trimmed to its own columns; padding -> 0.0
+    real = batch["response_mask"].bool()
+    torch.testing.assert_close(out["log_probs"][real], ref_lp[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["entropy"][real], -(logp.exp() * logp).sum(-1)[real], rtol=1e-5, atol=1e-5)
+    assert torch.all(out["log_probs"][~real] == 0) and torch.all(out["entropy"][~real] == 0)
     # the reference model is the initial actor
     assert torch.equal(backend.compute_log_probs(batch, which="ref")["log_probs"], out["log_probs"])
     with pytest.raises(ValueError, match="which must be 'actor' or 'ref'"):

