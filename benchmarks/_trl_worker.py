@@ -19,7 +19,7 @@ around training (other CPU users inflate step times).
 Usage::
 
     python benchmarks/_trl_worker.py --out result.json --steps 5 [--bf16] [--seed 0]
-        [--model-dir DIR] [--prompts-json FILE] [--threads N]
+        [--model-dir DIR] [--prompts-json FILE] [--threads N] [--min-new-tokens 128]
 
 Launched in a subprocess by ``benchmarks/bench_vs_trl.py``; runs offline with telemetry off.
 Importing this module only pulls in the standard library (heavy imports live in functions).
@@ -115,6 +115,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", help="HF model folder (default: rlplug's SmolLM2-135M-Instruct)")
     p.add_argument("--prompts-json", help='JSON list of {"question", "answer"} (default: built-in)')
     p.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: leave torch's default)")
+    p.add_argument("--min-new-tokens", type=int, help="generation_kwargs min_new_tokens (EOS masked until then)")
     return p.parse_args(argv)
 
 
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             per_device_train_batch_size=16, gradient_accumulation_steps=1, max_completion_length=128,
             temperature=1.0, learning_rate=1e-6, lr_scheduler_type="constant", beta=0.0, seed=args.seed,
             max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            generation_kwargs={"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else None,
         )
         per_step_completions = config.per_device_train_batch_size * config.gradient_accumulation_steps
         trainer = GRPOTrainer(

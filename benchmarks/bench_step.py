@@ -24,7 +24,9 @@ memory.
 ``scaling``: the same experiment with ``rollout.ignore_eos=true`` so every response has exactly
 ``max_response_length`` tokens (otherwise the model's short arithmetic answers would hide the
 length axis): prompts per step 8, 16, 32, 64 at 128 tokens, and 64, 128, 256, 512 tokens at 16
-prompts. Writes a table (markdown + CSV) and a stacked-bar plot of the stages.
+prompts, always two mini-batches per step (``ppo_mini_batch_size`` = half the prompts, as the
+default experiment's 32/16), so every point runs the same stages. Writes a table (markdown +
+CSV) and a stacked-bar plot of the stages.
 
 Results go to ``benchmarks/results/step_{breakdown,scaling}.*``. The machine's core count and
 load average are recorded with them; other processes change the figures a lot on a small machine.
@@ -198,8 +200,8 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     rows = []
     for b, t in grid:
         overrides = ["trainer.critic_warmup=0", "rollout.ignore_eos=true", f"data.train_batch_size={b}",
-                     f"data.max_response_length={t}", f"actor.ppo_mini_batch_size={min(16, b)}",
-                     f"actor.micro_batch_size_per_device={min(8, b)}", *args.overrides]
+                     f"data.max_response_length={t}", f"actor.ppo_mini_batch_size={b // 2}",
+                     f"actor.micro_batch_size_per_device={min(8, b // 2)}", *args.overrides]
         print(f"batch {b}, response length {t} ...", flush=True)
         s = summarize(run_config(overrides, args.steps))
         rows.append({"prompts": b, "max_response_length": t, **s})

@@ -16,6 +16,9 @@ Variants (``--variants``, comma-separated):
   with the defaults: bf16 compute with fp32 master weights, chunked log-probs.
 * ``rlplug-vllm``: the same with ``rollout=vllm`` (vLLM engine in a child process).
 * ``rlplug-hf-fp32``: ``rollout=hf`` with fp32 compute and generation (TRL's numerics).
+* ``trl-fixed``, ``rlplug-hf-fixed``, ``rlplug-vllm-fixed``: every response exactly 128 tokens
+  (TRL ``generation_kwargs={"min_new_tokens": 128}``, rlplug ``rollout.ignore_eos=true``), so
+  both sides do the same work whatever the sampled answers' lengths.
 
 Each variant runs in a fresh process; the variants alternate within each repetition (rep 1:
 trl, rlplug-hf, rlplug-vllm; rep 2: the same order ...), so slow drifts of the machine hit all of
@@ -27,8 +30,10 @@ depends on how long the sampled answers are) and the peak resident memory.
 
     python benchmarks/bench_vs_trl.py                       # 2 repetitions x 5 steps
     python benchmarks/bench_vs_trl.py --reps 3 --steps 6 --variants trl,trl-bf16,rlplug-hf,rlplug-vllm
+    python benchmarks/bench_vs_trl.py --variants trl-fixed,rlplug-hf-fixed,rlplug-vllm-fixed --out-name vs_trl_fixed
 
-Writes ``benchmarks/results/vs_trl.{md,json}``.
+Writes ``benchmarks/results/vs_trl.{md,json}``; ``--render vs_trl.json`` rewrites the table from
+a saved run without running anything.
 """
 
 from __future__ import annotations
@@ -55,12 +60,24 @@ RLPLUG_BASE = [
     "actor.optim.lr=1e-6", "actor.optim.lr_warmup_steps=0", "actor.use_kl_loss=false", "trainer.critic_warmup=0",
     "reward.shaping=[]", "+reward.kwargs.gsm8k={method:flexible}", "trainer.seed=0", "data.seed=0",
 ]
+#: what each variant computes in (the precision column of the table)
+PRECISION = {
+    "trl": "fp32 (TRL's CPU default)", "trl-bf16": "bf16 autocast, fp32 weights",
+    "rlplug-hf": "bf16 autocast, fp32 master weights; bf16 generate", "rlplug-vllm": "same; vLLM bf16",
+    "rlplug-hf-fp32": "fp32, fp32 generate",
+    "trl-fixed": "fp32; every response 128 tokens", "rlplug-hf-fixed": "bf16; every response 128 tokens",
+    "rlplug-vllm-fixed": "bf16; every response 128 tokens",
+}
 VARIANTS = {
     "trl": ["--no-bf16"],
     "trl-bf16": ["--bf16"],
     "rlplug-hf": ["rollout=hf"],
     "rlplug-vllm": ["rollout=vllm"],
     "rlplug-hf-fp32": ["rollout=hf", "model.compute_dtype=fp32", "rollout.dtype=fp32"],
+    # the same work on both sides: EOS masked until 128 tokens (TRL min_new_tokens, rlplug ignore_eos)
+    "trl-fixed": ["--min-new-tokens", "128"],
+    "rlplug-hf-fixed": ["rollout=hf", "rollout.ignore_eos=true"],
+    "rlplug-vllm-fixed": ["rollout=vllm", "rollout.ignore_eos=true"],
 }
 
 
@@ -93,10 +110,47 @@ def run_trl(flags: list[str], steps: int, timeout_s: float = 3600) -> dict:
 def run_rlplug(overrides: list[str], data: Path, steps: int) -> dict:
     result = run_config([*RLPLUG_BASE, f"data.train_files=[{data}]", *overrides], steps)
     return {"seconds": [s["timing_s/step"] for s in result["steps"]],
-            "response_tokens": [s["response_length/mean"] * 16 for s in result["steps"]],
+            "response_tokens": [s["response_length/mean"] * result["config"]["train_batch_size"] * result["config"]["n"]
+                                for s in result["steps"]],
             "stages": {k: [s.get(k, 0.0) for s in result["steps"]] for k in
                        ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights")},
             "peak_rss_gib": result["peak_rss_gib"], "startup_s": result["startup_s"], "raw": result}
+
+
+def render(runs: dict[str, list[dict]], info: dict, reps: int, steps: int) -> tuple[str, dict]:
+    """Median seconds per step (first step of each run dropped, the rest pooled over repetitions),
+    seconds per 1,000 response tokens (the work differs with the sampled lengths), speed-up vs
+    ``trl`` (``trl-fixed`` for the ``-fixed`` variants); returns the markdown table and the summary."""
+    summary = {}
+    for v, rs in runs.items():
+        secs = [s for r in rs for s in r["seconds"][1:]]
+        toks = [t for r in rs for t in r["response_tokens"][1:] if t is not None]
+        per_k = [s / (t / 1000) for r in rs for s, t in zip(r["seconds"][1:], r["response_tokens"][1:]) if t]
+        summary[v] = {"median_s_per_step": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
+                      "n_steps": len(secs), "response_tokens_per_step": statistics.median(toks) if toks else None,
+                      "s_per_1k_response_tokens": statistics.median(per_k) if per_k else None,
+                      "peak_rss_gib": max(r["peak_rss_gib"] for r in rs),
+                      "startup_s": statistics.median(r["startup_s"] for r in rs)}
+    lines = ["# GRPO step time: rlplug vs TRL GRPOTrainer", "",
+             f"{info['cores']} CPU cores, load average at start {info['loadavg_at_start']:.2f}; "
+             f"{reps} repetitions x {steps} steps per variant, alternating; first step of each run dropped.",
+             "Workload: SmolLM2-135M-Instruct, 4 prompts x 4 samples per step, <= 128 response tokens, T=1.0, "
+             "lr 1e-6, no KL, one optimizer step per batch. TRL keeps its defaults (gradient checkpointing on "
+             "for the update, off while generating, KV cache used).", "",
+             "| variant | precision | median s/step | range | response tokens/step | s per 1k response tokens "
+             "| speed-up vs trl (s/step) | (s/1k tokens) | peak RSS GiB | start-up s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for v, s in summary.items():
+        ref = summary.get("trl-fixed" if v.endswith("-fixed") else "trl")  # like is compared with like
+        ratio = f"{ref['median_s_per_step'] / s['median_s_per_step']:.2f}x" if ref else "-"
+        tok = f"{s['response_tokens_per_step']:.0f}" if s["response_tokens_per_step"] is not None else "-"
+        per_k = s["s_per_1k_response_tokens"]
+        ratio_k = (f"{ref['s_per_1k_response_tokens'] / per_k:.2f}x"
+                   if ref and per_k and ref["s_per_1k_response_tokens"] else "-")
+        per_k_text = f"{per_k:.1f}" if per_k else "-"
+        lines.append(f"| {v} | {PRECISION.get(v, '')} | {s['median_s_per_step']:.2f} | {s['min_s']:.1f}-{s['max_s']:.1f} | "
+                     f"{tok} | {per_k_text} | {ratio} | {ratio_k} | {s['peak_rss_gib']:.2f} | {s['startup_s']:.0f} |")
+    return "\n".join(lines) + "\n", summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    ap.add_argument("--out-name", default="vs_trl", help="result files are OUT_DIR/OUT_NAME.{md,json}")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="only rewrite the markdown table from a vs_trl.json written by an earlier run")
     args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        text, _ = render(saved["runs"], saved["machine"], saved.get("reps", 0), saved.get("steps", 0))
+        print(text)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"{args.out_name}.md").write_text(text)
+        return 0
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -125,33 +189,13 @@ def main(argv: list[str] | None = None) -> int:
                 runs[v].append(r)
                 print(f"  seconds per step: {', '.join(f'{s:.1f}' for s in r['seconds'])}", flush=True)
 
-    summary = {}
-    for v, rs in runs.items():
-        secs = [s for r in rs for s in r["seconds"][1:]]
-        toks = [t for r in rs for t in r["response_tokens"][1:] if t is not None]
-        summary[v] = {"median_s_per_step": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
-                      "n_steps": len(secs), "response_tokens_per_step": statistics.median(toks) if toks else None,
-                      "peak_rss_gib": max(r["peak_rss_gib"] for r in rs),
-                      "startup_s": statistics.median(r["startup_s"] for r in rs)}
-    ref = summary.get("trl")
-    lines = ["# GRPO step time: rlplug vs TRL GRPOTrainer", "",
-             f"{info['cores']} CPU cores, load average at start {info['loadavg_at_start']:.2f}; "
-             f"{args.reps} repetitions x {args.steps} steps per variant, alternating; first step of each run dropped.",
-             "Workload: SmolLM2-135M-Instruct, 4 prompts x 4 samples per step, <= 128 response tokens, T=1.0, "
-             "lr 1e-6, no KL, one optimizer step per batch.", "",
-             "| variant | median s/step | range | response tokens/step | speed-up vs trl | peak RSS GiB | start-up s |",
-             "|---|---|---|---|---|---|---|"]
-    for v, s in summary.items():
-        ratio = f"{ref['median_s_per_step'] / s['median_s_per_step']:.2f}x" if ref else "-"
-        tok = f"{s['response_tokens_per_step']:.0f}" if s["response_tokens_per_step"] is not None else "-"
-        lines.append(f"| {v} | {s['median_s_per_step']:.2f} | {s['min_s']:.1f}-{s['max_s']:.1f} | {tok} | {ratio} | "
-                     f"{s['peak_rss_gib']:.2f} | {s['startup_s']:.0f} |")
-    text = "\n".join(lines) + "\n"
+    text, summary = render(runs, info, args.reps, args.steps)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "vs_trl.md").write_text(text)
+    (args.out_dir / f"{args.out_name}.md").write_text(text)
     raw = {v: [{k: val for k, val in r.items() if k != "raw"} for r in rs] for v, rs in runs.items()}
-    (args.out_dir / "vs_trl.json").write_text(json.dumps({"machine": info, "summary": summary, "runs": raw}, indent=1))
+    saved = {"machine": info, "reps": args.reps, "steps": args.steps, "summary": summary, "runs": raw}
+    (args.out_dir / f"{args.out_name}.json").write_text(json.dumps(saved, indent=1))
     return 0
 
 

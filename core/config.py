@@ -282,6 +282,9 @@ class RewardConfig:
     timeout_s: float = 10.0
     #: worker processes for pure-Python rewards (0: serial in this process; -1: one per core)
     num_workers: int = 0
+    #: score on a background thread while the log-prob/value passes run (false: on the main
+    #: thread, after the rollout; for reward functions that need the main thread, e.g. signals)
+    overlap: bool = True
 
 
 @dataclass

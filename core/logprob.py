@@ -204,7 +204,9 @@ def trim_padding_columns(
         attention never lets a real token see a later column, and left padding is masked, so
         the model's outputs at the kept positions are unchanged; compute time drops with the
         number of columns (a micro-batch of short responses no longer pays for the longest
-        response of the whole batch). Without ``attention_mask`` nothing is trimmed.
+        response of the whole batch). Without ``attention_mask`` nothing is trimmed; without
+        ``position_ids`` only trailing columns are (a model numbering positions by column would
+        see every position shift if leading columns went).
     """
     t = int(response_length)
     mask = batch_tensors.get("attention_mask")
@@ -215,6 +217,8 @@ def trim_padding_columns(
     used = mask.bool().any(dim=0)  # (L,)
     cols = torch.nonzero(used, as_tuple=False).flatten()
     lo = min(int(cols[0]) if cols.numel() else p - 1, p - 1)  # the last prompt column predicts the first response token
+    if batch_tensors.get("position_ids") is None:
+        lo = 0
     hi = max(int(cols[-1]) + 1 if cols.numel() else p + 1, p + 1)  # keep at least one response column
     if lo == 0 and hi == seq_len:
         return dict(batch_tensors), t
@@ -298,6 +302,12 @@ def response_log_probs(
         lp = lp_rows.new_zeros((bsz, full_t)).masked_scatter(_pad_right(valid, full_t), lp_rows)
         ent = (ent_rows.new_zeros((bsz, full_t)).masked_scatter(_pad_right(valid, full_t), ent_rows)
                if ent_rows is not None else None)
+        if lp_rows.numel() == 0 and torch.is_grad_enabled():
+            # no real response token (every response empty): add a zero that depends on the backbone
+            # and the head, so a backward pass through this micro-batch works (and gives zero grads)
+            anchor = (hidden.sum() * 0.0 + head.weight.sum() * 0.0).float()
+            lp = lp + anchor
+            ent = ent + anchor if ent is not None else None
         return lp, ent
     labels = input_ids[:, seq_len - t :]  # (B, T)
     # Fallback: the model's own logits (soft-capped / scaled heads, custom remote code).
@@ -307,5 +317,9 @@ def response_log_probs(
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(dim=-1) if with_entropy else None
+    if attention_mask is not None:  # 0.0 at padding, as on the chunked path
+        real = attention_mask[:, seq_len - t :].to(lp.dtype)
+        lp = lp * real
+        ent = ent * real if ent is not None else None
     return lp, ent
 

@@ -413,10 +413,17 @@ class Trainer:
         Scores are needed first by the advantage estimator, so decoding and scoring run while the
         actor computes old log-probs (and ref log-probs and values): the reward functions are plain
         Python or run in ``reward.num_workers`` processes, and torch releases the GIL inside its
-        kernels, so the two proceed together. The future yields ``(result, seconds)``.
+        kernels, so the two proceed together. The future yields ``(result, seconds)``; an
+        exception raised while scoring is raised by :meth:`_finish_scoring`. With
+        ``reward.overlap=false`` the scoring runs here, on the main thread, before returning.
         """
         if not self.is_main:
             return None
+        if not self.cfg.reward.overlap:  # score now, on the main thread
+            done: cf.Future = cf.Future()
+            t0 = time.perf_counter()
+            done.set_result((self._score_here(rows, out), time.perf_counter() - t0))
+            return done
         if self._score_pool is None:
             self._score_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlplug-score")
         t0 = time.perf_counter()
@@ -713,8 +720,8 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        if self._score_pool is not None:
-            self._score_pool.shutdown(wait=False, cancel_futures=True)
+        if self._score_pool is not None:  # wait for a running scoring (bounded by reward.timeout_s) before
+            self._score_pool.shutdown(wait=True, cancel_futures=True)  # the reward pool below closes
             self._score_pool = None
         for obj in (getattr(self, "rollout", None), getattr(self, "backend", None), getattr(self, "reward", None)):
             close = getattr(obj, "close", None)

@@ -190,6 +190,32 @@ def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model
         backend.update_actor(make_batch(0))  # 2 mini-batches of 4: the second would be off-policy
     backend.close()
 
+
+def test_micro_batch_of_empty_responses_trains_like_one_big_micro_batch(model_path):
+    """Two responses are empty (EOS-less, zero tokens); grouped by length they form a micro-batch
+    of their own with nothing to score. The update still runs, and equals the one-micro-batch one."""
+    results = []
+    for micro in (8, 2):
+        cfg = make_cfg(**{"actor.ppo_mini_batch_size": B // N_SAMPLES, "actor.micro_batch_size_per_device": micro})
+        backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=1)
+        batch = make_batch(0)
+        for row in (2, 5):  # shortest prompts too, so the two rows sort first
+            batch["attention_mask"][row, P:] = 0
+            batch["input_ids"][row, P:] = PAD
+            batch["response_mask"][row] = 0.0
+            batch["advantages"][row] = 0.0
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        batch["responses"] = batch["input_ids"][:, P:]
+        lp = backend.compute_log_probs(batch)["log_probs"]
+        assert torch.all(lp[[2, 5]] == 0)
+        batch["old_log_probs"] = lp
+        metrics = backend.update_actor(batch)
+        assert metrics["actor/nonfinite_skipped"] == 0 and math.isfinite(metrics["actor/pg_loss"])
+        results.append(params(backend))
+        backend.close()
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
 def test_metrics_are_means_over_mini_batches(model_path):
     # With lr = 0 the parameters never move, so each mini-batch's loss is what an update on that
     # mini-batch alone reports; a call over both mini-batches and 2 epochs must report the MEAN

@@ -192,6 +192,10 @@ def test_all_padding_columns_are_trimmed_and_outputs_unchanged(tiny_lm):
     torch.testing.assert_close(lp_w[:, :3], lp, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent_w[:, :3], ent, rtol=1e-5, atol=1e-6)
     assert torch.all(lp_w[:, 3] == 0) and torch.all(ent_w[:, 3] == 0)
+    # without position_ids the model numbers positions by column: only trailing columns may go
+    no_pos = {k: v for k, v in wide.items() if k != "position_ids"}
+    trimmed, t = trim_padding_columns(no_pos, 4)
+    assert t == 3 and trimmed["input_ids"].shape == (3, 8) and torch.equal(trimmed["input_ids"], wide["input_ids"][:, :8])
     # a response region that is all padding keeps one column (it is what the last prompt token predicts)
     empty = {k: v.clone() for k, v in batch.items()}
     empty["attention_mask"][:, 4:] = 0

@@ -47,8 +47,8 @@ def test_reward_scoring_overlaps_the_log_prob_and_value_passes(algorithm, tmp_pa
     passes = sum(p[1] - p[0] for p in spans["passes"])
     assert m["timing_s/reward"] >= 0.6
     # the step waited only for the part of the scoring that the passes did not cover
-    assert m["timing_s/reward_wait"] == pytest.approx(max(0.0, s1 - last_pass_end), abs=0.05)
-    assert m["timing_s/reward_wait"] <= max(0.0, 0.6 - passes) + 0.1
+    assert m["timing_s/reward_wait"] == pytest.approx(max(0.0, s1 - last_pass_end), abs=0.25)
+    assert m["timing_s/reward_wait"] <= max(0.0, 0.6 - passes) + 0.25
     assert m["critic/score/mean"] < 0  # the scores still reach the advantages (length penalty)
 
 
@@ -79,3 +79,33 @@ def test_on_policy_steps_skip_the_old_log_prob_pass_and_train_the_same(tmp_path)
         assert not trainer.skip_old_log_prob
     finally:
         trainer.close()
+
+
+
+def test_scoring_errors_reach_the_step_and_overlap_can_be_turned_off(tmp_path) -> None:
+    base = [*TINY_CPU_RUN, *LENGTH_SHAPING, "algorithm=grpo", "trainer.logger=[]"]
+    trainer = Trainer(run_config(base, tmp_path / "err"))
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("reward manager broke")
+
+        trainer.reward.score = broken
+        with pytest.raises(RuntimeError, match="reward manager broke"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+
+    trainer = Trainer(run_config(base, tmp_path / "off", "reward.overlap=false"))
+    threads = []
+    try:
+        score = trainer.reward.score
+
+        def recording(*args, **kwargs):
+            threads.append(threading.current_thread() is threading.main_thread())
+            return score(*args, **kwargs)
+
+        trainer.reward.score = recording
+        m = trainer.train_step()
+    finally:
+        trainer.close()
+    assert threads == [True] and m["timing_s/reward"] > 0 and m["timing_s/reward_wait"] < 0.05
