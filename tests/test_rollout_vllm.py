@@ -102,41 +102,38 @@ def test_same_seed_same_output(engine) -> None:
     assert engine.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=8, seed=2)).response_ids == greedy
 
 
-def test_stops_at_eos_and_keeps_it(engine, ref_model) -> None:
-    """Declare prompt 0's 3rd greedy token an EOS id: that response stops there with the EOS kept,
-    prompt 1 (which never produces it) runs to max_tokens."""
+def _generate_with_extra_eos(engine, ref_model, params: SamplingParams):
+    """Generate ``PROMPTS`` with prompt 0's 3rd greedy token declared an extra EOS id; returns the
+    output, both prompts' 8 greedy tokens and the index of the first occurrence of that token."""
     g0, g1 = manual_greedy(ref_model, PROMPTS[0], 8), manual_greedy(ref_model, PROMPTS[1], 8)
     stop = g0[2]
-    assert stop not in g1
-    k = g0.index(stop)
+    assert stop not in g1  # otherwise pick another prompt
     saved = engine.eos_ids
     engine.eos_ids = sorted({*saved, stop})
     try:
-        out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=True))
+        return engine.generate(PROMPTS, params), g0, g1, g0.index(stop)
     finally:
         engine.eos_ids = saved
+
+
+def test_stops_at_eos_and_keeps_it(engine, ref_model) -> None:
+    """Declare prompt 0's 3rd greedy token an EOS id: that response stops there with the EOS kept,
+    prompt 1 (which never produces it) runs to max_tokens."""
+    out, g0, g1, k = _generate_with_extra_eos(engine, ref_model, SamplingParams(temperature=0.0, max_tokens=8, logprobs=True))
     assert out.response_ids == [g0[: k + 1], g1]
     assert out.finish_reasons == ["stop", "length"]
     assert [len(x) for x in out.log_probs] == [k + 1, 8]
 
 
-
 def test_ignore_eos_generates_exactly_max_tokens(engine, ref_model) -> None:
     """With ``ignore_eos`` the declared EOS (prompt 0's 3rd greedy token) is masked: the response
     follows greedy up to it, then takes another token and runs to max_tokens; prompt 1 is unchanged."""
-    g0, g1 = manual_greedy(ref_model, PROMPTS[0], 8), manual_greedy(ref_model, PROMPTS[1], 8)
-    stop = g0[2]
-    k = g0.index(stop)
-    saved = engine.eos_ids
-    engine.eos_ids = sorted({*saved, stop})
-    try:
-        out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    finally:
-        engine.eos_ids = saved
+    out, g0, g1, k = _generate_with_extra_eos(engine, ref_model, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert [len(r) for r in out.response_ids] == [8, 8]
     assert out.finish_reasons == ["length", "length"]
-    assert out.response_ids[0][:k] == g0[:k] and stop not in out.response_ids[0]
+    assert out.response_ids[0][:k] == g0[:k] and g0[k] not in out.response_ids[0]
     assert out.response_ids[1] == g1
+
 
 def test_update_weights_greedy_follows_pushed_weights(engine, hf, model_path, ref_model) -> None:
     """Perturb every weight (the tied embedding included), push to both engines: greedy output
