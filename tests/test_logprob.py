@@ -118,6 +118,9 @@ def test_checkpointing_keeps_no_vocab_sized_tensor():
     assert (12, 300) in naive_saved
     ours_saved = saved_shapes(lambda h, w: log_probs_from_hidden(h, w, labels, chunk_size=4, with_entropy=True))
     assert not any(s and s[-1] == 300 for s in ours_saved), f"vocabulary-sized tensor kept: {ours_saved}"
+    # one chunk holding every row is not checkpointed: its (rows, V) tensors are the peak anyway
+    single = saved_shapes(lambda h, w: log_probs_from_hidden(h, w, labels, chunk_size=12, with_entropy=True))
+    assert (12, 300) in single
 
 
 def test_bad_inputs_raise_clear_errors():
