@@ -35,9 +35,10 @@ import re
 import resource
 import sys
 import tempfile
-import threading
 import time
 import warnings
+
+from bench_step import PeakRSS  # sibling script: standard library only at import time
 
 _OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -80,26 +81,6 @@ def last_integer_reward(completions, answer, **_) -> list[float]:
     return rewards
 
 
-class _PeakRss:
-    """Daemon thread sampling this process's RSS every ``interval`` seconds; keeps the maximum."""
-
-    def __init__(self, interval: float = 0.05) -> None:
-        import psutil
-
-        self.proc, self._interval, self.peak = psutil.Process(), interval, 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(self._interval)
-
-    def peak_gib(self) -> float:
-        """Max of the sampled RSS and ``ru_maxrss`` (KiB on Linux), in GiB."""
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        return max(self.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
-
-
 def _config_fields(config) -> dict:
     """Selected GRPOConfig fields that exist in this TRL version (enums as their values)."""
     values = {k: getattr(config, k) for k in _CONFIG_FIELDS if hasattr(config, k)}
@@ -124,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     os.environ.update(_OFFLINE_ENV)
     warnings.filterwarnings("ignore")
-    sampler = _PeakRss()
+    sampler = PeakRSS(interval=0.05).start()
 
     import datasets
     import torch
@@ -205,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         "num_prompts": len(items),
         "steps": [steps[k] for k in sorted(steps) if "seconds" in steps[k]],
         "startup_s": startup_s,
-        "peak_rss_gib": sampler.peak_gib(),
+        # the sampled peak, or the kernel's high-water mark (KiB on Linux) if a spike fell between samples
+        "peak_rss_gib": max(sampler.stop(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
         "loadavg_before": load_before,  # 1/5/15-min load: other CPU users distort step times
         "loadavg_after": os.getloadavg(),
         "config": _config_fields(config),

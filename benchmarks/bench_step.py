@@ -80,14 +80,24 @@ class PeakRSS:
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self._sample())
 
-    def __enter__(self) -> "PeakRSS":
+    def start(self) -> "PeakRSS":
+        """Take a first sample and start sampling in a daemon thread; returns ``self``."""
         self.peak = self._sample()
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> int:
+        """Stop sampling; returns the peak (bytes), counting a last sample."""
         self._stop.set()
         self._thread.join()
+        self.peak = max(self.peak, self._sample())
+        return self.peak
+
+    def __enter__(self) -> "PeakRSS":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def worker(overrides: list[str], steps: int, out: str) -> int:
@@ -133,17 +143,24 @@ def machine() -> dict:
     return {"cores": len(os.sched_getaffinity(0)), "loadavg_at_start": os.getloadavg()[0]}
 
 
+def run_json_worker(cmd: list[str], what: str, timeout_s: float = 3600) -> dict:
+    """Run ``cmd + ["--out", FILE]`` in a fresh process and return the JSON it wrote to FILE.
+
+    Raises ``RuntimeError`` naming ``what`` with the tail of the worker's stderr when it exits
+    non-zero, ``subprocess.TimeoutExpired`` after ``timeout_s`` seconds.
+    """
+    with tempfile.TemporaryDirectory(prefix="rlplug-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
 def run_config(overrides: list[str], steps: int, timeout_s: float = 3600) -> dict:
-    """Run :func:`worker` in a fresh process; raises ``RuntimeError`` with its stderr tail on failure."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--steps", str(steps), "--out", out, "--", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}) for {overrides}:\n{proc.stderr[-3000:]}")
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return result
+    """Run :func:`worker` with ``overrides`` for ``steps`` steps in a fresh process; its JSON result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--steps", str(steps), *overrides]
+    return run_json_worker(cmd, f"rlplug worker for {overrides}", timeout_s)
 
 
 def summarize(result: dict, skip: int = 1) -> dict:

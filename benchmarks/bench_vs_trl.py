@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -51,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _trl_worker import arithmetic_workload  # noqa: E402
-from bench_step import machine, run_config  # noqa: E402
+from bench_step import machine, run_config, run_json_worker  # noqa: E402
 
 RLPLUG_BASE = [
     "algorithm=grpo", "data=files", "data.val_files=[]", "data.train_batch_size=4", "data.max_prompt_length=128",
@@ -69,7 +67,7 @@ PRECISION = {
     "rlplug-vllm-fixed": "bf16; every response 128 tokens",
 }
 VARIANTS = {
-    "trl": ["--no-bf16"],
+    "trl": [],
     "trl-bf16": ["--bf16"],
     "rlplug-hf": ["rollout=hf"],
     "rlplug-vllm": ["rollout=vllm"],
@@ -92,16 +90,9 @@ def write_parquet(path: Path, n: int = 64, seed: int = 0) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-def run_trl(flags: list[str], steps: int, timeout_s: float = 3600) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, str(HERE / "_trl_worker.py"), "--out", out, "--steps", str(steps), "--seed", "0"]
-    cmd += [x for x in flags if x != "--no-bf16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TRL worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
+def run_trl(flags: list[str], steps: int) -> dict:
+    cmd = [sys.executable, str(HERE / "_trl_worker.py"), "--steps", str(steps), "--seed", "0", *flags]
+    result = run_json_worker(cmd, f"TRL worker {flags}")
     return {"seconds": [s["seconds"] for s in result["steps"]],
             "response_tokens": [s.get("completion_tokens") for s in result["steps"]],
             "peak_rss_gib": result["peak_rss_gib"], "startup_s": result["startup_s"], "raw": result}

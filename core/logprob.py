@@ -5,9 +5,9 @@ The vocabulary-sized logits dominate training memory for small language models: 
 and autograd keeps several (logits, log-softmax, softmax for the entropy). This module never
 materialises ``(N, V)`` logits for all rows at once: :func:`log_probs_from_hidden` projects
 ``chunk_size`` rows of final hidden states onto the vocabulary at a time and, when autograd is
-recording and there is more than one chunk, wraps each chunk in activation checkpointing (``torch.utils.checkpoint``,
-``use_reentrant=False``), so the backward pass recomputes a chunk's logits instead of keeping
-them. Peak extra memory is then a few ``(chunk_size, V)`` tensors plus the ``(V, H)`` gradient of
+recording and there is more than one chunk, wraps each chunk in activation checkpointing
+(``torch.utils.checkpoint``, ``use_reentrant=False``), so the backward pass recomputes a chunk's
+logits instead of keeping them. Peak extra memory is then a few ``(chunk_size, V)`` tensors plus the ``(V, H)`` gradient of
 the output projection.
 
 Shape letters: ``B`` responses, ``P`` padded prompt length, ``T`` padded response length,

@@ -237,12 +237,6 @@ class Trainer:
         self.use_critic = uses_critic(cfg, self.estimator)
         self.use_ref = bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
         self.needs_baseline = "reward_baselines" in self.estimator.requires
-        # one optimizer step over the whole batch, nothing reading old_log_probs before it (the
-        # in-reward KL does): the actor update uses its own detached log-probs (see ActorConfig)
-        self.skip_old_log_prob = bool(
-            cfg.actor.skip_old_log_prob_on_policy and int(cfg.actor.ppo_epochs) == 1
-            and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
-            and not cfg.algorithm.use_kl_in_reward)
         self.kl_in_reward = (self.registry.get("kl_penalty", cfg.algorithm.kl_penalty)
                              if cfg.algorithm.use_kl_in_reward else None)
         self.reward = RewardManager(cfg.reward, registry=self.registry)
@@ -271,7 +265,13 @@ class Trainer:
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
         self.backend = backend_factory(cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref,
                                        total_steps=self.total_steps)
-        self.skip_old_log_prob = self.skip_old_log_prob and bool(getattr(self.backend, "reuses_on_policy_log_probs", False))
+        # one optimizer step over the whole batch, nothing reading old_log_probs before it (the
+        # in-reward KL does), a backend that can do without them: the actor update uses its own
+        # detached log-probs (see ActorConfig.skip_old_log_prob_on_policy)
+        self.skip_old_log_prob = bool(
+            cfg.actor.skip_old_log_prob_on_policy and int(cfg.actor.ppo_epochs) == 1
+            and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
+            and not cfg.algorithm.use_kl_in_reward and getattr(self.backend, "reuses_on_policy_log_probs", False))
         # Multi-process backends (trainer=fsdp2 under torchrun) run this trainer on every rank. Rank 0
         # alone owns the rollout engine, generates and scores (broadcast to the others by
         # _rank0_then_broadcast), pushes weights, logs to trackers and writes checkpoint metadata.

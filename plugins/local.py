@@ -368,21 +368,26 @@ class LocalTrainingBackend:
         return torch.nn.functional.pad(values, (0, t - kept)) if kept < t else values
 
     @staticmethod
-    def _micro_batches(batch: Batch, size: int) -> tuple[list[Batch], torch.Tensor]:
+    def _micro_batches(batch: Batch, size: int) -> tuple[list[Batch], torch.Tensor | None]:
         """Micro-batches of ``size`` rows taken in order of sequence length, and that order.
 
         Rows of similar length share a micro-batch, so each micro-batch's forward runs on fewer
         padding columns (:func:`rlplug.logprob.trim_padding_columns`). Results do not depend on
         the grouping (losses use the whole mini-batch's normaliser); ``order[i]`` is the batch row
-        at sorted position ``i`` (a stable sort, so the same batch always splits the same way).
+        at sorted position ``i`` (a stable sort, so the same batch always splits the same way), or
+        ``None`` when one micro-batch holds the whole batch (nothing is reordered or copied).
         """
+        if len(batch) <= size:
+            return [batch], None
         lengths = batch.tensors["attention_mask"].sum(dim=1)
         order = torch.sort(lengths.cpu(), stable=True).indices
-        ordered = batch.select(order)
-        return list(ordered.split(size)), order
+        return list(batch.select(order).split(size)), order
 
     @staticmethod
-    def _unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    def _unsort(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+        """``rows`` computed in :meth:`_micro_batches` order, put back in the batch's row order."""
+        if order is None:
+            return rows
         out = torch.empty_like(rows)
         out[order.to(rows.device)] = rows
         return out
