@@ -15,6 +15,7 @@ Public API::
 from .hookspecs import hookimpl
 from .registry import (
     PluginConflictError,
+    PluginContractError,
     PluginError,
     PluginLoadError,
     UnknownKindError,
@@ -34,6 +35,7 @@ __all__ = [
     "get_registry",
     "UnknownPluginError",
     "PluginConflictError",
+    "PluginContractError",
     "PluginError",
     "PluginLoadError",
     "UnknownKindError",

@@ -195,7 +195,7 @@ class RolloutConfig:
     #: "inprocess" (engine in this process or its child) or "server"
     mode: str = "inprocess"
     server_url: Optional[str] = None
-    # ---- server mode (rollout.mode=server, rollout=sglang; see rlplug.plugins.rollout_server)
+    # ---- server mode (rollout.mode=server, rollout=sglang; see rlplug.serving)
     #: loopback address the launched server listens on
     server_host: str = "127.0.0.1"
     #: port of the launched server (0: pick a free port)

@@ -286,17 +286,13 @@ def apply_kl_penalty(
     response_mask: torch.Tensor,
     kl_coef: float,
     kl_fn: Callable[..., torch.Tensor] | str,
-    *,
-    logits: torch.Tensor | None = None,
-    ref_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL penalty in the reward: ``token_level_rewards = token_level_scores - kl_coef * kl * M``.
 
     ``token_level_scores``, ``log_probs`` (actor, nats), ``ref_log_probs`` (reference, nats),
     ``response_mask``: all ``(B, T)``. ``kl_fn(log_probs, ref_log_probs) -> (B, T)`` is a per-token
     KL estimator (a :class:`rlplug.types.KLPenalty` or any callable), or its registered name (looked
-    up in the ``kl_penalty`` registry); ``logits``/``ref_logits`` ``(B, T, V)`` are passed to it
-    only when given (the ``full`` estimator needs them). ``kl_coef`` is ``beta`` (from the KL
+    up in the ``kl_penalty`` registry). ``kl_coef`` is ``beta`` (from the KL
     controller; the caller updates the controller with the returned metric and ``n_steps = B``).
 
     Returns ``(token_level_rewards (B, T) float32, metrics)`` with
@@ -314,10 +310,7 @@ def apply_kl_penalty(
                 f"apply_kl_penalty: {name} has shape {tuple(t.shape)}, token_level_scores has "
                 f"{tuple(token_level_scores.shape)}; all must be (B, T)."
             )
-    kwargs = {}
-    if logits is not None or ref_logits is not None:
-        kwargs = {"logits": logits, "ref_logits": ref_logits}
-    kld = kl_fn(log_probs, ref_log_probs, **kwargs)
+    kld = kl_fn(log_probs, ref_log_probs)
     valid = _valid(response_mask)
     kld = torch.where(valid, kld * _as_float_mask(response_mask, kld), torch.zeros((), dtype=kld.dtype, device=kld.device))
     rewards = (token_level_scores - kl_coef * kld).to(torch.float32)

@@ -25,6 +25,7 @@ from typing import Any, Iterable
 import pluggy
 
 from . import hookspecs
+from .contracts import check_registration
 from .types import Registration
 
 ENTRY_POINT_GROUP = "rlplug"
@@ -64,6 +65,18 @@ class PluginConflictError(PluginError):
     def __init__(self, message: str, first: str = "", second: str = "") -> None:
         super().__init__(message)
         self.first, self.second = first, second
+
+
+class PluginContractError(PluginError, TypeError):
+    """A selected plugin does not implement its kind's Protocol (:mod:`rlplug.contracts`).
+
+    The message names the kind, the name, the distribution, and each missing, misnamed or
+    wrongly-called member; ``problems`` lists them one by one.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems or [])
 
 
 class PluginLoadError(PluginError):
@@ -185,8 +198,10 @@ class Registry:
         self.plugins.append(PluginInfo(name, distribution, version, hooks))
         return True
 
-    def register(self, kind: str, name: str, obj: Any, distribution: str = "<local>", version: str = "") -> None:
-        """Register one object directly (for tests and interactive use).
+    def register(self, kind: str, name: str, obj: Any, distribution: str = "<local>", version: str = "",
+                 **extra: Any) -> None:
+        """Register one object directly (for tests and interactive use); ``extra`` as in the hooks'
+        ``register(name, obj, builds=Class)``.
 
         Raises :class:`PluginConflictError` when ``name`` is already taken in ``kind``.
         """
@@ -194,7 +209,7 @@ class Registry:
         existing = self.entries[kind].get(name)
         if existing is not None:
             raise _conflict(kind, name, existing.distribution, distribution)
-        self.entries[kind][name] = Registration(kind, name, obj, "<direct>", distribution, version)
+        self.entries[kind][name] = Registration(kind, name, obj, "<direct>", distribution, version, dict(extra))
 
     def _insert(self, reg: Registration) -> None:
         existing = self.entries[reg.kind].get(reg.name)
@@ -217,12 +232,17 @@ class Registry:
         return sorted(self.entries[kind])
 
     def registration(self, kind: str, name: str) -> Registration:
-        """The :class:`Registration` for ``name`` in ``kind``; see :meth:`get` for errors."""
+        """The :class:`Registration` for ``name`` in ``kind``, checked against the kind's Protocol
+        (:func:`rlplug.contracts.check_registration`, once per registration); see :meth:`get` for
+        errors."""
         self._check_kind(kind)
         if (kind, name) in self.conflicts:
             raise self.conflicts[(kind, name)]
         reg = self.entries[kind].get(name)
         if reg is not None:
+            if not reg.extra.get("_contract_checked"):
+                check_registration(reg)
+                reg.extra["_contract_checked"] = True
             return reg
         for broken in self.broken:
             if broken.name == name:
@@ -236,7 +256,9 @@ class Registry:
         """The object registered as ``name`` in ``kind``.
 
         Raises :class:`UnknownPluginError` (no such name), :class:`PluginConflictError` (two
-        distributions registered it), :class:`PluginLoadError` (its plugin failed to load) or
+        distributions registered it), :class:`PluginLoadError` (its plugin failed to load),
+        :class:`rlplug.contracts.PluginContractError` (it does not implement the kind's Protocol:
+        the message names the missing or misnamed members and the distribution) or
         :class:`UnknownKindError`.
         """
         return self.registration(kind, name).obj

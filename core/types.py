@@ -15,21 +15,28 @@ a plugin by name.  New inputs go on the batch, not into the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
     import torch
 
 __all__ = [
     "AdvantageEstimator",
+    "AdvantageEstimatorProtocol",
     "PolicyLoss",
+    "PolicyLossProtocol",
     "KLPenalty",
+    "KLPenaltyProtocol",
     "RewardFunction",
+    "Coordinator",
     "SamplingParams",
     "RolloutOutput",
     "RolloutBackend",
     "TrainingBackend",
     "Tracker",
+    "BATCH_FIELD_PRODUCERS",
+    "PER_TOKEN_QUANTITIES",
+    "TRAINING_CAPABILITIES",
     "MissingInputError",
 ]
 
@@ -44,6 +51,52 @@ class MissingInputError(ValueError):
 # --------------------------------------------------------------------------- advantage estimators
 AdvantageFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
+#: Where each batch field an algorithm plugin may declare in ``requires`` comes from. The config
+#: check (:func:`rlplug.validate.validate_config`) rejects a field that is not listed here (nothing
+#: would produce it) and names the producer in its errors; the trainer turns producers on when a
+#: selected plugin asks for their field (``values``: the critic; ``ref_log_probs``: the reference
+#: model; ``reward_baselines``: a greedy baseline rollout; per-token quantities: the training
+#: backend's old-log-prob pass).
+BATCH_FIELD_PRODUCERS: dict[str, str] = {
+    "input_ids": "the rollout (prompt + response tokens)",
+    "attention_mask": "the rollout",
+    "position_ids": "the rollout",
+    "responses": "the rollout",
+    "response_mask": "the rollout (1.0 on generated tokens)",
+    "index": "the data loader (group ids: responses to one prompt share one id; rollout.n >= 2 for groups)",
+    "token_level_scores": "the reward manager (reward.*)",
+    "token_level_rewards": "the reward manager, minus the in-reward KL penalty (algorithm.use_kl_in_reward)",
+    "reward_components": "the reward manager: the named values reward functions report in their dict",
+    "old_log_probs": "the training backend's old-log-prob pass (actor log-probs before the update)",
+    "entropy": "the training backend's old-log-prob pass",
+    "ref_log_probs": "the reference model (turned on by actor.use_kl_loss, algorithm.use_kl_in_reward or a plugin that requires it)",
+    "values": "the critic (turned on by an estimator that requires values, or critic.enable=true)",
+    "reward_baselines": "a greedy baseline rollout, scored like the samples (turned on by an estimator that requires it)",
+    "rollout_log_probs": "the rollout engine (set rollout.calculate_log_probs=true)",
+    "sum_pi_squared": "the training backend's old-log-prob pass (sum over the vocabulary of the squared token probabilities)",
+}
+
+#: The per-token quantities a training backend may compute in its log-prob pass besides
+#: ``log_probs`` (declared in :attr:`TrainingBackend.per_token_outputs`).
+PER_TOKEN_QUANTITIES: tuple[str, ...] = ("entropy", "sum_pi_squared")
+
+
+@runtime_checkable
+class AdvantageEstimatorProtocol(Protocol):
+    """What an advantage estimator registers (kind ``advantage_estimator``).
+
+    ``requires`` names the batch fields it needs besides ``token_level_rewards`` and
+    ``response_mask`` (keys of :data:`BATCH_FIELD_PRODUCERS`); ``group_based`` estimators need
+    ``rollout.n >= 2``. Calling it with ``(data, config)`` returns ``(advantages, returns)``,
+    both ``(B, T) float32`` and 0.0 where ``response_mask`` is 0. :class:`AdvantageEstimator`
+    implements it around a plain function.
+    """
+
+    requires: tuple[str, ...]
+    group_based: bool
+
+    def __call__(self, data: Mapping[str, torch.Tensor], config: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
@@ -51,20 +104,22 @@ class AdvantageEstimator:
 
     ``fn(data, config) -> (advantages, returns)`` where
 
-    * ``data`` is a mapping of tensor name to tensor; always present:
-      ``token_level_rewards`` ``(B, T) float32`` and ``response_mask`` ``(B, T) float32``
-      (1.0 on generated tokens); on request (see ``requires``): ``values`` ``(B, T) float32``
-      from the critic, ``index`` ``(B,) int64`` group ids (responses to one prompt share one id),
-      ``reward_baselines`` ``(B,) float32`` (e.g. the greedy response's score for ReMax).
+    * ``data`` maps tensor names to the batch's tensors: always ``token_level_rewards``
+      ``(B, T) float32`` and ``response_mask`` ``(B, T) float32`` (1.0 on generated tokens), plus
+      every field named in ``requires`` -- for example ``values`` ``(B, T) float32`` from the
+      critic, ``index`` ``(B,) int64`` group ids (responses to one prompt share one id),
+      ``reward_baselines`` ``(B,) float32`` (the greedy response's score, ReMax),
+      ``old_log_probs`` / ``ref_log_probs`` / ``sum_pi_squared`` ``(B, T) float32`` or
+      ``reward_components`` ``(B, K) float32``. :data:`BATCH_FIELD_PRODUCERS` lists every field.
     * ``config`` is the ``algorithm`` config section (``gamma``, ``lam``,
       ``norm_adv_by_std_in_grpo``, ...), a mapping or attribute object.
     * returns ``advantages`` and ``returns``, both ``(B, T) float32`` and exactly 0.0
       where ``response_mask`` is 0.
 
-    ``requires`` names the optional inputs the function needs; the trainer uses it
-    to decide what to compute (e.g. ``values`` means a critic is trained,
-    ``reward_baselines`` means a greedy baseline rollout is generated) and
-    :meth:`__call__` raises :class:`MissingInputError` when one is absent.
+    ``requires`` names the inputs the function needs; the trainer uses it to decide what to
+    compute (``values`` trains a critic, ``reward_baselines`` generates a greedy baseline rollout,
+    ``ref_log_probs`` loads the reference model) and :meth:`__call__` raises
+    :class:`MissingInputError` when one is absent. A field no stage produces is a config error.
     ``group_based`` estimators need ``rollout.n >= 2`` (a config error otherwise).
     """
 
@@ -78,59 +133,97 @@ class AdvantageEstimator:
         return "values" in self.requires
 
     def __call__(self, data: Mapping[str, torch.Tensor], config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        provider = {
-            "values": "a critic (it is enabled automatically for this estimator; check critic.* settings)",
-            "index": "group ids from rollout.n >= 2 (the trainer fills data['index'] with the prompt id)",
-            "reward_baselines": "a baseline rollout (the trainer generates a greedy response per prompt for ReMax)",
-        }
         for key in ("token_level_rewards", "response_mask", *self.requires):
             if key not in data or data[key] is None:
                 raise MissingInputError(
                     f"advantage estimator needs input '{key}' but the batch has none; "
-                    f"it is provided by {provider.get(key, 'the trainer')}. Present inputs: {sorted(k for k in data if data[k] is not None)}"
+                    f"it is provided by {BATCH_FIELD_PRODUCERS.get(key, 'the trainer')}. "
+                    f"Present inputs: {sorted(k for k in data if data[k] is not None)}"
                 )
         return self.fn(data, config)
 
 
 # --------------------------------------------------------------------------- policy losses
+@runtime_checkable
+class PolicyLossProtocol(Protocol):
+    """What a policy loss registers (kind ``policy_loss``); :class:`PolicyLoss` implements it.
+
+    Called as ``loss(old_log_probs, log_probs, advantages, response_mask, config=...,
+    loss_agg_mode=..., normalizer=..., max_response_length=..., rollout_is_weights=...,
+    **{field: tensor for field in requires})`` and returns ``(loss, metrics)``; see
+    :class:`PolicyLoss`. ``validate(actor_config)`` (or ``None``) runs at config time.
+    """
+
+    requires: tuple[str, ...]
+    validate: Callable[[Any], None] | None
+
+    def __call__(
+        self,
+        old_log_probs: torch.Tensor,
+        log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        config: Any,
+        loss_agg_mode: str,
+        normalizer: float | None,
+        max_response_length: int | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """A policy loss (kind ``policy_loss``).
 
     ``fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode,
-    normalizer, max_response_length=None) -> (loss, metrics)`` where the first four are ``(B, T) float32``
-    (log-probs in nats of the sampled tokens), ``config`` is the ``actor`` config section
-    (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ...),
-    ``normalizer`` is the global count the aggregation divides by (valid tokens or
-    sequences of the whole mini-batch, over all micro-batches and ranks), ``max_response_length``
-    (tokens) is the constant ``seq-mean-token-sum-norm`` divides by, and the result is a
-    scalar ``loss`` tensor plus ``metrics`` ``dict[str, float]`` with at least
-    ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl``.
+    normalizer, max_response_length=None, rollout_is_weights=None) -> (loss, metrics)`` where
+    the first four are ``(B, T) float32`` (log-probs in nats of the sampled tokens), ``config`` is
+    the ``actor`` config section (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
+    ``clip_ratio_c``, ...), ``normalizer`` is the global count the aggregation divides by (valid
+    tokens or sequences of the whole mini-batch, over all micro-batches and ranks),
+    ``max_response_length`` (tokens) is the constant ``seq-mean-token-sum-norm`` divides by, and
+    ``rollout_is_weights`` ``(B, T) float32`` or ``None`` are detached per-token importance
+    weights against the rollout engine (truncated IS, ``actor.rollout_is_threshold``) that the
+    loss applies to each token's loss, as verl's losses do. The result is a scalar ``loss``
+    tensor plus ``metrics`` ``dict[str, float]`` with at least ``pg_clipfrac``,
+    ``pg_clipfrac_lower`` and ``ppo_kl``.
 
-    ``validate(config)`` is called once at config time and raises ``ValueError`` for
-    invalid settings (e.g. ``clip_ratio_c <= 1``).
+    ``requires`` names extra batch fields (e.g. ``entropy``) passed to ``fn`` as keyword
+    arguments of the same name. ``validate(config)`` is called once at config time and raises
+    ``ValueError`` for invalid settings (e.g. ``clip_ratio_c <= 1``).
     """
 
     fn: Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
     validate: Callable[[Any], None] | None = None
     description: str = ""
+    requires: tuple[str, ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
         return self.fn(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------- KL penalties
+@runtime_checkable
+class KLPenaltyProtocol(Protocol):
+    """What a KL estimator registers (kind ``kl_penalty``); :class:`KLPenalty` implements it.
+
+    ``penalty(log_probs, ref_log_probs) -> (B, T) float32`` (nats, not masked).
+    """
+
+    def __call__(self, log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class KLPenalty:
     """A per-token KL estimator (kind ``kl_penalty``).
 
-    ``fn(log_probs, ref_log_probs, *, logits=None, ref_logits=None) -> kl`` with
-    log-probs ``(B, T) float32`` in nats and the result ``(B, T) float32`` (nats, not masked).
-    ``needs_logits`` estimators (``full``) also need ``logits``/``ref_logits`` ``(B, T, V)``.
+    ``fn(log_probs, ref_log_probs) -> kl`` with log-probs ``(B, T) float32`` in nats (the
+    sampled tokens under the actor and the reference model) and the result ``(B, T) float32``
+    (nats, not masked).
     """
 
     fn: Callable[..., torch.Tensor]
-    needs_logits: bool = False
     description: str = ""
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -138,13 +231,16 @@ class KLPenalty:
 
 
 # --------------------------------------------------------------------------- reward functions
+@runtime_checkable
 class RewardFunction(Protocol):
     """verl's reward contract (kind ``reward_function``).
 
     ``fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None,
     **kwargs) -> float | dict``. A dict carries ``"score"`` (float) and any other values to
-    log. ``kwargs`` come from ``reward.kwargs.<name>`` in the config. Any plain function
-    with this signature can be registered, so a verl custom reward works unchanged.
+    log (they become ``reward_components`` on the batch). ``kwargs`` come from
+    ``reward.kwargs.<name>`` in the config. Any plain function with this signature can be
+    registered, so a verl custom reward works unchanged. With ``reward.num_workers > 0`` it runs
+    in worker processes and must be picklable (a module-level function).
     """
 
     def __call__(
@@ -218,43 +314,131 @@ class RolloutOutput:
         return [f == "length" for f in self.finish_reasons]
 
 
+@runtime_checkable
 class RolloutBackend(Protocol):
     """A rollout engine (kind ``rollout_backend``); the registered object is a factory.
 
     ``factory(config, model_path: str, tokenizer) -> RolloutBackend`` where ``config`` is the
-    whole run config (the backend reads ``rollout.*``). Instances provide:
+    whole run config (the backend reads ``rollout.*``). Register the class itself, or a factory
+    function with the class(es) it builds: ``register(name, factory, builds=MyRollout)``, so the
+    methods below are checked when the plugin is selected. Instances provide:
 
     * ``generate(prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput``
     * ``update_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None``: load the
       actor's current weights (HF parameter names) without restarting the engine.
-    * ``sleep()`` / ``wake_up()``: release compute while training runs (may be no-ops).
+    * ``sleep()`` / ``wake_up()``: release compute while training runs and take it back before
+      generating (no-ops for engines that hold nothing while idle).
     * ``close()``: stop the engine and free its memory; idempotent.
     """
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
 
-    def update_weights(self, named_tensors: Any) -> None: ...
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
 
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class Coordinator(Protocol):
+    """How the processes of one run agree (supplied by the training backend as ``backend.coordinator``).
+
+    A single-process backend supplies :data:`rlplug.coordinator.SINGLE_PROCESS` (``world_size`` 1,
+    ``is_main`` true, ``broadcast`` returns its argument). A multi-process backend (``fsdp2`` under
+    ``torchrun``) runs the trainer on every rank: rank 0 alone generates, scores, logs and writes
+    checkpoint metadata, and ``broadcast(obj)`` (a collective every rank calls) returns rank 0's
+    ``obj`` on every rank.
+    """
+
+    world_size: int
+    is_main: bool
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+
+@runtime_checkable
 class TrainingBackend(Protocol):
     """A training backend (kind ``training_backend``); the registered object is a factory.
 
     ``factory(config, model_path, *, use_critic, use_ref, total_steps) -> TrainingBackend``
     (``total_steps``: training steps of the run, for LR schedules). It owns the actor, critic
-    and reference models, their optimizers and schedulers, devices and process groups. The
-    methods the training loop calls are listed in :mod:`rlplug.trainer`'s docstring.
+    and reference models, their optimizers and schedulers, devices and process groups, and runs
+    the objectives of :mod:`rlplug.objective` (it does not define the math). Register the class
+    itself, or a factory with ``builds=Class``. Members:
+
+    * ``compute_log_probs(batch, *, which="actor"|"ref", with_entropy=False, extras=())`` ->
+      ``{"log_probs": (B, T) float32, "entropy": (B, T) float32 (with_entropy), <extra>: (B, T)
+      float32 for each name in extras}``; nats, 0.0 after each response's end.
+    * ``compute_values(batch)`` -> ``(B, T) float32`` critic values.
+    * ``update_actor(batch)`` / ``update_critic(batch)`` -> ``dict[str, float]`` (``actor/*``,
+      ``critic/*`` metrics).
+    * ``actor_weights()`` -> iterator of ``(hf_name, tensor)`` for the rollout engine.
+    * ``save(directory)`` / ``load(directory)`` (bitwise resume), ``export_hf(directory,
+      tokenizer)`` (a Hugging Face folder), ``close()``.
+    * ``consecutive_bad_steps: int``: optimizer steps skipped in a row (non-finite loss/gradient).
+    * ``coordinator: Coordinator``: see :class:`Coordinator`.
+    * ``per_token_outputs: frozenset[str]``: the names (of :data:`PER_TOKEN_QUANTITIES`)
+      ``compute_log_probs`` can return; a plugin requiring another one is a config error.
+    * ``capabilities: frozenset[str]``: optional behaviours, checked at config time. Known:
+      ``"reuses_on_policy_log_probs"`` (``update_actor`` accepts an on-policy batch without
+      ``old_log_probs``; the trainer then skips the old-log-prob pass).
     """
 
+    consecutive_bad_steps: int
+    coordinator: Coordinator
+    per_token_outputs: frozenset[str]
+    capabilities: frozenset[str]
 
+    def compute_log_probs(
+        self, batch: Any, *, which: str = "actor", with_entropy: bool = False, extras: tuple[str, ...] = ()
+    ) -> dict[str, torch.Tensor]: ...
+
+    def compute_values(self, batch: Any) -> torch.Tensor: ...
+
+    def update_actor(self, batch: Any) -> dict[str, float]: ...
+
+    def update_critic(self, batch: Any) -> dict[str, float]: ...
+
+    def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def save(self, directory: Any) -> None: ...
+
+    def load(self, directory: Any) -> None: ...
+
+    def export_hf(self, directory: Any, tokenizer: Any = None) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+#: The capabilities a training backend may declare (see :class:`TrainingBackend`).
+TRAINING_CAPABILITIES: tuple[str, ...] = ("reuses_on_policy_log_probs",)
+
+
+@runtime_checkable
 class Tracker(Protocol):
     """An experiment tracker (kind ``tracker``); the registered object is a factory.
 
-    ``factory(config) -> Tracker`` with ``log_params(dict)``, ``log_metrics(dict[str, float], step)``,
-    ``log_table(name, rows: list[dict], step)``, ``log_artifact(path, artifact_path=None)``,
-    ``close()``.
+    ``factory(config) -> Tracker`` (the class itself, or a factory with ``builds=Class``):
+
+    * ``log_params(params: dict)``: the flattened run config, once.
+    * ``log_metrics(metrics: dict[str, float], step: int)``: one step's metrics.
+    * ``log_table(name: str, rows: list[dict], step: int)``: e.g. validation samples.
+    * ``log_artifact(path, artifact_path=None)``: a file to keep with the run.
+    * ``close(status="FINISHED")``: ``FINISHED``, ``KILLED`` or ``FAILED``; idempotent.
     """
+
+    def log_params(self, params: dict) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None: ...
+
+    def log_artifact(self, path: Any, artifact_path: str | None = None) -> None: ...
+
+    def close(self, status: str = "FINISHED") -> None: ...
 
 
 @dataclass

@@ -65,12 +65,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     if cfg.algorithm.use_kl_in_reward:
         kl_keys.append(("algorithm.kl_penalty", cfg.algorithm.kl_penalty))
     for key, name in kl_keys:
-        if getattr(_resolve(registry, "kl_penalty", key, name, choices), "needs_logits", False):
-            raise ConfigError(
-                f"{key}={name} needs the full (B, T, V) logits of the actor and the reference model, but the "
-                "trainer passes KL estimators log-probs only. Use an estimator on log-probs: kl (k1), mse (k2) "
-                "or low_var_kl (k3), optionally with a trailing '+'."
-            )
+        _resolve(registry, "kl_penalty", key, name, choices)
     _resolve(registry, "rollout_backend", "rollout.name", r.name, choices)
     _resolve(registry, "training_backend", "trainer.backend", cfg.trainer.backend, choices)
     for i, name in enumerate(cfg.trainer.logger):

@@ -104,7 +104,7 @@ def full_params(backend, role: str) -> dict[str, torch.Tensor]:
 
 
 def _backend(spec_job: dict, model_path: str, **kw):
-    from rlplug.plugins.fsdp2 import FSDP2TrainingBackend
+    from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
 
     return FSDP2TrainingBackend(make_cfg(**spec_job.get("overrides", {})), model_path, total_steps=4, **kw)
 

@@ -412,7 +412,7 @@ def test_registry_lists_estimators_with_requirements():
 def test_shared_plugin_contract(name, rlplug_registry, make_batch, assert_advantage_contract):
     """Our estimators pass the same contract check third-party plugins are tested with
     (the ``rlplug.testing`` pytest plugin), loaded into a clean registry like a third-party module."""
-    import rlplug.plugins.advantage as module
+    import rlplug.plugins.algorithms.advantage as module
 
     assert rlplug_registry.add_plugin(module), rlplug_registry.broken
     assert rlplug.plugin_names("advantage_estimator") == sorted(ALL)

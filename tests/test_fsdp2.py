@@ -20,7 +20,7 @@ import torch
 import rlplug
 from rlplug.config import TinyModelConfig
 from rlplug.losses import agg_loss
-from rlplug.plugins.local import LocalTrainingBackend
+from rlplug.plugins.training.local import LocalTrainingBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fsdp2_worker as W  # noqa: E402
@@ -63,7 +63,7 @@ def model_path() -> str:
 
 def test_registered_and_config_group():
     from rlplug.config import compose
-    from rlplug.plugins.fsdp2 import FSDP2TrainingBackend
+    from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
 
     assert rlplug.get_plugin("training_backend", "fsdp2") is FSDP2TrainingBackend
     cfg = compose(["trainer=fsdp2", "trainer.backend_kwargs.dist_backend=gloo"])
@@ -71,7 +71,7 @@ def test_registered_and_config_group():
 
 
 def test_bad_backend_kwargs_fail_clearly(model_path):
-    from rlplug.plugins.fsdp2 import FSDP2TrainingBackend
+    from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
 
     with pytest.raises(ValueError, match="unknown keys \\['param_dtyp'\\]"):
         FSDP2TrainingBackend(W.make_cfg(**{"trainer.backend_kwargs": {"param_dtyp": "bf16"}}), model_path,

@@ -383,7 +383,7 @@ def test_math_verify_does_not_hang_on_number_bombs(response):
 
 def test_math_verify_screen_keeps_ordinary_answers():
     """The number-bomb screen flags only towers, > 6 exponent digits and huge factorials."""
-    from rlplug.plugins.rewards import math_verify, too_costly_to_evaluate
+    from rlplug.plugins.rewards.rules import math_verify, too_costly_to_evaluate
 
     ordinary = ["x^2 + y^2", "e^{x^2}", "2^{2017}", "x^{2}y^{3}", "\\frac{x^2}{y^2}", "5!", "10000!", "(x+1)^2",
                 "10^{100}", "1,000,000", "x**2 + 2*x", "2^{10}\\cdot 3^{5}", "(2^{3})^{4}"]

@@ -113,7 +113,7 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM":
 # The fork server: imports everything once, then forks one child per JSON request line.
 ZYGOTE = r"""
 import json, os, signal, sys, traceback
-import rlplug.cli, rlplug.trainer, rlplug.plugins.local, rlplug.plugins.hf
+import rlplug.cli, rlplug.trainer, rlplug.plugins.training.local, rlplug.plugins.rollout.hf
 from rlplug.registry import get_registry
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # the lazy imports
 get_registry()

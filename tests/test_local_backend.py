@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 import rlplug
 from rlplug.batch import Batch
 from rlplug.config import RunConfig, TinyModelConfig
-from rlplug.plugins.local import LocalTrainingBackend, build_lr_lambda
+from rlplug.plugins.training.local import LocalTrainingBackend, build_lr_lambda
 
 B, P, T, N_SAMPLES = 8, 5, 6, 2
 PAD = 2
@@ -325,7 +325,7 @@ def test_nan_advantages_skip_the_step(model_path, caplog):
     batch["advantages"] = batch["advantages"].clone()
     batch["advantages"][0, 0] = float("nan")
     before = params(backend)
-    with caplog.at_level(logging.WARNING, logger="rlplug.plugins.local"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.plugins.training.local"):
         metrics = backend.update_actor(batch)
     assert metrics["actor/nonfinite_skipped"] == 1.0
     assert backend.consecutive_bad_steps == 1
@@ -348,7 +348,7 @@ def test_nonfinite_gradient_skips_the_step(model_path, caplog):
     param = backend.actor.model.model.norm.weight
     handle = param.register_hook(lambda g: g * float("nan"))
     before = params(backend)
-    with caplog.at_level(logging.WARNING, logger="rlplug.plugins.local"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.plugins.training.local"):
         metrics = backend.update_actor(batch)
     handle.remove()
     assert metrics["actor/nonfinite_skipped"] == 1.0 and backend.consecutive_bad_steps == 1

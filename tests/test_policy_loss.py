@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 import rlplug
 from rlplug.losses import LOSS_AGG_MODES, agg_normalizer
-from rlplug.plugins.policy_loss import dual_clip_policy_loss, vanilla_policy_loss
+from rlplug.plugins.algorithms.policy_loss import dual_clip_policy_loss, vanilla_policy_loss
 
 LN = math.log
 

@@ -192,7 +192,7 @@ def _declared_entry_points() -> dict[str, str]:
 
 def _module_file(value: str) -> Path:
     assert value.startswith("rlplug.plugins."), value
-    return ROOT / "plugins" / (value.removeprefix("rlplug.plugins.") + ".py")
+    return ROOT / "plugins" / (value.removeprefix("rlplug.plugins.").replace(".", "/") + ".py")
 
 
 def test_every_packaged_plugin_on_disk_loads(rlplug_full_registry):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import rlplug
-from rlplug.plugins.rewards import (
+from rlplug.plugins.rewards.rules import (
     extract_answer_text,
     extract_hash_answer,
     format_reward,

@@ -11,7 +11,7 @@ import rlplug
 from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
 from rlplug.models import load_causal_lm
-from rlplug.plugins.hf import HFRollout, create_hf_rollout
+from rlplug.plugins.rollout.hf import HFRollout, create_hf_rollout
 from rlplug.types import SamplingParams
 
 torch.set_num_threads(1)

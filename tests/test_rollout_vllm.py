@@ -20,7 +20,7 @@ from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
 from rlplug.models import load_causal_lm, resolve_model_path
 from rlplug.types import SamplingParams
-from rlplug.plugins.vllm import EngineError
+from rlplug.plugins.rollout.vllm import EngineError
 
 pytestmark = [
     pytest.mark.vllm,
@@ -40,7 +40,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def engine(cfg, model_path, tok):
-    from rlplug.plugins.vllm import create_vllm_rollout
+    from rlplug.plugins.rollout.vllm import create_vllm_rollout
 
     with create_vllm_rollout(cfg, model_path, tok) as e:
         yield e
@@ -48,7 +48,7 @@ def engine(cfg, model_path, tok):
 
 @pytest.fixture(scope="module")
 def hf(cfg, model_path, tok):
-    from rlplug.plugins.hf import HFRollout
+    from rlplug.plugins.rollout.hf import HFRollout
 
     with HFRollout(cfg, model_path, tok) as h:
         yield h
@@ -60,7 +60,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_registered_and_rejects_unsupported_head_size(model_path, tok) -> None:  # noqa: ARG001
-    from rlplug.plugins.vllm import create_vllm_rollout
+    from rlplug.plugins.rollout.vllm import create_vllm_rollout
 
     assert rlplug.get_plugin("rollout_backend", "vllm") is create_vllm_rollout
     default_tiny = compose(["model=tiny", "rollout=vllm", "model.tiny.num_attention_heads=4",
@@ -190,7 +190,7 @@ def test_failed_startup_raises_and_leaves_no_process(cfg, model_path, tok, tmp_p
     """A model folder without weights: vLLM fails while loading; the error names the cause."""
     import shutil
 
-    from rlplug.plugins.vllm import VLLMRollout
+    from rlplug.plugins.rollout.vllm import VLLMRollout
 
     broken = tmp_path / "no_weights"
     broken.mkdir()

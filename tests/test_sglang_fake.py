@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 
 import rlplug
 from rlplug.config import compose
-from rlplug.plugins.rollout_server import ServerError
-from rlplug.plugins.sglang import SGLangRollout, create_sglang_rollout
+from rlplug.serving import ServerError
+from rlplug.plugins.rollout.sglang import SGLangRollout, create_sglang_rollout
 from rlplug.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -300,7 +300,7 @@ def test_no_orphan_server_when_the_trainer_dies_or_forgets_close(ending, model_d
         from types import SimpleNamespace
         from safetensors.torch import load_file
         from rlplug.config import compose
-        from rlplug.plugins.sglang import SGLangRollout
+        from rlplug.plugins.rollout.sglang import SGLangRollout
         cfg = compose(["rollout=sglang", "trainer.device=cpu"])
         cfg.rollout.server_cmd = ["{{python}}", {str(FAKE)!r}, "--model-path", "{{model_path}}", "--host", "{{host}}", "--port", "{{port}}"]
         b = SGLangRollout(cfg, {str(model_dir)!r}, SimpleNamespace(eos_token_id=2))
@@ -375,7 +375,7 @@ def test_trainer_runs_with_the_sglang_backend(tmp_path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 def test_real_sglang_greedy_matches_hf() -> None:  # pragma: no cover - needs SGLang (GPU machines)
     from rlplug.models import load_tokenizer, resolve_model_path
-    from rlplug.plugins.hf import HFRollout
+    from rlplug.plugins.rollout.hf import HFRollout
 
     cfg = compose(["model=tiny", "rollout=sglang", "rollout.dtype=fp32"])
     path = resolve_model_path(cfg.model)

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlplug.config import compose
-from rlplug.plugins.trackers import (
+from rlplug.plugins.tracking.trackers import (
     MAX_NAME_LENGTH,
     MAX_PARAM_VALUE_LENGTH,
     ConsoleTracker,

@@ -177,7 +177,7 @@ def importable_module(tmp_path, monkeypatch):
 
 
 HOSTILE_NAMES = ["os.system", "os:system", "builtins:exec", "rlplug_test_evil_mod", "rlplug_test_evil_mod:attr",
-                 "rlplug_test_evil_mod.attr", "rlplug.plugins.advantage:compute_gae", "../../etc/passwd"]
+                 "rlplug_test_evil_mod.attr", "rlplug.plugins.algorithms.advantage:compute_gae", "../../etc/passwd"]
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)

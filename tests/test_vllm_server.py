@@ -25,7 +25,7 @@ import torch
 
 from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
-from rlplug.plugins.rollout_server import VLLMServerRollout
+from rlplug.plugins.rollout.vllm import VLLMServerRollout
 from rlplug.types import SamplingParams
 
 pytestmark = [
@@ -47,7 +47,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def server(cfg, model_path, tok):
-    from rlplug.plugins.vllm import create_vllm_rollout
+    from rlplug.plugins.rollout.vllm import create_vllm_rollout
 
     with create_vllm_rollout(cfg, model_path, tok) as s:
         assert isinstance(s, VLLMServerRollout)
@@ -69,7 +69,7 @@ def forcing_weights(model, token: int) -> dict[str, torch.Tensor]:
 
 
 def test_greedy_matches_the_inprocess_backend_and_the_model(server, cfg, model_path, tok, ref_model) -> None:
-    from rlplug.plugins.vllm import VLLMRollout
+    from rlplug.plugins.rollout.vllm import VLLMRollout
 
     params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
     out = server.generate(PROMPTS, params)

@@ -2,7 +2,7 @@
 
 Always a server (``rollout.mode`` is not consulted): the backend starts SGLang on a loopback port
 (or connects to ``rollout.server_url``), keeps it alive and ends it with the run; retries,
-restarts and process handling are those of :class:`rlplug.plugins.rollout_server.ServerRollout`.
+restarts and process handling are those of :class:`rlplug.serving.ServerRollout`.
 
 SGLang's native API as documented (``docs/basic_usage/sampling_params.md``,
 ``io_struct.py::GenerateReqInput``, ``http_server.py``):
@@ -37,7 +37,7 @@ from typing import Any
 
 import rlplug
 from rlplug.config import config_get
-from rlplug.plugins.rollout_server import ServerError, ServerRollout, _Retryable
+from rlplug.serving import Retryable, ServerError, ServerRollout
 from rlplug.types import SamplingParams
 
 __all__ = ["SGLangRollout", "create_sglang_rollout"]
@@ -47,7 +47,7 @@ class SGLangRollout(ServerRollout):
     """SGLang server rollout engine (see the module docstring).
 
     ``SGLangRollout(config, model_path, tokenizer)``; reads ``rollout.*`` as
-    :class:`~rlplug.plugins.rollout_server.ServerRollout` does. Raises ``ModuleNotFoundError``
+    :class:`~rlplug.serving.ServerRollout` does. Raises ``ModuleNotFoundError``
     when SGLang is not installed and neither ``rollout.server_url`` nor ``rollout.server_cmd``
     is set, ``ValueError`` for bad settings, :class:`ServerError` when the server does not start.
     """
@@ -111,7 +111,7 @@ class SGLangRollout(ServerRollout):
         fr = meta.get("finish_reason")
         kind = fr.get("type") if isinstance(fr, dict) else fr
         if kind == "abort":
-            raise _Retryable(f"SGLang aborted the request: {fr}")
+            raise Retryable(f"SGLang aborted the request: {fr}")
         if kind not in ("stop", "length"):
             raise ServerError(f"SGLang finished a request with finish_reason {fr!r}; expected type 'stop' or 'length'.")
         matched = fr.get("matched") if isinstance(fr, dict) else None
@@ -139,4 +139,4 @@ def create_sglang_rollout(config: Any, model_path: str, tokenizer: Any) -> SGLan
 
 @rlplug.hookimpl
 def register_rollout_backends(register: Any) -> None:
-    register("sglang", create_sglang_rollout)
+    register("sglang", create_sglang_rollout, builds=SGLangRollout)

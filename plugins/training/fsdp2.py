@@ -8,7 +8,7 @@ Launch with torchrun, one process per device (CPU ranks use gloo, GPU ranks NCCL
 Without torchrun (``WORLD_SIZE`` unset) it runs as a one-rank group (a ``FileStore`` in a
 temporary folder), so ``trainer=fsdp2`` also works in a plain ``rlplug train``.
 
-Design (the methods and their semantics are those of :class:`rlplug.plugins.local.LocalTrainingBackend`,
+Design (the methods and their semantics are those of :class:`rlplug.plugins.training.local.LocalTrainingBackend`,
 which this class extends; only the distributed parts differ):
 
 * **Sharding.** The actor, the critic and the reference model are each wrapped with
@@ -79,7 +79,7 @@ import rlplug
 from rlplug.batch import Batch
 from rlplug.logprob import response_log_probs
 from rlplug.config import config_get
-from rlplug.plugins.local import _STATE_FILE, LocalTrainingBackend, _resolve_device, _Role
+from rlplug.plugins.training.local import _STATE_FILE, LocalTrainingBackend, _resolve_device, _Role
 
 __all__ = ["FSDP2TrainingBackend"]
 
@@ -156,7 +156,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
     """Training backend sharded over a ``torch.distributed`` group (``trainer.backend=fsdp2``).
 
     Same factory signature, methods, metrics and checkpoint contract as
-    :class:`~rlplug.plugins.local.LocalTrainingBackend` (see there and the module docstring).
+    :class:`~rlplug.plugins.training.local.LocalTrainingBackend` (see there and the module docstring).
     Every method is collective: all ranks must call it, in the same order, with the same batch.
 
     Attributes:

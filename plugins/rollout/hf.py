@@ -25,78 +25,10 @@ import torch
 
 import rlplug
 from rlplug.config import config_get
+from rlplug.rollout_utils import eos_ids, parse_dtype, strip_wrapper_prefixes, validate_prompts
 from rlplug.types import RolloutOutput, SamplingParams
 
-__all__ = ["HFRollout", "create_hf_rollout", "parse_dtype", "strip_wrapper_prefixes", "validate_prompts"]
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-           "fp16": torch.float16, "float16": torch.float16}
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def parse_dtype(name: Any) -> torch.dtype:
-    """``rollout.dtype`` string (``bf16``/``fp32``/``fp16``) to a torch dtype; ``ValueError`` otherwise."""
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).lower()
-    if key not in _DTYPES:
-        raise ValueError(f"Unknown rollout.dtype '{name}'. Expected one of: bf16, fp32, fp16.")
-    return _DTYPES[key]
-
-
-def strip_wrapper_prefixes(name: str) -> str:
-    """Remove wrapper prefixes (``module.``, ``_orig_mod.``, FSDP/checkpoint wrappers) from a parameter name."""
-    changed = True
-    while changed:
-        changed = False
-        for p in _WRAPPER_PREFIXES:
-            if name.startswith(p):
-                name, changed = name[len(p):], True
-        name = name.replace("._fsdp_wrapped_module.", ".").replace("._checkpoint_wrapped_module.", ".")
-    return name
-
-
-def validate_prompts(prompt_ids: Any, vocab_size: int | None, params: SamplingParams) -> list[list[int]]:
-    """Check ``prompt_ids`` (non-empty list of non-empty int lists within the vocabulary) and ``params``.
-
-    Raises ``ValueError`` naming the first bad prompt and what was expected.
-    """
-    if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
-        raise ValueError(f"generate() needs a non-empty list of prompts (lists of token ids); got {type(prompt_ids).__name__} of length {len(prompt_ids) if hasattr(prompt_ids, '__len__') else '?'}.")
-    out: list[list[int]] = []
-    for i, p in enumerate(prompt_ids):
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
-        if isinstance(p, str) or not hasattr(p, "__iter__"):
-            raise ValueError(f"prompt {i} is a {type(p).__name__}; expected a list of token ids (tokenize it first).")
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. the chat template's prefix).")
-        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): min {min(p)}, max {max(p)}; was it tokenized with this model's tokenizer?")
-        out.append(p)
-    if int(params.n) < 1:
-        raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}.")
-    if int(params.max_tokens) < 1:
-        raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {params.max_tokens}.")
-    if not params.greedy and not (0.0 < float(params.top_p) <= 1.0):
-        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}.")
-    return out
-
-
-def _eos_ids(tokenizer: Any, *extra: Any) -> list[int]:
-    ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), *extra):
-        if src is None:
-            continue
-        if isinstance(src, (list, tuple, set)):
-            ids.update(int(x) for x in src)
-        else:
-            ids.add(int(src))
-    if not ids:
-        raise ValueError("The tokenizer has no eos_token_id, so responses could never stop; set tokenizer.eos_token.")
-    return sorted(ids)
-
+__all__ = ["HFRollout", "create_hf_rollout"]
 
 class _LogProbRecorder:
     """Logits processor placed last: records ``log_softmax(scores)`` of each sampled token.
@@ -157,7 +89,7 @@ class HFRollout:
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = tokenizer
-        self.eos_ids = _eos_ids(tokenizer, getattr(self.model.generation_config, "eos_token_id", None))
+        self.eos_ids = eos_ids(tokenizer, getattr(self.model.generation_config, "eos_token_id", None))
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         # A clean generation config: no sampling defaults shipped with the model may leak in.
@@ -340,4 +272,4 @@ def create_hf_rollout(config: Any, model_path: str, tokenizer: Any) -> HFRollout
 
 @rlplug.hookimpl
 def register_rollout_backends(register: Any) -> None:
-    register("hf", create_hf_rollout)
+    register("hf", create_hf_rollout, builds=HFRollout)

@@ -11,15 +11,15 @@ name                value
 ``k2`` / ``mse``    ``0.5 * d^2``
 ``k3`` /            ``clamp(exp(x) - x - 1, -10, 10)`` with ``x = clamp(-d, -20, 20)``
 ``low_var_kl``      (Schulman, "Approximating KL divergence", 2020; non-negative, low variance)
-``full``            exact ``KL(p || q) = sum_v p log(p / q)`` over the vocabulary from
-                    ``logits`` and ``ref_logits`` ``(B, T, V)`` (``p`` actor, ``q`` reference)
 ``<name>+``         straight-through: the value of ``<name>``, the gradient of ``k2``
                     (``k2(d) + (base - k2(d)).detach()``), for every name above **(differs from
                     verl, where ``k1+``/``k3+`` raise NotImplementedError)**
 ==================  ============================================================================
 
 Results are ``(B, T) float32`` in nats and NOT masked (the caller masks and aggregates).
-Source: verl ``kl_penalty`` in ``verl/trainer/ppo/core_algos.py``.
+Source: verl ``kl_penalty`` in ``verl/trainer/ppo/core_algos.py``. verl's ``full`` (the exact KL
+over the vocabulary from ``(B, T, V)`` logits) is not registered: rlplug's log-prob pass never
+keeps the logits of the actor and the reference model at once **(differs from verl)**.
 """
 
 from __future__ import annotations
@@ -42,41 +42,22 @@ def _check(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> None:
         )
 
 
-def _k1(log_probs, ref_log_probs, logits=None, ref_logits=None):
+def _k1(log_probs, ref_log_probs):
     return log_probs - ref_log_probs
 
 
-def _abs(log_probs, ref_log_probs, logits=None, ref_logits=None):
+def _abs(log_probs, ref_log_probs):
     return (log_probs - ref_log_probs).abs()
 
 
-def _k2(log_probs, ref_log_probs, logits=None, ref_logits=None):
+def _k2(log_probs, ref_log_probs):
     d = log_probs - ref_log_probs
     return 0.5 * d * d
 
 
-def _k3(log_probs, ref_log_probs, logits=None, ref_logits=None):
+def _k3(log_probs, ref_log_probs):
     x = torch.clamp(ref_log_probs - log_probs, -20.0, 20.0)
     return torch.clamp(torch.exp(x) - x - 1.0, -10.0, 10.0)
-
-
-def _full(log_probs, ref_log_probs, logits=None, ref_logits=None):
-    if logits is None or ref_logits is None:
-        raise ValueError(
-            "KL penalty 'full' needs logits and ref_logits (B, T, V) from the actor and the reference "
-            "model; use an estimator on log-probs instead (k1, k2, k3/low_var_kl) if they are not kept."
-        )
-    if logits.shape != ref_logits.shape or logits.shape[:-1] != log_probs.shape:
-        raise ValueError(
-            f"KL penalty 'full': logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)} must "
-            f"both be (B, T, V) with (B, T) = log_probs.shape {tuple(log_probs.shape)}."
-        )
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    logq = torch.log_softmax(ref_logits.float(), dim=-1)
-    p = logp.exp()
-    # p == 0 entries contribute 0 even when logq is -inf there
-    terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=p.dtype, device=p.device))
-    return terms.sum(dim=-1)
 
 
 _BASE: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
@@ -87,7 +68,6 @@ _BASE: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     "mse": (_k2, "alias of k2: 0.5 * (log_probs - ref_log_probs)^2"),
     "k3": (_k3, "k3 (Schulman 2020): exp(-d) + d - 1, clamped"),
     "low_var_kl": (_k3, "alias of k3 (Schulman 2020): exp(-d) + d - 1, clamped"),
-    "full": (_full, "exact KL over the vocabulary from logits and ref_logits"),
 }
 
 #: Base estimator names (aliases included), without the straight-through ``+`` variants.
@@ -96,29 +76,21 @@ BASE_KL_NAMES: tuple[str, ...] = tuple(_BASE)
 KL_NAMES: tuple[str, ...] = BASE_KL_NAMES + tuple(f"{n}+" for n in BASE_KL_NAMES)
 
 
-def kl_penalty(
-    name: str,
-    log_probs: torch.Tensor,
-    ref_log_probs: torch.Tensor,
-    logits: torch.Tensor | None = None,
-    ref_logits: torch.Tensor | None = None,
-) -> torch.Tensor:
+def kl_penalty(name: str, log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """Per-token KL estimate ``(B, T) float32`` (nats, unmasked) of kind ``name``.
 
     ``log_probs``/``ref_log_probs`` ``(B, T) float32``: log-probs of the sampled tokens under the
-    actor and the reference. ``logits``/``ref_logits`` ``(B, T, V)``: only for ``full``/``full+``.
-    ``name`` is one of :data:`KL_NAMES` (see the module docstring). A trailing ``+`` returns the
+    actor and the reference. ``name`` is one of :data:`KL_NAMES` (see the module docstring). A trailing ``+`` returns the
     base value with the gradient of ``k2``.
 
-    Raises ``ValueError`` for an unknown name (listing the names), mismatched shapes, or ``full``
-    without logits.
+    Raises ``ValueError`` for an unknown name (listing the names) or mismatched shapes.
     """
     straight_through = name.endswith("+")
     base = name[:-1] if straight_through else name
     if base not in _BASE:
         raise ValueError(f"Unknown KL penalty {name!r}. Available: {', '.join(KL_NAMES)}.")
     _check(log_probs, ref_log_probs)
-    value = _BASE[base][0](log_probs, ref_log_probs, logits, ref_logits)
+    value = _BASE[base][0](log_probs, ref_log_probs)
     if not straight_through:
         return value
     k2 = _k2(log_probs, ref_log_probs)
@@ -126,24 +98,16 @@ def kl_penalty(
 
 
 def _make(name: str) -> Callable[..., torch.Tensor]:
-    def fn(log_probs, ref_log_probs, *, logits=None, ref_logits=None):
-        return kl_penalty(name, log_probs, ref_log_probs, logits, ref_logits)
+    def fn(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+        return kl_penalty(name, log_probs, ref_log_probs)
 
     fn.__name__ = f"kl_{name.replace('+', '_plus')}"
-    fn.__doc__ = f"KL penalty {name!r}; see :func:`rlplug.plugins.kl.kl_penalty`."
+    fn.__doc__ = f"KL penalty {name!r}; see :func:`rlplug.plugins.algorithms.kl.kl_penalty`."
     return fn
 
 
 @rlplug.hookimpl
 def register_kl_penalties(register):
     for base, (_, desc) in _BASE.items():
-        needs_logits = base == "full"
-        register(base, KLPenalty(_make(base), needs_logits=needs_logits, description=desc))
-        register(
-            f"{base}+",
-            KLPenalty(
-                _make(f"{base}+"),
-                needs_logits=needs_logits,
-                description=f"straight-through: value of {base}, gradient of k2",
-            ),
-        )
+        register(base, KLPenalty(_make(base), description=desc))
+        register(f"{base}+", KLPenalty(_make(f"{base}+"), description=f"straight-through: value of {base}, gradient of k2"))

@@ -1,0 +1,1 @@
+"""Algorithm plugins: advantage estimators, policy losses and KL penalties (pure tensor functions)."""

@@ -1,0 +1,1 @@
+"""Reward plugins: rule-based reward functions with verl's contract."""

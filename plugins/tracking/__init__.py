@@ -1,0 +1,1 @@
+"""Tracker plugins: console and MLflow."""

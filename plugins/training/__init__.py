@@ -1,0 +1,1 @@
+"""Training-backend plugins: one process (local) and data-parallel FSDP2 (fsdp2)."""
