@@ -152,6 +152,12 @@ def _bind_problem(fn: Any, label: str, pattern: tuple[list[str], list[str]], *, 
 # ============================================================================ checks
 
 
+def _name(obj: Any) -> str:
+    """A readable name: the qualified name without ``<locals>`` parts."""
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return name.split("<locals>.")[-1]
+
+
 def built_classes(obj: Any, extra: dict | None = None) -> list[type]:
     """The classes a factory registration builds: the registered class itself, or what it declares
     with ``register(name, factory, builds=Class or (Class, ...))`` (or a ``builds`` attribute on the
@@ -181,7 +187,7 @@ def check_object(kind: str, target: Any, *, is_class: bool = False, label: str |
     """
     contract = CONTRACTS[kind]
     methods, attributes = protocol_members(contract.protocol)
-    label = label or getattr(target, "__qualname__", None) or type(target).__name__
+    label = label or _name(target)
     problems: list[str] = []
     public = sorted({n for n in dir(target) if not n.startswith("_")})
     missing: list[str] = []
@@ -247,13 +253,13 @@ def check_registration(reg: T.Registration) -> None:
             classes = built_classes(reg.obj, reg.extra)
             if not classes:
                 problems.append(
-                    f"the factory {getattr(reg.obj, '__qualname__', reg.obj)!r} does not declare the class it builds; "
+                    f"the factory {_name(reg.obj)!r} does not declare the class it builds; "
                     f"register the class itself or register(name, factory, builds=TheClass) so its methods can be checked"
                 )
             for cls in classes:
-                problems += check_object(reg.kind, cls, is_class=True, label=cls.__qualname__)
+                problems += check_object(reg.kind, cls, is_class=True, label=_name(cls))
     else:
-        problems += check_object(reg.kind, reg.obj, label=getattr(reg.obj, "__qualname__", None) or reg.name)
+        problems += check_object(reg.kind, reg.obj, label=_name(_wrapped_fn(reg.obj)) if callable(reg.obj) else reg.name)
     if problems:
         kind_words = reg.kind.replace("_", " ")
         proto = contract.protocol

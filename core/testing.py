@@ -39,7 +39,34 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .registry import Registry
 
-__all__ = ["make_batch", "assert_advantage_contract", "algorithm_config"]
+from .conformance import (
+    check_advantage_estimator,
+    check_kl_penalty,
+    check_policy_loss,
+    check_protocol,
+    check_reward_function,
+    check_rollout_backend,
+    check_tracker,
+    check_training_backend,
+)
+
+__all__ = [
+    "make_batch",
+    "assert_advantage_contract",
+    "algorithm_config",
+    "REWARD_COMPONENT_NAMES",
+    "check_protocol",
+    "check_advantage_estimator",
+    "check_policy_loss",
+    "check_kl_penalty",
+    "check_reward_function",
+    "check_rollout_backend",
+    "check_training_backend",
+    "check_tracker",
+]
+
+#: Column names of :func:`make_batch`'s ``reward_components``.
+REWARD_COMPONENT_NAMES = ("acc", "format")
 
 
 # ============================================================================ batches
@@ -78,6 +105,11 @@ def make_batch(
     ``advantages``           (B, T) float   N(0, 1), 0 on padding
     ``returns``              (B, T) float   N(0, 1), 0 on padding
     ``reward_baselines``     (B,) float     a baseline score per row (same distribution as scores)
+    ``entropy``              (B, T) float   token entropies in nats, ``Exp(1)``, 0 on padding
+    ``sum_pi_squared``       (B, T) float   sum of squared token probabilities, in (0, 1], 0 on
+                                            padding
+    ``reward_components``    (B, 2) float   named reward parts (``REWARD_COMPONENT_NAMES``:
+                                            ``acc`` = the score, ``format`` in {0, 1})
     =======================  =============  ==================================================
 
     All floats are ``float32`` on CPU. The same arguments give the same tensors (a private
@@ -133,6 +165,10 @@ def make_batch(
         "advantages": masked_normal(),
         "returns": masked_normal(),
         "reward_baselines": draw_scores(),
+        # drawn after the fields above, so adding them left those values unchanged
+        "entropy": torch.where(mask > 0, torch.empty(B, T).exponential_(1.0, generator=g), torch.zeros(())),
+        "sum_pi_squared": torch.rand(B, T, generator=g).clamp(min=1e-3) * mask,
+        "reward_components": torch.stack([row_scores, torch.randint(0, 2, (B,), generator=g).to(torch.float32)], dim=1),
     }
 
 

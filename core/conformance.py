@@ -1,0 +1,472 @@
+"""Conformance kits: the checks every plugin of a kind must pass (re-exported by ``rlplug.testing``).
+
+One function per kind, for rlplug's own plugins and third-party ones alike::
+
+    from rlplug.testing import check_advantage_estimator, check_policy_loss
+
+    def test_my_estimator():
+        check_advantage_estimator(my_estimator)          # the object you register
+
+Each kit first checks the object against its kind's Protocol (:mod:`rlplug.contracts`, the same
+check the registry runs when the plugin is selected), then calls it on small seeded inputs
+(:func:`rlplug.testing.make_batch`) and on degenerate ones: a single response token, all-equal
+rewards, empty responses (rows whose ``response_mask`` is all 0). It asserts shapes and dtypes,
+finiteness, exact zeros on padding, that inputs are not modified in place, and per kind:
+
+* policy losses: padding values cannot change the loss or its gradient; splitting a mini-batch
+  into micro-batches with the global ``normalizer`` gives the same loss and gradient (every
+  ``loss_agg_mode``); ``rollout_is_weights`` of 1 change nothing and weights of 0 zero the loss;
+* reward functions: a float or a dict with a finite ``"score"``; picklable (worker processes);
+* rollout / training backends and trackers: the built class's methods, then a live instance when
+  you pass one (or the arguments to build one).
+
+Every check raises ``AssertionError`` with a message saying what was wrong and what was expected.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from typing import Any, Callable, Iterable, Mapping
+
+from .contracts import CONTRACTS, built_classes, check_object
+
+__all__ = [
+    "check_protocol",
+    "check_advantage_estimator",
+    "check_policy_loss",
+    "check_kl_penalty",
+    "check_reward_function",
+    "check_rollout_backend",
+    "check_training_backend",
+    "check_tracker",
+]
+
+LOSS_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+# ============================================================================ protocol
+
+
+def check_protocol(kind: str, obj: Any, *, builds: Any = None) -> None:
+    """Assert that ``obj`` implements ``kind``'s Protocol (the registry's resolve-time check).
+
+    For factory kinds (``rollout_backend``, ``training_backend``, ``tracker``) ``obj`` is the
+    class, or a factory with ``builds`` (the class or classes it returns) given here or as an
+    attribute, or an instance (checked as its class). Raises ``AssertionError`` listing every
+    missing, misnamed or wrongly-called member.
+    """
+    if kind not in CONTRACTS:
+        raise AssertionError(f"unknown plugin kind {kind!r}; kinds: {', '.join(CONTRACTS)}")
+    contract = CONTRACTS[kind]
+    problems: list[str] = []
+    if contract.factory:
+        import inspect
+
+        if not inspect.isclass(obj) and not (builds or getattr(obj, "builds", None)) and not inspect.isfunction(obj):
+            obj = type(obj)  # an instance: check its class
+        classes = built_classes(obj, {"builds": builds} if builds is not None else None)
+        assert classes, (f"{kind}: {obj!r} is a factory that does not declare the class it builds; pass "
+                         "builds=TheClass (and register it the same way: register(name, factory, builds=TheClass))")
+        for cls in classes:
+            problems += check_object(kind, cls, is_class=True)
+    else:
+        problems += check_object(kind, obj)
+    assert not problems, f"{kind} does not implement {contract.protocol.__qualname__}: " + "; ".join(problems)
+
+
+def _resolve(kind: str, obj: Any) -> Any:
+    if isinstance(obj, str):
+        from .registry import get_plugin
+
+        return get_plugin(kind, obj)
+    return obj
+
+
+def _clone(data: Mapping[str, Any]) -> dict[str, Any]:
+    import torch
+
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in data.items()}
+
+
+def _assert_unmodified(before: Mapping[str, Any], after: Mapping[str, Any], what: str) -> None:
+    import torch
+
+    for key, old in before.items():
+        if isinstance(old, torch.Tensor):
+            assert torch.equal(after[key], old), f"{what} modified its input '{key}' in place"
+
+
+def _degenerate_batches(make: Callable[..., dict], group_size: int) -> list[tuple[str, dict]]:
+    """Name and data of the degenerate inputs every algorithm kit runs."""
+    import torch
+
+    B = 2 * group_size
+    out = [("a random batch", make(batch_size=B, response_length=6, group_size=group_size, seed=0)),
+           ("a single response token", make(batch_size=B, response_length=1, group_size=group_size, seed=1))]
+    equal = make(batch_size=B, response_length=5, group_size=group_size, seed=2)
+    lengths = equal["response_mask"].sum(-1).long()
+    equal["token_level_scores"] = torch.zeros_like(equal["token_level_scores"])
+    equal["token_level_scores"][torch.arange(B), lengths - 1] = 1.0
+    equal["token_level_rewards"] = equal["token_level_scores"].clone()
+    equal["scores"] = torch.ones(B)
+    equal["reward_baselines"] = torch.ones(B)
+    out.append(("all-equal rewards", equal))
+    empty = make(batch_size=B, response_length=5, group_size=group_size, seed=3)
+    # the last response of every group is empty (an engine that stopped at once)
+    rows = torch.arange(group_size - 1, B, group_size)
+    for key in ("response_mask", "token_level_scores", "token_level_rewards", "values", "old_log_probs", "log_probs",
+                "ref_log_probs", "advantages", "returns", "sum_pi_squared", "entropy"):
+        if key in empty:
+            empty[key][rows] = 0.0
+    empty["response_lengths"][rows] = 0
+    out.append(("empty responses", empty))
+    return out
+
+
+def _check_pair(result: Any, mask: Any, what: str) -> None:
+    import torch
+
+    assert isinstance(result, tuple) and len(result) == 2, (
+        f"{what} must return (advantages, returns), got {type(result).__name__}")
+    for name, t in zip(("advantages", "returns"), result):
+        assert isinstance(t, torch.Tensor), f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}"
+        assert t.shape == mask.shape, f"{what}: {name} has shape {tuple(t.shape)}, expected (B, T) = {tuple(mask.shape)}"
+        assert t.dtype == torch.float32, f"{what}: {name} has dtype {t.dtype}, expected torch.float32"
+        assert bool(torch.isfinite(t).all()), f"{what}: {name} has non-finite values: {t}"
+        off = t[mask == 0]
+        assert bool((off == 0).all()), (f"{what}: {name} must be exactly 0.0 where response_mask is 0; found "
+                                        f"{int((off != 0).sum())} non-zero padded position(s)")
+
+
+# ============================================================================ algorithm kinds
+
+
+def check_advantage_estimator(estimator: Any, config: Any = None, *, group_size: int = 4) -> None:
+    """Run the advantage-estimator kit on ``estimator`` (the registered object, or its name).
+
+    ``config``: the ``algorithm`` section (default :func:`rlplug.testing.algorithm_config`). The
+    inputs hold every field of :func:`rlplug.testing.make_batch` (so any ``requires`` of the
+    trainer's standard fields is met). Checks on a random batch, a single token, all-equal
+    rewards and empty responses: the Protocol, the ``(advantages, returns)`` pair, ``(B, T)``
+    float32, finite, 0.0 on padding, inputs unchanged; and that the same inputs give the same
+    outputs (no hidden global RNG use).
+    """
+    from .testing import algorithm_config, make_batch
+
+    estimator = _resolve("advantage_estimator", estimator)
+    check_protocol("advantage_estimator", estimator)
+    assert all(isinstance(r, str) for r in estimator.requires), f"requires must be a tuple of field names, got {estimator.requires!r}"
+    config = algorithm_config() if config is None else config
+    import torch
+
+    for label, data in _degenerate_batches(make_batch, group_size):
+        before = _clone(data)
+        result = estimator(data, config)
+        what = f"advantage estimator on {label}"
+        _check_pair(result, data["response_mask"], what)
+        _assert_unmodified(before, data, what)
+        again = estimator(_clone(before), config)
+        assert all(torch.equal(a, b) for a, b in zip(result, again)), f"{what}: the same inputs gave different outputs"
+
+
+def _loss_call(loss: Any, data: Mapping[str, Any], mask: Any, *, mode: str, normalizer: Any, config: Any,
+               weights: Any = None) -> tuple[Any, dict]:
+    extra = {k: data[k] for k in getattr(loss, "requires", ())}
+    return loss(data["old_log_probs"], data["log_probs"], data["advantages"], mask, config=config, loss_agg_mode=mode,
+                normalizer=normalizer, max_response_length=int(mask.shape[1]), rollout_is_weights=weights, **extra)
+
+
+def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | None = None, atol: float = 1e-5) -> None:
+    """Run the policy-loss kit on ``loss`` (the registered object, or its name).
+
+    ``config``: the ``actor`` section (default: rlplug's ``ActorConfig`` defaults). For every
+    ``loss_agg_mode`` in ``modes`` (default: all of :data:`rlplug.losses.LOSS_AGG_MODES`) and the
+    degenerate inputs: a finite scalar loss with a finite gradient, ``metrics`` a ``dict`` of floats
+    with at least ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl``; values on padded positions
+    change neither the loss nor the gradient; two micro-batches with the whole mini-batch's
+    ``normalizer`` sum to the whole-batch loss and gradient; ``rollout_is_weights`` of 1.0 equal
+    ``None`` and weights of 0.0 give a zero loss and gradient; inputs unchanged.
+    """
+    import torch
+    from omegaconf import OmegaConf
+
+    from .config import ActorConfig
+    from .losses import LOSS_AGG_MODES, agg_normalizer
+    from .testing import make_batch
+
+    loss = _resolve("policy_loss", loss)
+    check_protocol("policy_loss", loss)
+    config = OmegaConf.structured(ActorConfig) if config is None else config
+    if getattr(loss, "validate", None) is not None:
+        loss.validate(config)
+    for label, data in _degenerate_batches(make_batch, group_size=2):
+        mask = data["response_mask"]
+        B = mask.shape[0]
+        for mode in modes or LOSS_AGG_MODES:
+            what = f"policy loss ({mode}) on {label}"
+            norm = agg_normalizer(mask, mode)
+            if norm <= 0:
+                continue
+            before = _clone(data)
+            lp = data["log_probs"].clone().requires_grad_(True)
+            run = dict(data, log_probs=lp)
+            value, metrics = _loss_call(loss, run, mask, mode=mode, normalizer=norm, config=config)
+            assert isinstance(value, torch.Tensor) and value.dim() == 0, f"{what}: the loss must be a scalar tensor"
+            assert bool(torch.isfinite(value)), f"{what}: loss {value} is not finite"
+            assert isinstance(metrics, dict), f"{what}: metrics must be a dict, got {type(metrics).__name__}"
+            for key in LOSS_METRICS:
+                assert key in metrics, f"{what}: metrics lack '{key}' (have {sorted(metrics)})"
+            for key, v in metrics.items():
+                assert isinstance(v, float) and math.isfinite(v), f"{what}: metric {key}={v!r} is not a finite float"
+            (grad,) = torch.autograd.grad(value, lp, allow_unused=True)
+            grad = torch.zeros_like(lp) if grad is None else grad
+            assert bool(torch.isfinite(grad).all()), f"{what}: non-finite gradient"
+            assert bool((grad[mask == 0] == 0).all()), f"{what}: the gradient is non-zero on padded positions"
+            _assert_unmodified(before, data, what)
+            # padding garbage changes nothing
+            noisy = _clone(data)
+            pad = mask == 0
+            for key in ("old_log_probs", "log_probs", "advantages"):
+                noisy[key] = torch.where(pad, torch.full_like(noisy[key], 7.0), noisy[key])
+            lp2 = noisy["log_probs"].clone().requires_grad_(True)
+            v2, _ = _loss_call(loss, dict(noisy, log_probs=lp2), mask, mode=mode, normalizer=norm, config=config)
+            (g2,) = torch.autograd.grad(v2, lp2, allow_unused=True)
+            g2 = torch.zeros_like(lp2) if g2 is None else g2
+            assert torch.allclose(v2.detach(), value.detach(), atol=atol), (
+                f"{what}: values on padded positions changed the loss ({value.item()} -> {v2.item()})")
+            assert torch.allclose(g2, grad, atol=atol), f"{what}: values on padded positions changed the gradient"
+            # micro-batch invariance with the global normaliser
+            total = torch.zeros(())
+            grads = torch.zeros_like(lp)
+            for rows in (torch.arange(0, B // 2), torch.arange(B // 2, B)):
+                sub = {k: v[rows] for k, v in data.items() if isinstance(v, torch.Tensor) and v.shape[:1] == (B,)}
+                lp3 = sub["log_probs"].clone().requires_grad_(True)
+                part, _ = _loss_call(loss, dict(sub, log_probs=lp3), sub["response_mask"], mode=mode, normalizer=norm,
+                                     config=config)
+                (g3,) = torch.autograd.grad(part, lp3, allow_unused=True)
+                total = total + part.detach()
+                if g3 is not None:
+                    grads[rows] += g3
+            assert torch.allclose(total, value.detach(), atol=atol), (
+                f"{what}: two micro-batches with the mini-batch's normalizer give {total.item()}, the whole batch "
+                f"{value.item()}; aggregate with rlplug.losses.agg_loss(..., normalizer)")
+            assert torch.allclose(grads, grad, atol=atol), f"{what}: micro-batching changed the gradient"
+            # rollout importance weights: 1 changes nothing, 0 removes every token
+            ones, _ = _loss_call(loss, data, mask, mode=mode, normalizer=norm, config=config, weights=torch.ones_like(mask))
+            assert torch.allclose(ones.detach(), value.detach(), atol=atol), (
+                f"{what}: rollout_is_weights of 1.0 changed the loss ({value.item()} -> {ones.item()})")
+            lp4 = data["log_probs"].clone().requires_grad_(True)
+            zero, _ = _loss_call(loss, dict(data, log_probs=lp4), mask, mode=mode, normalizer=norm, config=config,
+                                 weights=torch.zeros_like(mask))
+            assert abs(float(zero.detach())) <= atol, (
+                f"{what}: rollout_is_weights of 0.0 left a loss of {float(zero.detach())}; apply them")
+            (g4,) = torch.autograd.grad(zero, lp4, allow_unused=True)
+            assert g4 is None or float(g4.abs().max()) <= atol, f"{what}: rollout_is_weights of 0.0 left a gradient"
+
+
+def check_kl_penalty(penalty: Any) -> None:
+    """Run the KL-estimator kit on ``penalty`` (the registered object, or its name).
+
+    Checks: the Protocol; ``penalty(log_probs, ref_log_probs)`` is ``(B, T) float32`` and finite,
+    also for far-apart log-probs (|d| = 30 nats) and a single token; exactly 0 where the two
+    log-probs are equal; the gradient is finite; inputs unchanged.
+    """
+    import torch
+
+    penalty = _resolve("kl_penalty", penalty)
+    check_protocol("kl_penalty", penalty)
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "random log-probs": (-torch.rand(4, 6, generator=g) * 3, -torch.rand(4, 6, generator=g) * 3),
+        "far-apart log-probs": (torch.tensor([[-30.0, 0.0, -0.1]]), torch.tensor([[0.0, -30.0, -0.1]])),
+        "a single token": (torch.tensor([[-1.0]]), torch.tensor([[-2.0]])),
+    }
+    for label, (lp, ref) in cases.items():
+        what = f"KL penalty on {label}"
+        lp_g = lp.clone().requires_grad_(True)
+        out = penalty(lp_g, ref.clone())
+        assert isinstance(out, torch.Tensor) and out.shape == lp.shape, (
+            f"{what}: expected a (B, T) = {tuple(lp.shape)} tensor, got {getattr(out, 'shape', type(out))}")
+        assert out.dtype == torch.float32, f"{what}: dtype {out.dtype}, expected torch.float32"
+        assert bool(torch.isfinite(out).all()), f"{what}: non-finite values {out}"
+        (grad,) = torch.autograd.grad(out.sum(), lp_g, allow_unused=True)
+        assert grad is None or bool(torch.isfinite(grad).all()), f"{what}: non-finite gradient"
+        same = penalty(lp.clone(), lp.clone())
+        assert bool((same.abs() <= 1e-7).all()), f"{what}: KL of a policy with itself must be 0, got {same}"
+
+
+def check_reward_function(fn: Any, cases: Iterable[tuple[str, str, str, Any]] | None = None,
+                          kwargs: Mapping[str, Any] | None = None, *, picklable: bool = True) -> None:
+    """Run the reward-function kit on ``fn`` (the registered function, or its name).
+
+    ``cases``: ``(data_source, solution_str, ground_truth, extra_info)`` tuples (default: a right,
+    a wrong, an empty and an unusual-unicode answer for ground truth ``"7"``); ``kwargs`` the
+    function's ``reward.kwargs.<name>``. Checks: the Protocol (verl's call signature); every result
+    is a float (or int) or a dict with a finite float ``"score"`` and float-convertible extras;
+    the same call gives the same result; with ``picklable`` (needed by ``reward.num_workers > 0``)
+    ``pickle`` round-trips it.
+    """
+    fn = _resolve("reward_function", fn)
+    check_protocol("reward_function", fn)
+    cases = list(cases or [("openai/gsm8k", "3 + 4 = 7\n#### 7", "7", None), ("openai/gsm8k", "#### 8", "7", {}),
+                           ("openai/gsm8k", "", "7", None), ("openai/gsm8k", "\u2212\u00bd \U0001f600 ####", "7", None)])
+    kwargs = dict(kwargs or {})
+    for case in cases:
+        what = f"reward function on {case[:3]!r}"
+        out = fn(*case, **kwargs)
+        if isinstance(out, dict):
+            assert "score" in out, f"{what}: a dict result needs a 'score' key, got {sorted(out)}"
+            score = out["score"]
+            for key, value in out.items():
+                if key != "score":
+                    try:
+                        float(value)
+                    except (TypeError, ValueError):
+                        raise AssertionError(f"{what}: extra value {key}={value!r} is not a number") from None
+        else:
+            score = out
+        assert isinstance(score, (int, float)) and not isinstance(score, bool), (
+            f"{what}: the score must be a float, got {type(score).__name__}")
+        assert math.isfinite(float(score)), f"{what}: score {score} is not finite"
+        assert fn(*case, **kwargs) == out, f"{what}: the same call gave a different result"
+    if picklable:
+        try:
+            pickle.loads(pickle.dumps(fn))
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the finding
+            raise AssertionError(
+                f"the reward function cannot be pickled ({type(exc).__name__}: {exc}); reward.num_workers > 0 runs it "
+                "in worker processes: define it at module level") from exc
+
+
+# ============================================================================ factory kinds
+
+
+def check_rollout_backend(backend: Any, *, builds: Any = None, prompts: list[list[int]] | None = None,
+                          max_tokens: int = 4, n: int = 2, vocab_size: int | None = None) -> None:
+    """Run the rollout-backend kit.
+
+    ``backend``: the class (or factory with ``builds``) -- only the Protocol is checked -- or a
+    live instance, which is also exercised and then closed: ``generate`` on ``prompts`` (default
+    two short prompts of token ids below ``vocab_size`` or 100) with ``n`` samples returns a
+    :class:`rlplug.types.RolloutOutput` with ``len(prompts) * n`` prompt-major responses, each at
+    most ``max_tokens`` long (exactly that long when the reason is ``"length"``), finish reasons
+    ``"stop"``/``"length"``, and engine log-probs aligned with the tokens when requested; greedy
+    generation is deterministic; ``sleep``/``wake_up`` work around it; ``close`` is idempotent.
+    """
+    import inspect
+
+    from .types import RolloutOutput, SamplingParams
+
+    if inspect.isclass(backend) or inspect.isfunction(backend):
+        check_protocol("rollout_backend", backend, builds=builds)
+        return
+    check_protocol("rollout_backend", type(backend))
+    top = vocab_size or 100
+    prompts = prompts or [[1, min(5, top - 1), min(7, top - 1)], [1, min(3, top - 1)]]
+    try:
+        backend.wake_up()
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=0, logprobs=True)
+        out = backend.generate(prompts, params)
+        assert isinstance(out, RolloutOutput), f"generate() must return a RolloutOutput, got {type(out).__name__}"
+        B = len(prompts) * n
+        assert len(out.response_ids) == B, f"generate() returned {len(out.response_ids)} responses, expected {B}"
+        assert out.prompt_index == [i for i in range(len(prompts)) for _ in range(n)], (
+            f"responses must be prompt-major (the n samples of prompt 0 first); prompt_index={out.prompt_index}")
+        for j, (ids, reason) in enumerate(zip(out.response_ids, out.finish_reasons)):
+            assert reason in ("stop", "length"), f"response {j}: finish reason {reason!r}, expected 'stop' or 'length'"
+            assert len(ids) <= max_tokens, f"response {j} has {len(ids)} tokens, more than max_tokens={max_tokens}"
+            if reason == "length":
+                assert len(ids) == max_tokens, f"response {j} stopped for 'length' at {len(ids)} of {max_tokens} tokens"
+            assert all(isinstance(t, int) for t in ids), f"response {j}: token ids must be ints"
+        if out.log_probs is not None:
+            for j, (ids, lps) in enumerate(zip(out.response_ids, out.log_probs)):
+                assert len(lps) == len(ids), f"response {j}: {len(lps)} log-probs for {len(ids)} tokens"
+                assert all(math.isfinite(x) and x <= 1e-6 for x in lps), f"response {j}: log-probs must be finite and <= 0"
+        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
+        first, second = backend.generate(prompts, greedy), backend.generate(prompts, greedy)
+        assert first.response_ids == second.response_ids, "greedy generation gave different tokens on the same prompts"
+        backend.sleep()
+        backend.wake_up()
+    finally:
+        backend.close()
+    backend.close()  # idempotent
+
+
+def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = None, update: bool = True) -> None:
+    """Run the training-backend kit.
+
+    ``backend``: the class (or factory with ``builds``) -- only the Protocol is checked -- or a
+    live instance, exercised with ``batch`` (a :class:`rlplug.batch.Batch` with the sequence
+    tensors, ``responses`` and ``response_mask``; required for an instance): ``compute_log_probs``
+    gives ``(B, T) float32`` log-probs <= 0, 0.0 after each response's end, plus ``entropy`` and
+    every name in ``per_token_outputs`` when asked; ``compute_values`` (with a critic) ``(B, T)``;
+    the coordinator conforms; ``capabilities`` are known; with ``update``, ``update_actor`` on the
+    batch (given ``advantages``) returns finite ``actor/*`` float metrics and changes the
+    log-probs; ``consecutive_bad_steps`` is an int.
+    """
+    import inspect
+
+    import torch
+
+    from .types import Coordinator
+
+    if inspect.isclass(backend) or inspect.isfunction(backend):
+        check_protocol("training_backend", backend, builds=builds)
+        return
+    check_protocol("training_backend", type(backend))
+    assert batch is not None, "check_training_backend on an instance needs batch=Batch(...)"
+    assert isinstance(backend.coordinator, Coordinator), "backend.coordinator does not implement rlplug.types.Coordinator"
+    assert isinstance(backend.consecutive_bad_steps, int), "consecutive_bad_steps must be an int"
+    mask = batch["response_mask"]
+    extras = tuple(sorted(set(backend.per_token_outputs) - {"entropy"}))
+    res = backend.compute_log_probs(batch, which="actor", with_entropy=True, extras=extras)
+    for key in ("log_probs", "entropy", *extras):
+        assert key in res, f"compute_log_probs did not return '{key}' (returned {sorted(res)})"
+        t = res[key]
+        assert t.shape == mask.shape and t.dtype == torch.float32, (
+            f"compute_log_probs['{key}'] has {tuple(t.shape)} {t.dtype}; expected (B, T) = {tuple(mask.shape)} float32")
+        assert bool(torch.isfinite(t).all()), f"compute_log_probs['{key}'] is not finite"
+        assert bool((t[mask == 0] == 0).all()), f"compute_log_probs['{key}'] must be 0.0 after each response's end"
+    assert bool((res["log_probs"] <= 1e-6).all()), "log-probs must be <= 0 (nats)"
+    if update:
+        from .batch import Batch
+
+        train = Batch(dict(batch.tensors), dict(batch.meta))
+        train["old_log_probs"] = res["log_probs"]
+        if "advantages" not in train.tensors:
+            g = torch.Generator().manual_seed(0)
+            train["advantages"] = torch.randn(mask.shape, generator=g) * mask
+        metrics = backend.update_actor(train)
+        assert isinstance(metrics, dict) and metrics, "update_actor must return a non-empty dict of metrics"
+        for key, value in metrics.items():
+            assert key.startswith("actor/"), f"update_actor metric '{key}' is not named actor/<metric>"
+            assert isinstance(value, float), f"update_actor metric {key}={value!r} is not a float"
+        after = backend.compute_log_probs(batch, which="actor")["log_probs"]
+        assert not torch.equal(after, res["log_probs"]), "update_actor did not change the actor's log-probs"
+
+
+def check_tracker(tracker: Any, *, builds: Any = None, artifact: Any = None) -> None:
+    """Run the tracker kit.
+
+    ``tracker``: the class (or factory with ``builds``) -- only the Protocol is checked -- or a
+    live instance, which is then driven through a short run and closed twice: ``log_params`` with
+    nested and long values, ``log_metrics`` with NaN/inf and odd names, ``log_table``,
+    ``log_artifact`` (of ``artifact``, a file path, when given) and ``close`` must not raise.
+    """
+    import inspect
+
+    if inspect.isclass(tracker) or inspect.isfunction(tracker):
+        check_protocol("tracker", tracker, builds=builds)
+        return
+    check_protocol("tracker", type(tracker))
+    tracker.log_params({"algorithm.adv_estimator": "grpo", "data.train_files": ["a.parquet"], "long": "x" * 10_000})
+    tracker.log_metrics({"actor/pg_loss": 0.5, "critic/score/mean": float("nan"), "perf/throughput": float("inf"),
+                         "val-core/openai/gsm8k/acc/mean@1": 0.25}, step=1)
+    tracker.log_metrics({"actor/pg_loss": 0.25}, step=2)
+    tracker.log_table("val_generations/step_000002.json", [{"prompt": "1+1?", "response": "2", "score": 1.0}], step=2)
+    if artifact is not None:
+        tracker.log_artifact(artifact)
+    tracker.close(status="FINISHED")
+    tracker.close(status="FINISHED")
