@@ -6,9 +6,10 @@ Hooks are grouped by phase. A plugin is any module or object with functions deco
 
 Registration phase
     ``register_<kind>s(register)``: called once per plugin when the registry loads. ``register``
-    is ``register(name: str, obj) -> None``; the engine records which distribution supplied the
-    name and rejects duplicates. One hook per kind; the object type per kind is in
-    :mod:`rlplug.types`.
+    is ``register(name: str, obj, **extra) -> None`` (``builds=Class`` for factories); the engine
+    records which distribution supplied the name and rejects duplicates. One hook per kind; the
+    Protocol per kind is in :mod:`rlplug.types` and is checked when a name is resolved
+    (:mod:`rlplug.contracts`).
 
 Run lifecycle phase
     Observers called by the trainer. They receive plain data (config, step numbers,
@@ -39,12 +40,14 @@ def register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators.
 
     Called once when the registry loads. Call ``register(name, estimator)`` with a
-    :class:`rlplug.types.AdvantageEstimator`; its ``fn(data, config)`` receives the batch
-    tensors by name (``token_level_rewards (B, T) float32``, ``response_mask (B, T) float32``,
-    and those listed in ``requires``: ``values (B, T) float32``, ``index (B,) int64``,
-    ``reward_baselines (B,) float32``) and the ``algorithm`` config section, and returns
-    ``(advantages, returns)``, both ``(B, T) float32``, zero where the mask is zero.
-    Selected by ``algorithm.adv_estimator``.
+    :class:`rlplug.types.AdvantageEstimator` (contract:
+    :class:`rlplug.types.AdvantageEstimatorProtocol`); its ``fn(data, config)`` receives the
+    batch tensors by name (``token_level_rewards (B, T) float32``, ``response_mask (B, T)
+    float32``, and every field listed in ``requires``, e.g. ``values (B, T) float32``, ``index
+    (B,) int64``, ``reward_baselines (B,) float32``, ``sum_pi_squared (B, T) float32``,
+    ``reward_components (B, K) float32``; see :data:`rlplug.types.BATCH_FIELD_PRODUCERS`) and the
+    ``algorithm`` config section, and returns ``(advantages, returns)``, both ``(B, T) float32``,
+    zero where the mask is zero. Selected by ``algorithm.adv_estimator``.
     """
 
 
@@ -52,9 +55,11 @@ def register_advantage_estimators(register: Register) -> None:
 def register_policy_losses(register: Register) -> None:
     """Register policy losses.
 
-    Call ``register(name, loss)`` with a :class:`rlplug.types.PolicyLoss`:
-    ``fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode,
-    normalizer, max_response_length=None) -> (loss: scalar tensor, metrics: dict[str, float])``. Selected by
+    Call ``register(name, loss)`` with a :class:`rlplug.types.PolicyLoss` (contract:
+    :class:`rlplug.types.PolicyLossProtocol`): ``fn(old_log_probs, log_probs, advantages,
+    response_mask, *, config, loss_agg_mode, normalizer, max_response_length=None,
+    rollout_is_weights=None) -> (loss: scalar tensor, metrics: dict[str, float])``; the loss
+    applies the per-token ``rollout_is_weights (B, T) float32`` when given. Selected by
     ``actor.policy_loss``.
     """
 
@@ -63,8 +68,9 @@ def register_policy_losses(register: Register) -> None:
 def register_kl_penalties(register: Register) -> None:
     """Register per-token KL estimators.
 
-    Call ``register(name, penalty)`` with a :class:`rlplug.types.KLPenalty`:
-    ``fn(log_probs, ref_log_probs, *, logits=None, ref_logits=None) -> (B, T) float32`` (nats).
+    Call ``register(name, penalty)`` with a :class:`rlplug.types.KLPenalty` (contract:
+    :class:`rlplug.types.KLPenaltyProtocol`): ``fn(log_probs, ref_log_probs) -> (B, T) float32``
+    (nats, not masked).
     Selected by ``algorithm.kl_penalty`` (KL in the reward) and ``actor.kl_loss_type``
     (KL as a loss).
     """
@@ -75,6 +81,7 @@ def register_reward_functions(register: Register) -> None:
     """Register reward functions.
 
     Call ``register(name, fn)`` with a callable following verl's contract
+    (:class:`rlplug.types.RewardFunction`)
     ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float | dict``
     (a dict carries ``"score"`` and extra values to log). Chosen per row through
     ``reward.reward_fn_map`` (data_source -> name) or ``reward.default``.
@@ -85,8 +92,10 @@ def register_reward_functions(register: Register) -> None:
 def register_rollout_backends(register: Register) -> None:
     """Register rollout engines.
 
-    Call ``register(name, factory)``; ``factory(config, model_path, tokenizer)`` returns an
-    object implementing :class:`rlplug.types.RolloutBackend`. Selected by ``rollout.name``.
+    Call ``register(name, factory)`` with the class, or ``register(name, factory,
+    builds=TheClass)`` for a factory function; ``factory(config, model_path, tokenizer)`` returns
+    an object implementing :class:`rlplug.types.RolloutBackend` (checked on the class when the
+    name is resolved). Selected by ``rollout.name``.
     """
 
 
@@ -94,10 +103,11 @@ def register_rollout_backends(register: Register) -> None:
 def register_training_backends(register: Register) -> None:
     """Register training backends.
 
-    Call ``register(name, factory)``; ``factory(config, model_path, *, use_critic: bool,
-    use_ref: bool, total_steps: int)`` returns an object implementing the training-backend
-    methods the trainer calls (listed in :mod:`rlplug.trainer`'s docstring). Selected by
-    ``trainer.backend`` (Hydra group ``trainer=``).
+    Call ``register(name, factory)`` with the class, or ``register(name, factory,
+    builds=TheClass)``; ``factory(config, model_path, *, use_critic: bool, use_ref: bool,
+    total_steps: int)`` returns an object implementing :class:`rlplug.types.TrainingBackend`
+    (checked on the class when the name is resolved). Selected by ``trainer.backend`` (Hydra
+    group ``trainer=``).
     """
 
 
@@ -105,7 +115,8 @@ def register_training_backends(register: Register) -> None:
 def register_trackers(register: Register) -> None:
     """Register experiment trackers.
 
-    Call ``register(name, factory)``; ``factory(config)`` returns an object implementing
+    Call ``register(name, factory)`` with the class, or ``register(name, factory,
+    builds=TheClass)``; ``factory(config)`` returns an object implementing
     :class:`rlplug.types.Tracker`. Selected by the list ``trainer.logger``.
     """
 

@@ -74,3 +74,15 @@ def test_median_baseline_needs_groups(registry, make_batch):
     del data["index"]
     with pytest.raises(rlplug.MissingInputError, match="index"):
         est(data, None)
+
+
+def test_conformance_kits(registry):
+    # the checks every plugin of these kinds must pass (the same kits rlplug runs on its own plugins):
+    # the Protocol the registry checks at resolve time, then shapes, dtypes, zeros on padding and
+    # degenerate inputs (single token, all-equal rewards, empty responses); rewards must pickle
+    from rlplug.testing import check_advantage_estimator, check_reward_function
+
+    check_advantage_estimator("median_baseline")
+    check_reward_function("exact_match", [("basic_arithmetic", "#### 7", "7", None), ("x", "", "7", None),
+                                          ("x", "\u00bd \U0001f600", "7", {"k": 1})])
+    check_reward_function("exact_match", kwargs={"ignore_case": True})
