@@ -63,7 +63,7 @@ import rlplug
 from rlplug.config import config_get
 from rlplug.rollout_utils import (DTYPE_NAMES, TORCH_DTYPES, checked_weights, checkpoint_shapes, eos_ids, parse_dtype,
                                   shm_dir, validate_prompts)
-from rlplug.serving import Retryable, ServerRollout
+from rlplug.serving import Retryable, ServerError, ServerRollout
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = ["VLLMRollout", "create_vllm_rollout", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
