@@ -218,7 +218,7 @@ def check_object(kind: str, target: Any, *, is_class: bool = False, label: str |
             missing.append(name)
     for name in missing:
         what = f"method {name}()" if name in methods else f"attribute '{name}'"
-        close = [c for c in difflib.get_close_matches(name, public, n=2, cutoff=0.6) if c not in methods and c not in attributes]
+        close = [c for c in difflib.get_close_matches(name, public, n=2, cutoff=0.75) if c not in methods and c not in attributes]
         hint = f" (found {' / '.join(repr(c) for c in close)}: misnamed?)" if close else ""
         problems.append(f"{label} has no {what}{hint}")
     if contract.capabilities and "capabilities" in attributes and hasattr(target, "capabilities"):

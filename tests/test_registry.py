@@ -71,15 +71,26 @@ def test_register_and_lookup(rlplug_registry):
     assert plugin_names("policy_loss") == []
 
 
+class _NullTracker:
+    """A tracker that conforms to rlplug.types.Tracker (the registry checks it when resolved)."""
+
+    def __init__(self, config=None): ...
+    def log_params(self, params): ...  # noqa: E704
+    def log_metrics(self, metrics, step): ...  # noqa: E704
+    def log_table(self, name, rows, step): ...  # noqa: E704
+    def log_artifact(self, path, artifact_path=None): ...  # noqa: E704
+    def close(self, status="FINISHED"): ...  # noqa: E704
+
+
 def test_add_plugin_records_distribution_and_hooks(rlplug_registry):
     plugin = make_plugin(
         register_reward_functions=lambda register: (register("r1", len), register("r2", max)),
-        register_trackers=lambda register: register("t1", dict),
+        register_trackers=lambda register: register("t1", _NullTracker),
     )
     assert rlplug_registry.add_plugin(plugin, name="p", distribution="dist-p", version="0.3")
     assert rlplug_registry.names("reward_function") == ["r1", "r2"]
     assert rlplug_registry.get("reward_function", "r2") is max
-    assert rlplug_registry.get("tracker", "t1") is dict
+    assert rlplug_registry.get("tracker", "t1") is _NullTracker
     info = rlplug_registry.plugins[-1]
     assert (info.name, info.distribution, info.version) == ("p", "dist-p", "0.3")
     assert info.hooks == ["register_reward_functions", "register_trackers"]

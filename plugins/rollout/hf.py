@@ -176,7 +176,9 @@ class HFRollout:
         gen = seqs[:, P:].cpu()  # (mb, T_gen)
         lps = recorder.finish(seqs) if recorder is not None else None
         eos = torch.tensor(self.eos_ids)
-        responses, reasons, out_lp = [], [], ([] if lps is not None else None)
+        responses: list[list[int]] = []
+        reasons: list[str] = []
+        out_lp: list[list[float]] | None = [] if lps is not None else None
         for i in range(gen.shape[0]):
             row = gen[i]
             hits = torch.nonzero(torch.isin(row, eos), as_tuple=False)

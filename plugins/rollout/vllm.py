@@ -241,7 +241,9 @@ class VLLMRollout:
         )
         res = self._call("generate", request)
         eos = set(self.eos_ids)
-        responses, reasons, lps = [], [], ([] if params.logprobs else None)
+        responses: list[list[int]] = []
+        reasons: list[str] = []
+        lps: list[list[float]] | None = [] if params.logprobs else None
         for ids, reason, lp in zip(res["token_ids"], res["finish_reasons"], res["log_probs"]):
             cut = next((j + 1 for j, t in enumerate(ids) if t in eos), None)
             if cut is not None:
@@ -567,7 +569,9 @@ def _child_generate(llm: Any, req: dict) -> dict:
     torch.manual_seed(req["seed"])
     requests = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"] for _ in range(req["n"])]
     outs = llm.generate(requests, sp, use_tqdm=False)
-    token_ids, reasons, lps = [], [], []
+    token_ids: list[list[int]] = []
+    reasons: list[str] = []
+    lps: list[list[float] | None] = []
     for ro in outs:
         for co in sorted(ro.outputs, key=lambda c: c.index):
             ids = list(co.token_ids)

@@ -326,11 +326,12 @@ class MlflowTracker:
         self._params: dict[str, str] | None = None
         self._warned: set[str] = set()
         self._tables: dict[str, dict] = {}
-        self.run_id = self._continue_run() if _will_resume(config, self.run_dir) else None
-        if self.run_id is None:
+        run_id = self._continue_run() if _will_resume(config, self.run_dir) else None
+        if run_id is None:
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags={"rlplug.run_dir": str(self.run_dir)})
-            self.run_id = run.info.run_id
+            run_id = run.info.run_id
             self._params = {}
+        self.run_id: str = run_id
         (self.run_dir / _RUN_FILE).write_text(
             json.dumps({"run_id": self.run_id, "tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id})
         )
