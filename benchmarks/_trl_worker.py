@@ -41,15 +41,34 @@ import warnings
 from bench_step import PeakRSS  # sibling script: standard library only at import time
 
 _OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "WANDB_DISABLED": "true",
-    "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "WANDB_DISABLED": "true",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
 }
 _CONFIG_FIELDS = (
-    "bf16", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "max_completion_length", "temperature", "learning_rate", "lr_scheduler_type", "beta",
-    "loss_type", "max_steps", "gradient_checkpointing", "num_iterations", "steps_per_generation",
-    "generation_batch_size", "use_vllm", "use_cpu", "seed",
+    "bf16",
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_completion_length",
+    "temperature",
+    "learning_rate",
+    "lr_scheduler_type",
+    "beta",
+    "loss_type",
+    "max_steps",
+    "gradient_checkpointing",
+    "num_iterations",
+    "steps_per_generation",
+    "generation_batch_size",
+    "use_vllm",
+    "use_cpu",
+    "seed",
 )
 _INT = re.compile(r"-?\d+")
 
@@ -139,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
         """Wall time of each optimizer step plus TRL's logged reward / completion length."""
 
         def on_step_begin(self, args_, state, control, **kw):
-            steps[state.global_step + 1] = {"step": state.global_step + 1, "begin": time.perf_counter(),
-                                            "cpu_begin": time.process_time()}
+            steps[state.global_step + 1] = {
+                "step": state.global_step + 1,
+                "begin": time.perf_counter(),
+                "cpu_begin": time.process_time(),
+            }
 
         def on_step_end(self, args_, state, control, **kw):
             rec = steps[state.global_step]
@@ -159,16 +181,33 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="trl_worker_") as out_dir:
         config = GRPOConfig(
-            output_dir=out_dir, use_cpu=True, use_vllm=False, bf16=args.bf16, num_generations=4,
-            per_device_train_batch_size=16, gradient_accumulation_steps=1, max_completion_length=128,
-            temperature=1.0, learning_rate=1e-6, lr_scheduler_type="constant", beta=0.0, seed=args.seed,
-            max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            output_dir=out_dir,
+            use_cpu=True,
+            use_vllm=False,
+            bf16=args.bf16,
+            num_generations=4,
+            per_device_train_batch_size=16,
+            gradient_accumulation_steps=1,
+            max_completion_length=128,
+            temperature=1.0,
+            learning_rate=1e-6,
+            lr_scheduler_type="constant",
+            beta=0.0,
+            seed=args.seed,
+            max_steps=args.steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
             generation_kwargs={"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else None,
         )
         per_step_completions = config.per_device_train_batch_size * config.gradient_accumulation_steps
         trainer = GRPOTrainer(
-            model=args.model_dir, reward_funcs=last_integer_reward, args=config,
-            train_dataset=dataset, callbacks=[Timer()],
+            model=args.model_dir,
+            reward_funcs=last_integer_reward,
+            args=config,
+            train_dataset=dataset,
+            callbacks=[Timer()],
         )
         trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
         startup_s = time.time() - sampler.proc.create_time()

@@ -54,7 +54,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
-        "--estimators", default="gae,grpo", help="comma-separated names (default gae,grpo; 'all' for every registered one)"
+        "--estimators",
+        default="gae,grpo",
+        help="comma-separated names (default gae,grpo; 'all' for every registered one)",
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,7 +71,7 @@ def main() -> None:
     print(f"{'estimator':<30} {'median ms':>10} {'min ms':>10}")
     for name in names:
         est = rlplug.get_plugin("advantage_estimator", name)
-        times = time_call(lambda: est(data, config), args.reps)
+        times = time_call(lambda est=est: est(data, config), args.reps)
         print(f"{name:<30} {statistics.median(times):>10.1f} {min(times):>10.1f}")
 
 

@@ -77,8 +77,9 @@ def run_variant(variant: str, chunk_size: int, threads: int) -> dict:
         lp = logp.gather(-1, labels[:, None]).squeeze(-1)
         ent = -(logp.exp() * logp).sum(-1)
     else:
-        lp, ent = log_probs_from_hidden(hidden, weight, labels, temperature=TEMPERATURE, chunk_size=chunk_size,
-                                        with_entropy=True)
+        lp, ent = log_probs_from_hidden(
+            hidden, weight, labels, temperature=TEMPERATURE, chunk_size=chunk_size, with_entropy=True
+        )
     loss = (w1 * lp).sum() + (w2 * ent).sum()
     loss.backward()
     wall = time.perf_counter() - t0
@@ -113,23 +114,40 @@ def main() -> None:
     results = {}
     for variant in ("naive", "chunked"):
         out = subprocess.run(
-            [sys.executable, __file__, "--variant", variant, "--chunk-size", str(args.chunk_size),
-             "--threads", str(args.threads)],
-            check=True, capture_output=True, text=True, env=env,
+            [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--chunk-size",
+                str(args.chunk_size),
+                "--threads",
+                str(args.threads),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=env,
         )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     gib = 1024**3
     naive, ours = results["naive"], results["chunked"]
-    print(f"log-probs + entropy, forward + backward: B x T = {B} x {T}, V = {V}, H = {H}, fp32, "
-          f"{args.threads} thread(s), chunk_size = {args.chunk_size}")
+    print(
+        f"log-probs + entropy, forward + backward: B x T = {B} x {T}, V = {V}, H = {H}, fp32, "
+        f"{args.threads} thread(s), chunk_size = {args.chunk_size}"
+    )
     for name, r in (("naive full logits", naive), ("chunked + checkpoint", ours)):
-        print(f"  {name:22s} peak extra RSS {r['peak_extra_bytes'] / gib:6.2f} GiB "
-              f"(sampled {r['sampled_extra_bytes'] / gib:.2f}, high-water {r['high_water_extra_bytes'] / gib:.2f})  "
-              f"time {r['wall_s']:6.1f} s")
+        print(
+            f"  {name:22s} peak extra RSS {r['peak_extra_bytes'] / gib:6.2f} GiB "
+            f"(sampled {r['sampled_extra_bytes'] / gib:.2f}, high-water {r['high_water_extra_bytes'] / gib:.2f})  "
+            f"time {r['wall_s']:6.1f} s"
+        )
     ratio = ours["peak_extra_bytes"] / naive["peak_extra_bytes"]
     print(f"  ratio chunked / naive = {ratio:.3f} (target <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})")
-    print(f"  same result: loss {naive['loss']:.6g} vs {ours['loss']:.6g}; "
-          f"|grad W| {naive['grad_w_norm']:.6g} vs {ours['grad_w_norm']:.6g}")
+    print(
+        f"  same result: loss {naive['loss']:.6g} vs {ours['loss']:.6g}; "
+        f"|grad W| {naive['grad_w_norm']:.6g} vs {ours['grad_w_norm']:.6g}"
+    )
 
 
 if __name__ == "__main__":

@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from rlplug import get_plugin
     from rlplug.config import compose
     from rlplug.models import default_model_dir, load_causal_lm, load_tokenizer
-    from rlplug import get_plugin
     from rlplug.types import SamplingParams
 
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -64,8 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.backends.split(","):
         name, _, variant = spec.partition("-")
         dtype = "bf16" if variant.startswith("bf16") else "fp32"
-        overrides = [f"rollout={name}", f"rollout.dtype={dtype}", "rollout.micro_batch_size=64", f"rollout.num_threads={threads}",
-                     "rollout.kv_cache_space_gib=2"]
+        overrides = [
+            f"rollout={name}",
+            f"rollout.dtype={dtype}",
+            "rollout.micro_batch_size=64",
+            f"rollout.num_threads={threads}",
+            "rollout.kv_cache_space_gib=2",
+        ]
         if variant.endswith("compile"):
             overrides.append("rollout.enforce_eager=false")
         cfg = compose(overrides)
@@ -90,11 +95,18 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"b{b}_tokens_per_s"] = round(ntok / dt, 1)
                 row[f"b{b}_mean_len"] = round(ntok / b, 1)
                 row[f"b{b}_s"] = round(dt, 1)
-                print(f"{spec:18s} batch {b:3d}: {ntok:6d} tokens in {dt:6.1f} s = {ntok / dt:7.1f} tokens/s "
-                      f"(mean length {ntok / b:.0f}; load {os.getloadavg()[0]:.2f})", flush=True)
+                print(
+                    f"{spec:18s} batch {b:3d}: {ntok:6d} tokens in {dt:6.1f} s = {ntok / dt:7.1f} tokens/s "
+                    f"(mean length {ntok / b:.0f}; load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
         finally:
             backend.close()
-        print(f"{spec:18s} startup {startup:.1f} s" + (f", weight push {row['weight_push_s']} s" if "weight_push_s" in row else ""), flush=True)
+        print(
+            f"{spec:18s} startup {startup:.1f} s"
+            + (f", weight push {row['weight_push_s']} s" if "weight_push_s" in row else ""),
+            flush=True,
+        )
         results.append(row)
     print(f"load average at end {os.getloadavg()}")
     print(json.dumps(results, indent=1))

@@ -49,11 +49,27 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 #: what every benchmark run turns off: validation, checkpoints, trackers, the wall-time budget
-QUIET = ["trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false", "trainer.logger=[]",
-         "trainer.max_wall_time_s=null", "trainer.resume_mode=disable"]
+QUIET = [
+    "trainer.test_freq=0",
+    "trainer.save_freq=0",
+    "trainer.val_before_train=false",
+    "trainer.logger=[]",
+    "trainer.max_wall_time_s=null",
+    "trainer.resume_mode=disable",
+]
 
 #: the stages of a step, in order (``timing_s/<stage>``); ``reward`` overlaps the passes before it
-STAGES = ["gen", "old_log_prob", "ref", "values", "reward_wait", "adv", "update_critic", "update_actor", "update_weights"]
+STAGES = [
+    "gen",
+    "old_log_prob",
+    "ref",
+    "values",
+    "reward_wait",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "update_weights",
+]
 
 
 # ----------------------------------------------------------------------------- worker (subprocess)
@@ -72,7 +88,7 @@ class PeakRSS:
         for p in [self.proc, *self.proc.children(recursive=True)]:
             try:
                 total += p.memory_info().rss
-            except Exception:  # noqa: BLE001 - a child may exit between listing and reading
+            except Exception:
                 pass
         return total
 
@@ -80,7 +96,7 @@ class PeakRSS:
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self._sample())
 
-    def start(self) -> "PeakRSS":
+    def start(self) -> PeakRSS:
         """Take a first sample and start sampling in a daemon thread; returns ``self``."""
         self.peak = self._sample()
         self._thread.start()
@@ -93,7 +109,7 @@ class PeakRSS:
         self.peak = max(self.peak, self._sample())
         return self.peak
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -125,15 +141,25 @@ def worker(overrides: list[str], steps: int, out: str) -> int:
                 print(f"step {len(records)}: {m['timing_s/step']:.1f} s", file=sys.stderr, flush=True)
         finally:
             trainer.close()
-        cfg_summary = {"algorithm": cfg.algorithm.adv_estimator, "rollout": cfg.rollout.name,
-                       "train_batch_size": cfg.data.train_batch_size, "n": cfg.rollout.n,
-                       "max_response_length": cfg.data.max_response_length,
-                       "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
-                       "micro_batch_size_per_device": cfg.actor.micro_batch_size_per_device}
+        cfg_summary = {
+            "algorithm": cfg.algorithm.adv_estimator,
+            "rollout": cfg.rollout.name,
+            "train_batch_size": cfg.data.train_batch_size,
+            "n": cfg.rollout.n,
+            "max_response_length": cfg.data.max_response_length,
+            "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
+            "micro_batch_size_per_device": cfg.actor.micro_batch_size_per_device,
+        }
     import torch
 
-    result = {"overrides": overrides, "config": cfg_summary, "startup_s": startup, "steps": records,
-              "peak_rss_gib": rss.peak / 2**30, "torch_threads": torch.get_num_threads()}
+    result = {
+        "overrides": overrides,
+        "config": cfg_summary,
+        "startup_s": startup,
+        "steps": records,
+        "peak_rss_gib": rss.peak / 2**30,
+        "torch_threads": torch.get_num_threads(),
+    }
     Path(out).write_text(json.dumps(result, indent=1))
     return 0
 
@@ -175,7 +201,8 @@ def summarize(result: dict, skip: int = 1) -> dict:
     out["step"] = med("timing_s/step")
     out["gen_tokens_per_s"] = med("perf/gen_tokens_per_s")
     out["train_tokens_per_s"] = statistics.median(
-        s["perf/total_num_tokens"] / s["timing_s/update_actor"] for s in steps if s.get("timing_s/update_actor"))
+        s["perf/total_num_tokens"] / s["timing_s/update_actor"] for s in steps if s.get("timing_s/update_actor")
+    )
     out["tokens_per_step"] = med("perf/total_num_tokens")
     out["response_length"] = med("response_length/mean")
     out["peak_rss_gib"] = result["peak_rss_gib"]
@@ -188,26 +215,36 @@ def cmd_breakdown(args: argparse.Namespace) -> int:
     info = machine()
     result = run_config(overrides, args.steps)
     s = summarize(result)
-    lines = [f"# Step breakdown: default PPO experiment ({' '.join(overrides)})", "",
-             f"{info['cores']} cores, load average at start {info['loadavg_at_start']:.2f}; {args.steps} steps, "
-             f"medians of steps 2-{args.steps}; {result['config']}", "",
-             "| stage | seconds | share of step |", "|---|---|---|"]
+    lines = [
+        f"# Step breakdown: default PPO experiment ({' '.join(overrides)})",
+        "",
+        f"{info['cores']} cores, load average at start {info['loadavg_at_start']:.2f}; {args.steps} steps, "
+        f"medians of steps 2-{args.steps}; {result['config']}",
+        "",
+        "| stage | seconds | share of step |",
+        "|---|---|---|",
+    ]
     for stage in STAGES:
         if s[stage] > 0:
             lines.append(f"| {stage} | {s[stage]:.2f} | {100 * s[stage] / s['step']:.0f}% |")
-    lines += [f"| **step** | **{s['step']:.2f}** | |", "",
-              f"- reward scoring took {s['reward']:.3f} s on its thread, overlapped with the passes; the step waited "
-              f"{s['reward_wait']:.3f} s for it",
-              f"- generation: {s['gen_tokens_per_s']:.0f} response tokens/s; training (update_actor): "
-              f"{s['train_tokens_per_s']:.0f} tokens/s ({s['tokens_per_step']:.0f} prompt+response tokens per step, "
-              f"mean response {s['response_length']:.1f} tokens)",
-              f"- peak resident memory (trainer + engine processes): {s['peak_rss_gib']:.2f} GiB; start-up {s['startup_s']:.0f} s"]
+    lines += [
+        f"| **step** | **{s['step']:.2f}** | |",
+        "",
+        f"- reward scoring took {s['reward']:.3f} s on its thread, overlapped with the passes; the step waited "
+        f"{s['reward_wait']:.3f} s for it",
+        f"- generation: {s['gen_tokens_per_s']:.0f} response tokens/s; training (update_actor): "
+        f"{s['train_tokens_per_s']:.0f} tokens/s ({s['tokens_per_step']:.0f} prompt+response tokens per step, "
+        f"mean response {s['response_length']:.1f} tokens)",
+        f"- peak resident memory (trainer + engine processes): {s['peak_rss_gib']:.2f} GiB; start-up {s['startup_s']:.0f} s",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_save:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "step_breakdown.md").write_text(text)
-        (args.out_dir / "step_breakdown.json").write_text(json.dumps({"machine": info, "summary": s, "raw": result}, indent=1))
+        (args.out_dir / "step_breakdown.json").write_text(
+            json.dumps({"machine": info, "summary": s, "raw": result}, indent=1)
+        )
     return 0
 
 
@@ -216,20 +253,44 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     grid = [(b, 128) for b in args.batches] + [(16, t) for t in args.lengths if t != 128 or 16 not in args.batches]
     rows = []
     for b, t in grid:
-        overrides = ["trainer.critic_warmup=0", "rollout.ignore_eos=true", f"data.train_batch_size={b}",
-                     f"data.max_response_length={t}", f"actor.ppo_mini_batch_size={b // 2}",
-                     f"actor.micro_batch_size_per_device={min(8, b // 2)}", *args.overrides]
+        overrides = [
+            "trainer.critic_warmup=0",
+            "rollout.ignore_eos=true",
+            f"data.train_batch_size={b}",
+            f"data.max_response_length={t}",
+            f"actor.ppo_mini_batch_size={b // 2}",
+            f"actor.micro_batch_size_per_device={min(8, b // 2)}",
+            *args.overrides,
+        ]
         print(f"batch {b}, response length {t} ...", flush=True)
         s = summarize(run_config(overrides, args.steps))
         rows.append({"prompts": b, "max_response_length": t, **s})
-        print(f"  step {s['step']:.1f} s (gen {s['gen']:.1f}, update_actor {s['update_actor']:.1f}), "
-              f"peak {s['peak_rss_gib']:.1f} GiB", flush=True)
-    header = ["prompts", "max_response_length", "step", *[st for st in STAGES if any(r[st] > 0 for r in rows)],
-              "gen_tokens_per_s", "train_tokens_per_s", "peak_rss_gib"]
-    md = ["# Step time scaling: default PPO experiment, responses forced to max length (rollout.ignore_eos=true)", "",
-          f"{info['cores']} cores, load average at start {info['loadavg_at_start']:.2f}; medians of steps 2-{args.steps}; "
-          "seconds unless stated", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    md += ["| " + " | ".join(f"{r[h]:.2f}" if isinstance(r[h], float) else str(r[h]) for h in header) + " |" for r in rows]
+        print(
+            f"  step {s['step']:.1f} s (gen {s['gen']:.1f}, update_actor {s['update_actor']:.1f}), "
+            f"peak {s['peak_rss_gib']:.1f} GiB",
+            flush=True,
+        )
+    header = [
+        "prompts",
+        "max_response_length",
+        "step",
+        *[st for st in STAGES if any(r[st] > 0 for r in rows)],
+        "gen_tokens_per_s",
+        "train_tokens_per_s",
+        "peak_rss_gib",
+    ]
+    md = [
+        "# Step time scaling: default PPO experiment, responses forced to max length (rollout.ignore_eos=true)",
+        "",
+        f"{info['cores']} cores, load average at start {info['loadavg_at_start']:.2f}; medians of steps 2-{args.steps}; "
+        "seconds unless stated",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    md += [
+        "| " + " | ".join(f"{r[h]:.2f}" if isinstance(r[h], float) else str(r[h]) for h in header) + " |" for r in rows
+    ]
     text = "\n".join(md) + "\n"
     print(text)
     if args.no_save:
@@ -237,7 +298,12 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "step_scaling.md").write_text(text)
     (args.out_dir / "step_scaling.csv").write_text(
-        "\n".join([",".join(header)] + [",".join(f"{r[h]:.4f}" if isinstance(r[h], float) else str(r[h]) for h in header) for r in rows]) + "\n")
+        "\n".join(
+            [",".join(header)]
+            + [",".join(f"{r[h]:.4f}" if isinstance(r[h], float) else str(r[h]) for h in header) for r in rows]
+        )
+        + "\n"
+    )
     plot_scaling(rows, args.out_dir / "step_scaling.png")
     return 0
 
@@ -249,8 +315,10 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("prompts per step (128 tokens each)", [r for r in rows if r["max_response_length"] == 128], "prompts"),
-              ("max response length (16 prompts)", [r for r in rows if r["prompts"] == 16], "max_response_length")]
+    panels = [
+        ("prompts per step (128 tokens each)", [r for r in rows if r["max_response_length"] == 128], "prompts"),
+        ("max response length (16 prompts)", [r for r in rows if r["prompts"] == 16], "max_response_length"),
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, (title, sub, key) in zip(axes, panels):
         sub = sorted(sub, key=lambda r: r[key])

@@ -52,18 +52,37 @@ from _trl_worker import arithmetic_workload  # noqa: E402
 from bench_step import machine, run_config, run_json_worker  # noqa: E402
 
 RLPLUG_BASE = [
-    "algorithm=grpo", "data=files", "data.val_files=[]", "data.train_batch_size=4", "data.max_prompt_length=128",
-    "data.max_response_length=128", "rollout.n=4", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
-    "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_device=4", "actor.ppo_epochs=1",
-    "actor.optim.lr=1e-6", "actor.optim.lr_warmup_steps=0", "actor.use_kl_loss=false", "trainer.critic_warmup=0",
-    "reward.shaping=[]", "+reward.kwargs.gsm8k={method:flexible}", "trainer.seed=0", "data.seed=0",
+    "algorithm=grpo",
+    "data=files",
+    "data.val_files=[]",
+    "data.train_batch_size=4",
+    "data.max_prompt_length=128",
+    "data.max_response_length=128",
+    "rollout.n=4",
+    "rollout.temperature=1.0",
+    "rollout.top_p=1.0",
+    "rollout.top_k=-1",
+    "actor.ppo_mini_batch_size=4",
+    "actor.micro_batch_size_per_device=4",
+    "actor.ppo_epochs=1",
+    "actor.optim.lr=1e-6",
+    "actor.optim.lr_warmup_steps=0",
+    "actor.use_kl_loss=false",
+    "trainer.critic_warmup=0",
+    "reward.shaping=[]",
+    "+reward.kwargs.gsm8k={method:flexible}",
+    "trainer.seed=0",
+    "data.seed=0",
 ]
 #: what each variant computes in (the precision column of the table)
 PRECISION = {
-    "trl": "fp32 (TRL's CPU default)", "trl-bf16": "bf16 autocast, fp32 weights",
-    "rlplug-hf": "bf16 autocast, fp32 master weights; bf16 generate", "rlplug-vllm": "same; vLLM bf16",
+    "trl": "fp32 (TRL's CPU default)",
+    "trl-bf16": "bf16 autocast, fp32 weights",
+    "rlplug-hf": "bf16 autocast, fp32 master weights; bf16 generate",
+    "rlplug-vllm": "same; vLLM bf16",
     "rlplug-hf-fp32": "fp32, fp32 generate",
-    "trl-fixed": "fp32; every response 128 tokens", "rlplug-hf-fixed": "bf16; every response 128 tokens",
+    "trl-fixed": "fp32; every response 128 tokens",
+    "rlplug-hf-fixed": "bf16; every response 128 tokens",
     "rlplug-vllm-fixed": "bf16; every response 128 tokens",
 }
 VARIANTS = {
@@ -84,28 +103,47 @@ def write_parquet(path: Path, n: int = 64, seed: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"data_source": "basic_arithmetic", "prompt": [{"role": "user", "content": item["question"]}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": item["answer"]},
-             "extra_info": {"index": i}} for i, item in enumerate(arithmetic_workload(n, seed))]
+    rows = [
+        {
+            "data_source": "basic_arithmetic",
+            "prompt": [{"role": "user", "content": item["question"]}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": item["answer"]},
+            "extra_info": {"index": i},
+        }
+        for i, item in enumerate(arithmetic_workload(n, seed))
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 def run_trl(flags: list[str], steps: int) -> dict:
     cmd = [sys.executable, str(HERE / "_trl_worker.py"), "--steps", str(steps), "--seed", "0", *flags]
     result = run_json_worker(cmd, f"TRL worker {flags}")
-    return {"seconds": [s["seconds"] for s in result["steps"]],
-            "response_tokens": [s.get("completion_tokens") for s in result["steps"]],
-            "peak_rss_gib": result["peak_rss_gib"], "startup_s": result["startup_s"], "raw": result}
+    return {
+        "seconds": [s["seconds"] for s in result["steps"]],
+        "response_tokens": [s.get("completion_tokens") for s in result["steps"]],
+        "peak_rss_gib": result["peak_rss_gib"],
+        "startup_s": result["startup_s"],
+        "raw": result,
+    }
 
 
 def run_rlplug(overrides: list[str], data: Path, steps: int) -> dict:
     result = run_config([*RLPLUG_BASE, f"data.train_files=[{data}]", *overrides], steps)
-    return {"seconds": [s["timing_s/step"] for s in result["steps"]],
-            "response_tokens": [s["response_length/mean"] * result["config"]["train_batch_size"] * result["config"]["n"]
-                                for s in result["steps"]],
-            "stages": {k: [s.get(k, 0.0) for s in result["steps"]] for k in
-                       ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights")},
-            "peak_rss_gib": result["peak_rss_gib"], "startup_s": result["startup_s"], "raw": result}
+    return {
+        "seconds": [s["timing_s/step"] for s in result["steps"]],
+        "response_tokens": [
+            s["response_length/mean"] * result["config"]["train_batch_size"] * result["config"]["n"]
+            for s in result["steps"]
+        ],
+        "stages": {
+            k: [s.get(k, 0.0) for s in result["steps"]]
+            for k in ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights")
+        },
+        "peak_rss_gib": result["peak_rss_gib"],
+        "startup_s": result["startup_s"],
+        "raw": result,
+    }
 
 
 def render(runs: dict[str, list[dict]], info: dict, reps: int, steps: int) -> tuple[str, dict]:
@@ -117,30 +155,44 @@ def render(runs: dict[str, list[dict]], info: dict, reps: int, steps: int) -> tu
         secs = [s for r in rs for s in r["seconds"][1:]]
         toks = [t for r in rs for t in r["response_tokens"][1:] if t is not None]
         per_k = [s / (t / 1000) for r in rs for s, t in zip(r["seconds"][1:], r["response_tokens"][1:]) if t]
-        summary[v] = {"median_s_per_step": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
-                      "n_steps": len(secs), "response_tokens_per_step": statistics.median(toks) if toks else None,
-                      "s_per_1k_response_tokens": statistics.median(per_k) if per_k else None,
-                      "peak_rss_gib": max(r["peak_rss_gib"] for r in rs),
-                      "startup_s": statistics.median(r["startup_s"] for r in rs)}
-    lines = ["# GRPO step time: rlplug vs TRL GRPOTrainer", "",
-             f"{info['cores']} CPU cores, load average at start {info['loadavg_at_start']:.2f}; "
-             f"{reps} repetitions x {steps} steps per variant, alternating; first step of each run dropped.",
-             "Workload: SmolLM2-135M-Instruct, 4 prompts x 4 samples per step, <= 128 response tokens, T=1.0, "
-             "lr 1e-6, no KL, one optimizer step per batch. TRL keeps its defaults (gradient checkpointing on "
-             "for the update, off while generating, KV cache used).", "",
-             "| variant | precision | median s/step | range | response tokens/step | s per 1k response tokens "
-             "| speed-up vs trl (s/step) | (s/1k tokens) | peak RSS GiB | start-up s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+        summary[v] = {
+            "median_s_per_step": statistics.median(secs),
+            "min_s": min(secs),
+            "max_s": max(secs),
+            "n_steps": len(secs),
+            "response_tokens_per_step": statistics.median(toks) if toks else None,
+            "s_per_1k_response_tokens": statistics.median(per_k) if per_k else None,
+            "peak_rss_gib": max(r["peak_rss_gib"] for r in rs),
+            "startup_s": statistics.median(r["startup_s"] for r in rs),
+        }
+    lines = [
+        "# GRPO step time: rlplug vs TRL GRPOTrainer",
+        "",
+        f"{info['cores']} CPU cores, load average at start {info['loadavg_at_start']:.2f}; "
+        f"{reps} repetitions x {steps} steps per variant, alternating; first step of each run dropped.",
+        "Workload: SmolLM2-135M-Instruct, 4 prompts x 4 samples per step, <= 128 response tokens, T=1.0, "
+        "lr 1e-6, no KL, one optimizer step per batch. TRL keeps its defaults (gradient checkpointing on "
+        "for the update, off while generating, KV cache used).",
+        "",
+        "| variant | precision | median s/step | range | response tokens/step | s per 1k response tokens "
+        "| speed-up vs trl (s/step) | (s/1k tokens) | peak RSS GiB | start-up s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for v, s in summary.items():
         ref = summary.get("trl-fixed" if v.endswith("-fixed") else "trl")  # like is compared with like
         ratio = f"{ref['median_s_per_step'] / s['median_s_per_step']:.2f}x" if ref else "-"
         tok = f"{s['response_tokens_per_step']:.0f}" if s["response_tokens_per_step"] is not None else "-"
         per_k = s["s_per_1k_response_tokens"]
-        ratio_k = (f"{ref['s_per_1k_response_tokens'] / per_k:.2f}x"
-                   if ref and per_k and ref["s_per_1k_response_tokens"] else "-")
+        ratio_k = (
+            f"{ref['s_per_1k_response_tokens'] / per_k:.2f}x"
+            if ref and per_k and ref["s_per_1k_response_tokens"]
+            else "-"
+        )
         per_k_text = f"{per_k:.1f}" if per_k else "-"
-        lines.append(f"| {v} | {PRECISION.get(v, '')} | {s['median_s_per_step']:.2f} | {s['min_s']:.1f}-{s['max_s']:.1f} | "
-                     f"{tok} | {per_k_text} | {ratio} | {ratio_k} | {s['peak_rss_gib']:.2f} | {s['startup_s']:.0f} |")
+        lines.append(
+            f"| {v} | {PRECISION.get(v, '')} | {s['median_s_per_step']:.2f} | {s['min_s']:.1f}-{s['max_s']:.1f} | "
+            f"{tok} | {per_k_text} | {ratio} | {ratio_k} | {s['peak_rss_gib']:.2f} | {s['startup_s']:.0f} |"
+        )
     return "\n".join(lines) + "\n", summary
 
 
@@ -151,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
     ap.add_argument("--out-name", default="vs_trl", help="result files are OUT_DIR/OUT_NAME.{md,json}")
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="only rewrite the markdown table from a vs_trl.json written by an earlier run")
+    ap.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="only rewrite the markdown table from a vs_trl.json written by an earlier run",
+    )
     args = ap.parse_args(argv)
     if args.render:
         saved = json.loads(args.render.read_text())
@@ -176,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for v in variants:
                 print(f"rep {rep + 1}/{args.reps}: {v} ...", flush=True)
-                r = run_trl(VARIANTS[v], args.steps) if v.startswith("trl") else run_rlplug(VARIANTS[v], data, args.steps)
+                r = (
+                    run_trl(VARIANTS[v], args.steps)
+                    if v.startswith("trl")
+                    else run_rlplug(VARIANTS[v], data, args.steps)
+                )
                 runs[v].append(r)
                 print(f"  seconds per step: {', '.join(f'{s:.1f}' for s in r['seconds'])}", flush=True)
 

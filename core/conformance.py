@@ -28,7 +28,8 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from .contracts import CONTRACTS, built_classes, check_object
 
@@ -67,8 +68,10 @@ def check_protocol(kind: str, obj: Any, *, builds: Any = None) -> None:
         if not inspect.isclass(obj) and not (builds or getattr(obj, "builds", None)) and not inspect.isfunction(obj):
             obj = type(obj)  # an instance: check its class
         classes = built_classes(obj, {"builds": builds} if builds is not None else None)
-        assert classes, (f"{kind}: {obj!r} is a factory that does not declare the class it builds; pass "
-                         "builds=TheClass (and register it the same way: register(name, factory, builds=TheClass))")
+        assert classes, (
+            f"{kind}: {obj!r} is a factory that does not declare the class it builds; pass "
+            "builds=TheClass (and register it the same way: register(name, factory, builds=TheClass))"
+        )
         for cls in classes:
             problems += check_object(kind, cls, is_class=True)
     else:
@@ -103,8 +106,10 @@ def _degenerate_batches(make: Callable[..., dict], group_size: int) -> list[tupl
     import torch
 
     B = 2 * group_size
-    out = [("a random batch", make(batch_size=B, response_length=6, group_size=group_size, seed=0)),
-           ("a single response token", make(batch_size=B, response_length=1, group_size=group_size, seed=1))]
+    out = [
+        ("a random batch", make(batch_size=B, response_length=6, group_size=group_size, seed=0)),
+        ("a single response token", make(batch_size=B, response_length=1, group_size=group_size, seed=1)),
+    ]
     equal = make(batch_size=B, response_length=5, group_size=group_size, seed=2)
     lengths = equal["response_mask"].sum(-1).long()
     equal["token_level_scores"] = torch.zeros_like(equal["token_level_scores"])
@@ -116,8 +121,19 @@ def _degenerate_batches(make: Callable[..., dict], group_size: int) -> list[tupl
     empty = make(batch_size=B, response_length=5, group_size=group_size, seed=3)
     # the last response of every group is empty (an engine that stopped at once)
     rows = torch.arange(group_size - 1, B, group_size)
-    for key in ("response_mask", "token_level_scores", "token_level_rewards", "values", "old_log_probs", "log_probs",
-                "ref_log_probs", "advantages", "returns", "sum_pi_squared", "entropy"):
+    for key in (
+        "response_mask",
+        "token_level_scores",
+        "token_level_rewards",
+        "values",
+        "old_log_probs",
+        "log_probs",
+        "ref_log_probs",
+        "advantages",
+        "returns",
+        "sum_pi_squared",
+        "entropy",
+    ):
         if key in empty:
             empty[key][rows] = 0.0
     empty["response_lengths"][rows] = 0
@@ -129,15 +145,20 @@ def _check_pair(result: Any, mask: Any, what: str) -> None:
     import torch
 
     assert isinstance(result, tuple) and len(result) == 2, (
-        f"{what} must return (advantages, returns), got {type(result).__name__}")
+        f"{what} must return (advantages, returns), got {type(result).__name__}"
+    )
     for name, t in zip(("advantages", "returns"), result):
         assert isinstance(t, torch.Tensor), f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}"
-        assert t.shape == mask.shape, f"{what}: {name} has shape {tuple(t.shape)}, expected (B, T) = {tuple(mask.shape)}"
+        assert t.shape == mask.shape, (
+            f"{what}: {name} has shape {tuple(t.shape)}, expected (B, T) = {tuple(mask.shape)}"
+        )
         assert t.dtype == torch.float32, f"{what}: {name} has dtype {t.dtype}, expected torch.float32"
         assert bool(torch.isfinite(t).all()), f"{what}: {name} has non-finite values: {t}"
         off = t[mask == 0]
-        assert bool((off == 0).all()), (f"{what}: {name} must be exactly 0.0 where response_mask is 0; found "
-                                        f"{int((off != 0).sum())} non-zero padded position(s)")
+        assert bool((off == 0).all()), (
+            f"{what}: {name} must be exactly 0.0 where response_mask is 0; found "
+            f"{int((off != 0).sum())} non-zero padded position(s)"
+        )
 
 
 # ============================================================================ algorithm kinds
@@ -157,7 +178,9 @@ def check_advantage_estimator(estimator: Any, config: Any = None, *, group_size:
 
     estimator = _resolve("advantage_estimator", estimator)
     check_protocol("advantage_estimator", estimator)
-    assert all(isinstance(r, str) for r in estimator.requires), f"requires must be a tuple of field names, got {estimator.requires!r}"
+    assert all(isinstance(r, str) for r in estimator.requires), (
+        f"requires must be a tuple of field names, got {estimator.requires!r}"
+    )
     config = algorithm_config() if config is None else config
     import torch
 
@@ -171,11 +194,22 @@ def check_advantage_estimator(estimator: Any, config: Any = None, *, group_size:
         assert all(torch.equal(a, b) for a, b in zip(result, again)), f"{what}: the same inputs gave different outputs"
 
 
-def _loss_call(loss: Any, data: Mapping[str, Any], mask: Any, *, mode: str, normalizer: Any, config: Any,
-               weights: Any = None) -> tuple[Any, dict]:
+def _loss_call(
+    loss: Any, data: Mapping[str, Any], mask: Any, *, mode: str, normalizer: Any, config: Any, weights: Any = None
+) -> tuple[Any, dict]:
     extra = {k: data[k] for k in getattr(loss, "requires", ())}
-    return loss(data["old_log_probs"], data["log_probs"], data["advantages"], mask, config=config, loss_agg_mode=mode,
-                normalizer=normalizer, max_response_length=int(mask.shape[1]), rollout_is_weights=weights, **extra)
+    return loss(
+        data["old_log_probs"],
+        data["log_probs"],
+        data["advantages"],
+        mask,
+        config=config,
+        loss_agg_mode=mode,
+        normalizer=normalizer,
+        max_response_length=int(mask.shape[1]),
+        rollout_is_weights=weights,
+        **extra,
+    )
 
 
 def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | None = None, atol: float = 1e-5) -> None:
@@ -235,7 +269,8 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
             (g2,) = torch.autograd.grad(v2, lp2, allow_unused=True)
             g2 = torch.zeros_like(lp2) if g2 is None else g2
             assert torch.allclose(v2.detach(), value.detach(), atol=atol), (
-                f"{what}: values on padded positions changed the loss ({value.item()} -> {v2.item()})")
+                f"{what}: values on padded positions changed the loss ({value.item()} -> {v2.item()})"
+            )
             assert torch.allclose(g2, grad, atol=atol), f"{what}: values on padded positions changed the gradient"
             # micro-batch invariance with the global normaliser
             total = torch.zeros(())
@@ -243,25 +278,38 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
             for rows in (torch.arange(0, B // 2), torch.arange(B // 2, B)):
                 sub = {k: v[rows] for k, v in data.items() if isinstance(v, torch.Tensor) and v.shape[:1] == (B,)}
                 lp3 = sub["log_probs"].clone().requires_grad_(True)
-                part, _ = _loss_call(loss, dict(sub, log_probs=lp3), sub["response_mask"], mode=mode, normalizer=norm,
-                                     config=config)
+                part, _ = _loss_call(
+                    loss, dict(sub, log_probs=lp3), sub["response_mask"], mode=mode, normalizer=norm, config=config
+                )
                 (g3,) = torch.autograd.grad(part, lp3, allow_unused=True)
                 total = total + part.detach()
                 if g3 is not None:
                     grads[rows] += g3
             assert torch.allclose(total, value.detach(), atol=atol), (
                 f"{what}: two micro-batches with the mini-batch's normalizer give {total.item()}, the whole batch "
-                f"{value.item()}; aggregate with rlplug.losses.agg_loss(..., normalizer)")
+                f"{value.item()}; aggregate with rlplug.losses.agg_loss(..., normalizer)"
+            )
             assert torch.allclose(grads, grad, atol=atol), f"{what}: micro-batching changed the gradient"
             # rollout importance weights: 1 changes nothing, 0 removes every token
-            ones, _ = _loss_call(loss, data, mask, mode=mode, normalizer=norm, config=config, weights=torch.ones_like(mask))
+            ones, _ = _loss_call(
+                loss, data, mask, mode=mode, normalizer=norm, config=config, weights=torch.ones_like(mask)
+            )
             assert torch.allclose(ones.detach(), value.detach(), atol=atol), (
-                f"{what}: rollout_is_weights of 1.0 changed the loss ({value.item()} -> {ones.item()})")
+                f"{what}: rollout_is_weights of 1.0 changed the loss ({value.item()} -> {ones.item()})"
+            )
             lp4 = data["log_probs"].clone().requires_grad_(True)
-            zero, _ = _loss_call(loss, dict(data, log_probs=lp4), mask, mode=mode, normalizer=norm, config=config,
-                                 weights=torch.zeros_like(mask))
+            zero, _ = _loss_call(
+                loss,
+                dict(data, log_probs=lp4),
+                mask,
+                mode=mode,
+                normalizer=norm,
+                config=config,
+                weights=torch.zeros_like(mask),
+            )
             assert abs(float(zero.detach())) <= atol, (
-                f"{what}: rollout_is_weights of 0.0 left a loss of {float(zero.detach())}; apply them")
+                f"{what}: rollout_is_weights of 0.0 left a loss of {float(zero.detach())}; apply them"
+            )
             (g4,) = torch.autograd.grad(zero, lp4, allow_unused=True)
             assert g4 is None or float(g4.abs().max()) <= atol, f"{what}: rollout_is_weights of 0.0 left a gradient"
 
@@ -288,7 +336,8 @@ def check_kl_penalty(penalty: Any) -> None:
         lp_g = lp.clone().requires_grad_(True)
         out = penalty(lp_g, ref.clone())
         assert isinstance(out, torch.Tensor) and out.shape == lp.shape, (
-            f"{what}: expected a (B, T) = {tuple(lp.shape)} tensor, got {getattr(out, 'shape', type(out))}")
+            f"{what}: expected a (B, T) = {tuple(lp.shape)} tensor, got {getattr(out, 'shape', type(out))}"
+        )
         assert out.dtype == torch.float32, f"{what}: dtype {out.dtype}, expected torch.float32"
         assert bool(torch.isfinite(out).all()), f"{what}: non-finite values {out}"
         (grad,) = torch.autograd.grad(out.sum(), lp_g, allow_unused=True)
@@ -297,8 +346,13 @@ def check_kl_penalty(penalty: Any) -> None:
         assert bool((same.abs() <= 1e-7).all()), f"{what}: KL of a policy with itself must be 0, got {same}"
 
 
-def check_reward_function(fn: Any, cases: Iterable[tuple[str, str, str, Any]] | None = None,
-                          kwargs: Mapping[str, Any] | None = None, *, picklable: bool = True) -> None:
+def check_reward_function(
+    fn: Any,
+    cases: Iterable[tuple[str, str, str, Any]] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    picklable: bool = True,
+) -> None:
     """Run the reward-function kit on ``fn`` (the registered function, or its name).
 
     ``cases``: ``(data_source, solution_str, ground_truth, extra_info)`` tuples (default: a right,
@@ -310,8 +364,15 @@ def check_reward_function(fn: Any, cases: Iterable[tuple[str, str, str, Any]] | 
     """
     fn = _resolve("reward_function", fn)
     check_protocol("reward_function", fn)
-    cases = list(cases or [("openai/gsm8k", "3 + 4 = 7\n#### 7", "7", None), ("openai/gsm8k", "#### 8", "7", {}),
-                           ("openai/gsm8k", "", "7", None), ("openai/gsm8k", "\u2212\u00bd \U0001f600 ####", "7", None)])
+    cases = list(
+        cases
+        or [
+            ("openai/gsm8k", "3 + 4 = 7\n#### 7", "7", None),
+            ("openai/gsm8k", "#### 8", "7", {}),
+            ("openai/gsm8k", "", "7", None),
+            ("openai/gsm8k", "\u2212\u00bd \U0001f600 ####", "7", None),
+        ]
+    )
     kwargs = dict(kwargs or {})
     for case in cases:
         what = f"reward function on {case[:3]!r}"
@@ -328,23 +389,32 @@ def check_reward_function(fn: Any, cases: Iterable[tuple[str, str, str, Any]] | 
         else:
             score = out
         assert isinstance(score, (int, float)) and not isinstance(score, bool), (
-            f"{what}: the score must be a float, got {type(score).__name__}")
+            f"{what}: the score must be a float, got {type(score).__name__}"
+        )
         assert math.isfinite(float(score)), f"{what}: score {score} is not finite"
         assert fn(*case, **kwargs) == out, f"{what}: the same call gave a different result"
     if picklable:
         try:
             pickle.loads(pickle.dumps(fn))
-        except Exception as exc:  # noqa: BLE001 - any pickling failure is the finding
+        except Exception as exc:
             raise AssertionError(
                 f"the reward function cannot be pickled ({type(exc).__name__}: {exc}); reward.num_workers > 0 runs it "
-                "in worker processes: define it at module level") from exc
+                "in worker processes: define it at module level"
+            ) from exc
 
 
 # ============================================================================ factory kinds
 
 
-def check_rollout_backend(backend: Any, *, builds: Any = None, prompts: list[list[int]] | None = None,
-                          max_tokens: int = 4, n: int = 2, vocab_size: int | None = None) -> None:
+def check_rollout_backend(
+    backend: Any,
+    *,
+    builds: Any = None,
+    prompts: list[list[int]] | None = None,
+    max_tokens: int = 4,
+    n: int = 2,
+    vocab_size: int | None = None,
+) -> None:
     """Run the rollout-backend kit.
 
     ``backend``: the class (or factory with ``builds``) -- only the Protocol is checked -- or a
@@ -373,7 +443,8 @@ def check_rollout_backend(backend: Any, *, builds: Any = None, prompts: list[lis
         B = len(prompts) * n
         assert len(out.response_ids) == B, f"generate() returned {len(out.response_ids)} responses, expected {B}"
         assert out.prompt_index == [i for i in range(len(prompts)) for _ in range(n)], (
-            f"responses must be prompt-major (the n samples of prompt 0 first); prompt_index={out.prompt_index}")
+            f"responses must be prompt-major (the n samples of prompt 0 first); prompt_index={out.prompt_index}"
+        )
         for j, (ids, reason) in enumerate(zip(out.response_ids, out.finish_reasons)):
             assert reason in ("stop", "length"), f"response {j}: finish reason {reason!r}, expected 'stop' or 'length'"
             assert len(ids) <= max_tokens, f"response {j} has {len(ids)} tokens, more than max_tokens={max_tokens}"
@@ -383,7 +454,9 @@ def check_rollout_backend(backend: Any, *, builds: Any = None, prompts: list[lis
         if out.log_probs is not None:
             for j, (ids, lps) in enumerate(zip(out.response_ids, out.log_probs)):
                 assert len(lps) == len(ids), f"response {j}: {len(lps)} log-probs for {len(ids)} tokens"
-                assert all(math.isfinite(x) and x <= 1e-6 for x in lps), f"response {j}: log-probs must be finite and <= 0"
+                assert all(math.isfinite(x) and x <= 1e-6 for x in lps), (
+                    f"response {j}: log-probs must be finite and <= 0"
+                )
         greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
         first, second = backend.generate(prompts, greedy), backend.generate(prompts, greedy)
         assert first.response_ids == second.response_ids, "greedy generation gave different tokens on the same prompts"
@@ -417,7 +490,9 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
         return
     check_protocol("training_backend", type(backend))
     assert batch is not None, "check_training_backend on an instance needs batch=Batch(...)"
-    assert isinstance(backend.coordinator, Coordinator), "backend.coordinator does not implement rlplug.types.Coordinator"
+    assert isinstance(backend.coordinator, Coordinator), (
+        "backend.coordinator does not implement rlplug.types.Coordinator"
+    )
     assert isinstance(backend.consecutive_bad_steps, int), "consecutive_bad_steps must be an int"
     mask = batch["response_mask"]
     extras = tuple(sorted(set(backend.per_token_outputs) - {"entropy"}))
@@ -426,7 +501,8 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
         assert key in res, f"compute_log_probs did not return '{key}' (returned {sorted(res)})"
         t = res[key]
         assert t.shape == mask.shape and t.dtype == torch.float32, (
-            f"compute_log_probs['{key}'] has {tuple(t.shape)} {t.dtype}; expected (B, T) = {tuple(mask.shape)} float32")
+            f"compute_log_probs['{key}'] has {tuple(t.shape)} {t.dtype}; expected (B, T) = {tuple(mask.shape)} float32"
+        )
         assert bool(torch.isfinite(t).all()), f"compute_log_probs['{key}'] is not finite"
         assert bool((t[mask == 0] == 0).all()), f"compute_log_probs['{key}'] must be 0.0 after each response's end"
     assert bool((res["log_probs"] <= 1e-6).all()), "log-probs must be <= 0 (nats)"
@@ -462,8 +538,15 @@ def check_tracker(tracker: Any, *, builds: Any = None, artifact: Any = None) -> 
         return
     check_protocol("tracker", type(tracker))
     tracker.log_params({"algorithm.adv_estimator": "grpo", "data.train_files": ["a.parquet"], "long": "x" * 10_000})
-    tracker.log_metrics({"actor/pg_loss": 0.5, "critic/score/mean": float("nan"), "perf/throughput": float("inf"),
-                         "val-core/openai/gsm8k/acc/mean@1": 0.25}, step=1)
+    tracker.log_metrics(
+        {
+            "actor/pg_loss": 0.5,
+            "critic/score/mean": float("nan"),
+            "perf/throughput": float("inf"),
+            "val-core/openai/gsm8k/acc/mean@1": 0.25,
+        },
+        step=1,
+    )
     tracker.log_metrics({"actor/pg_loss": 0.25}, step=2)
     tracker.log_table("val_generations/step_000002.json", [{"prompt": "1+1?", "response": "2", "score": 1.0}], step=2)
     if artifact is not None:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from . import types as T
 
-__all__ = ["KindContract", "CONTRACTS", "check_registration", "check_object", "built_classes",
-           "protocol_members"]
+__all__ = ["KindContract", "CONTRACTS", "check_registration", "check_object", "built_classes", "protocol_members"]
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,9 @@ CONTRACTS: dict[str, KindContract] = {
     "kl_penalty": KindContract("kl_penalty", T.KLPenaltyProtocol, call_target=_wrapped_fn),
     "reward_function": KindContract("reward_function", T.RewardFunction),
     "rollout_backend": KindContract("rollout_backend", T.RolloutBackend, factory=True),
-    "training_backend": KindContract("training_backend", T.TrainingBackend, factory=True,
-                                     capabilities=T.TRAINING_CAPABILITIES),
+    "training_backend": KindContract(
+        "training_backend", T.TrainingBackend, factory=True, capabilities=T.TRAINING_CAPABILITIES
+    ),
     "tracker": KindContract("tracker", T.Tracker, factory=True),
 }
 
@@ -218,12 +219,16 @@ def check_object(kind: str, target: Any, *, is_class: bool = False, label: str |
             missing.append(name)
     for name in missing:
         what = f"method {name}()" if name in methods else f"attribute '{name}'"
-        close = [c for c in difflib.get_close_matches(name, public, n=2, cutoff=0.75) if c not in methods and c not in attributes]
+        close = [
+            c
+            for c in difflib.get_close_matches(name, public, n=2, cutoff=0.75)
+            if c not in methods and c not in attributes
+        ]
         hint = f" (found {' / '.join(repr(c) for c in close)}: misnamed?)" if close else ""
         problems.append(f"{label} has no {what}{hint}")
     if contract.capabilities and "capabilities" in attributes and hasattr(target, "capabilities"):
         try:
-            declared = set(getattr(target, "capabilities"))
+            declared = set(target.capabilities)
         except TypeError:
             declared = set()
             problems.append(f"{label}.capabilities must be a set of strings")
@@ -259,14 +264,17 @@ def check_registration(reg: T.Registration) -> None:
             for cls in classes:
                 problems += check_object(reg.kind, cls, is_class=True, label=_name(cls))
     else:
-        problems += check_object(reg.kind, reg.obj, label=_name(_wrapped_fn(reg.obj)) if callable(reg.obj) else reg.name)
+        problems += check_object(
+            reg.kind, reg.obj, label=_name(_wrapped_fn(reg.obj)) if callable(reg.obj) else reg.name
+        )
     if problems:
         kind_words = reg.kind.replace("_", " ")
         proto = contract.protocol
         dist = f"{reg.distribution} {reg.version}".strip()
         raise PluginContractError(
             f"The {kind_words} '{reg.name}' ({dist}, plugin {reg.plugin}) does not implement "
-            f"{proto.__module__}.{proto.__qualname__}: " + "; ".join(problems)
+            f"{proto.__module__}.{proto.__qualname__}: "
+            + "; ".join(problems)
             + f". Fix the plugin (see the {proto.__qualname__} docstring and rlplug.testing.check_{reg.kind}), "
             f"or uninstall {reg.distribution} / disable it with RLPLUG_DISABLE_PLUGINS.",
             problems,

@@ -20,7 +20,8 @@ Set ``RLPLUG_TRACE_HOOKS=1`` to print every hook call.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 

@@ -12,7 +12,6 @@ trainer checkpoint.
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 from .losses import config_value
@@ -64,9 +63,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
         if not horizon or horizon <= 0:
-            raise ValueError(
-                f"algorithm.kl_ctrl.horizon must be > 0 for the adaptive KL controller, got {horizon!r}."
-            )
+            raise ValueError(f"algorithm.kl_ctrl.horizon must be > 0 for the adaptive KL controller, got {horizon!r}.")
         if not target_kl or target_kl <= 0:
             raise ValueError(
                 f"algorithm.kl_ctrl.target_kl must be > 0 for the adaptive KL controller, got {target_kl!r}."
@@ -96,7 +93,10 @@ class AdaptiveKLController:
             if saved is not None and float(saved) != float(mine):
                 logging.getLogger(__name__).warning(
                     "algorithm.kl_ctrl.%s is %g in the config but %g in the checkpoint; using the config's value",
-                    key, mine, float(saved))
+                    key,
+                    mine,
+                    float(saved),
+                )
 
     def __repr__(self) -> str:
         return f"AdaptiveKLController(value={self.value}, target_kl={self.target}, horizon={self.horizon:g})"

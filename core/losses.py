@@ -15,7 +15,7 @@ all-reduces them when training on several processes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -81,7 +81,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     m = _as_float_mask(mask, x)
     total = masked_sum(x, mask, dim)
     count = m.sum() if dim is None else m.sum(dim=dim)
-    return torch.where(count > 0, total / torch.where(count > 0, count, torch.ones_like(count)), torch.zeros_like(total))
+    return torch.where(
+        count > 0, total / torch.where(count > 0, count, torch.ones_like(count)), torch.zeros_like(total)
+    )
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
@@ -114,7 +116,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(_valid(mask), whitened * _as_float_mask(mask, x), torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(
+        _valid(mask), whitened * _as_float_mask(mask, x), torch.zeros((), dtype=x.dtype, device=x.device)
+    )
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -225,7 +229,9 @@ def value_loss(
     """
     for name, t in (("old_values", old_values), ("returns", returns), ("response_mask", response_mask)):
         if t.shape != values.shape:
-            raise ValueError(f"value_loss: {name} has shape {tuple(t.shape)}, values has {tuple(values.shape)}; all must be (B, T).")
+            raise ValueError(
+                f"value_loss: {name} has shape {tuple(t.shape)}, values has {tuple(values.shape)}; all must be (B, T)."
+            )
     v_clip = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     l1 = (values - returns) ** 2
     l2 = (v_clip - returns) ** 2
@@ -313,7 +319,9 @@ def apply_kl_penalty(
             )
     kld = kl_fn(log_probs, ref_log_probs)
     valid = _valid(response_mask)
-    kld = torch.where(valid, kld * _as_float_mask(response_mask, kld), torch.zeros((), dtype=kld.dtype, device=kld.device))
+    kld = torch.where(
+        valid, kld * _as_float_mask(response_mask, kld), torch.zeros((), dtype=kld.dtype, device=kld.device)
+    )
     rewards = (token_level_scores - kl_coef * kld).to(torch.float32)
     with torch.no_grad():
         per_seq = masked_mean(kld.detach(), response_mask, dim=-1)  # (B,)

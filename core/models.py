@@ -24,9 +24,10 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -225,7 +226,14 @@ def _tiny_settings(tiny_cfg: Any) -> dict[str, int]:
             raise TypeError(
                 f"tiny_model_dir expects a TinyModelConfig (dataclass, mapping or DictConfig), got {type(tiny_cfg).__name__}"
             ) from exc
-    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "seed")
+    keys = (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "seed",
+    )
     missing = [k for k in keys if k not in d]
     if missing:
         raise ValueError(f"tiny model settings lack {missing}; expected the fields of rlplug.config.TinyModelConfig")
@@ -449,7 +457,9 @@ class ValueModel(nn.Module):
         ``position_ids`` ``(B, L) int64`` -> ``values`` ``(B, L) float32``; ``values[:, t]`` is the
         value estimate after reading token ``t``.
         """
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         hidden = out.last_hidden_state  # (B, L, H)
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # (B, L)
         return values.float()
@@ -492,5 +502,7 @@ def save_value_model(model: ValueModel, directory: str | os.PathLike) -> Path:
     model.backbone.save_pretrained(str(out), safe_serialization=True)
     head_sd = {k: v.detach().contiguous().cpu() for k, v in model.value_head.state_dict().items()}
     save_file(head_sd, str(out / VALUE_HEAD_FILE))
-    (out / VALUE_MODEL_MARKER).write_text(json.dumps({"value_head": VALUE_HEAD_FILE, "hidden_size": model.value_head.in_features}))
+    (out / VALUE_MODEL_MARKER).write_text(
+        json.dumps({"value_head": VALUE_HEAD_FILE, "hidden_size": model.value_head.in_features})
+    )
     return out

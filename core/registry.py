@@ -19,8 +19,9 @@ import importlib.metadata as md
 import os
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
 
@@ -141,14 +142,16 @@ class Registry:
     def load_entry_points(self) -> None:
         """Load every entry point of the ``rlplug`` group not disabled by the environment."""
         disabled = self.disabled_names()
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.dist.name if e.dist else "", e.name)):
+        for ep in sorted(
+            md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.dist.name if e.dist else "", e.name)
+        ):
             dist = ep.dist.name if ep.dist is not None else "<unknown>"
             version = ep.dist.version if ep.dist is not None else ""
             if ep.name in disabled or dist in disabled:
                 continue
             try:
                 obj = ep.load()
-            except BaseException as exc:  # noqa: BLE001 - a broken plugin must not take the CLI down
+            except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt):
                     raise
                 self.broken.append(BrokenPlugin(ep.name, dist, version, ep.value, exc))
@@ -198,8 +201,9 @@ class Registry:
         self.plugins.append(PluginInfo(name, distribution, version, hooks))
         return True
 
-    def register(self, kind: str, name: str, obj: Any, distribution: str = "<local>", version: str = "",
-                 **extra: Any) -> None:
+    def register(
+        self, kind: str, name: str, obj: Any, distribution: str = "<local>", version: str = "", **extra: Any
+    ) -> None:
         """Register one object directly (for tests and interactive use); ``extra`` as in the hooks'
         ``register(name, obj, builds=Class)``.
 
@@ -271,16 +275,16 @@ class Registry:
         if close:
             msg += " Did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
         if available:
-            listing = ", ".join(
-                f"{n} ({_dist_label(r.distribution, r.version)})" for n, r in sorted(available.items())
-            )
+            listing = ", ".join(f"{n} ({_dist_label(r.distribution, r.version)})" for n, r in sorted(available.items()))
             msg += f" Available: {listing}."
         else:
             msg += f" No {word} is registered."
         if self.broken:
-            msg += " Plugins that failed to load (one may provide it): " + "; ".join(
-                f"{b.name} ({b.distribution}): {b.message}" for b in self.broken
-            ) + "."
+            msg += (
+                " Plugins that failed to load (one may provide it): "
+                + "; ".join(f"{b.name} ({b.distribution}): {b.message}" for b in self.broken)
+                + "."
+            )
         msg += " Run 'rlplug plugins' to see what is installed (the plugin may not be installed)."
         return msg
 
@@ -301,8 +305,13 @@ class Registry:
         return {
             "distributions": dict(sorted(dists.items())),
             "broken": [
-                {"name": b.name, "distribution": b.distribution, "version": b.version, "entry_point": b.value,
-                 "error": b.message}
+                {
+                    "name": b.name,
+                    "distribution": b.distribution,
+                    "version": b.version,
+                    "entry_point": b.value,
+                    "error": b.message,
+                }
                 for b in self.broken
             ],
             "conflicts": [str(e) for e in self.conflicts.values()],

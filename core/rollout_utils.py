@@ -17,24 +17,46 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from .types import SamplingParams
 
-__all__ = ["DTYPE_NAMES", "TORCH_DTYPES", "parse_dtype", "strip_wrapper_prefixes", "validate_prompts", "eos_ids",
-           "checkpoint_shapes", "checked_weights", "shm_dir"]
+__all__ = [
+    "DTYPE_NAMES",
+    "TORCH_DTYPES",
+    "parse_dtype",
+    "strip_wrapper_prefixes",
+    "validate_prompts",
+    "eos_ids",
+    "checkpoint_shapes",
+    "checked_weights",
+    "shm_dir",
+]
 
 #: ``rollout.dtype`` spellings -> vLLM/SGLang dtype names
-DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-               "fp16": "float16", "float16": "float16"}
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+}
 #: engine dtype names -> torch dtypes
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-           "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
@@ -55,7 +77,7 @@ def strip_wrapper_prefixes(name: str) -> str:
         changed = False
         for p in _WRAPPER_PREFIXES:
             if name.startswith(p):
-                name, changed = name[len(p):], True
+                name, changed = name[len(p) :], True
         name = name.replace("._fsdp_wrapped_module.", ".").replace("._checkpoint_wrapped_module.", ".")
     return name
 
@@ -66,7 +88,9 @@ def validate_prompts(prompt_ids: Any, vocab_size: int | None, params: SamplingPa
     Raises ``ValueError`` naming the first bad prompt and what was expected.
     """
     if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
-        raise ValueError(f"generate() needs a non-empty list of prompts (lists of token ids); got {type(prompt_ids).__name__} of length {len(prompt_ids) if hasattr(prompt_ids, '__len__') else '?'}.")
+        raise ValueError(
+            f"generate() needs a non-empty list of prompts (lists of token ids); got {type(prompt_ids).__name__} of length {len(prompt_ids) if hasattr(prompt_ids, '__len__') else '?'}."
+        )
     out: list[list[int]] = []
     for i, p in enumerate(prompt_ids):
         if isinstance(p, torch.Tensor):
@@ -75,9 +99,13 @@ def validate_prompts(prompt_ids: Any, vocab_size: int | None, params: SamplingPa
             raise ValueError(f"prompt {i} is a {type(p).__name__}; expected a list of token ids (tokenize it first).")
         p = [int(t) for t in p]
         if not p:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. the chat template's prefix).")
+            raise ValueError(
+                f"prompt {i} is empty; every prompt needs at least one token (e.g. the chat template's prefix)."
+            )
         if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): min {min(p)}, max {max(p)}; was it tokenized with this model's tokenizer?")
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {vocab_size}): min {min(p)}, max {max(p)}; was it tokenized with this model's tokenizer?"
+            )
         out.append(p)
     if int(params.n) < 1:
         raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}.")

@@ -74,9 +74,10 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from .config import config_get
 from .types import RolloutOutput, SamplingParams
@@ -250,7 +251,7 @@ def _supervise(parent_pid: int, cmd: list[str], cleanup: Iterable[str] = ()) -> 
 
 
 # live backends, closed at interpreter exit
-_LIVE: "weakref.WeakSet[ServerRollout]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ServerRollout] = weakref.WeakSet()
 
 
 @atexit.register
@@ -338,7 +339,9 @@ class ServerRollout:
         self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         cfg_path = Path(self.model_path) / "config.json"
         if not cfg_path.is_file():
-            raise ValueError(f"rollout={self.engine}: no Hugging Face model folder at {self.model_path} (expected {cfg_path}).")
+            raise ValueError(
+                f"rollout={self.engine}: no Hugging Face model folder at {self.model_path} (expected {cfg_path})."
+            )
         self.hf_config = json.loads(cfg_path.read_text())
         self.tie_word_embeddings = bool(self.hf_config.get("tie_word_embeddings", False))
         self.vocab_size = int(self.hf_config.get("vocab_size", 0)) or None
@@ -356,9 +359,14 @@ class ServerRollout:
         self.max_retries = int(config_get(config, "rollout.max_retries", 3))
         self.max_restarts = int(config_get(config, "rollout.max_restarts", 3))
         self.max_concurrency = int(config_get(config, "rollout.max_concurrency", 64))
-        for key, value, low in (("server_timeout_s", self.server_timeout_s, 0), ("request_timeout_s", self.request_timeout_s, 0),
-                                ("max_retries", self.max_retries, -1), ("max_restarts", self.max_restarts, -1),
-                                ("max_concurrency", self.max_concurrency, 0), ("server_port", self.port, -1)):
+        for key, value, low in (
+            ("server_timeout_s", self.server_timeout_s, 0),
+            ("request_timeout_s", self.request_timeout_s, 0),
+            ("max_retries", self.max_retries, -1),
+            ("max_restarts", self.max_restarts, -1),
+            ("max_concurrency", self.max_concurrency, 0),
+            ("server_port", self.port, -1),
+        ):
             if not value > low:
                 raise ValueError(f"rollout.{key}={value} must be {'> 0' if low == 0 else '>= 0'}.")
         if not 0 <= self.port < 65536:
@@ -475,7 +483,11 @@ class ServerRollout:
             if self._healthy(timeout=min(10.0, max(1.0, deadline - time.monotonic()))):
                 return
             if time.monotonic() > deadline:
-                where = f"Command: {' '.join(server.cmd)}\nLast lines of {server.log_path}:\n{server.log_tail()}" if server else ""
+                where = (
+                    f"Command: {' '.join(server.cmd)}\nLast lines of {server.log_path}:\n{server.log_tail()}"
+                    if server
+                    else ""
+                )
                 raise ServerError(
                     f"The {self.engine} server at {self.base_url} did not answer {self.health_path} with 200 within "
                     f"{timeout_s:.0f} s (rollout.server_timeout_s). {where}"
@@ -499,8 +511,13 @@ class ServerRollout:
                 time.sleep(0.2)  # transient failure (busy, dropped connection): retry shortly
                 return
             if server is None:  # external server: wait for it to come back, then reload our weights
-                log.warning("%s server at %s is not healthy (%s); waiting up to %.0f s", self.engine, self.base_url, reason,
-                            self.server_timeout_s)
+                log.warning(
+                    "%s server at %s is not healthy (%s); waiting up to %.0f s",
+                    self.engine,
+                    self.base_url,
+                    reason,
+                    self.server_timeout_s,
+                )
                 self._wait_healthy(self.server_timeout_s, None)
             else:
                 if self.restarts >= self.max_restarts:
@@ -509,8 +526,15 @@ class ServerRollout:
                         f"times (rollout.max_restarts). Last lines of {server.log_path}:\n{server.log_tail()}"
                     )
                 self.restarts += 1
-                log.warning("%s server (pid %s) is %s (%s); restarting it (%d/%d)", self.engine, server.server_pid,
-                            "dead" if not server.alive else "not healthy", reason, self.restarts, self.max_restarts)
+                log.warning(
+                    "%s server (pid %s) is %s (%s); restarting it (%d/%d)",
+                    self.engine,
+                    server.server_pid,
+                    "dead" if not server.alive else "not healthy",
+                    reason,
+                    self.restarts,
+                    self.max_restarts,
+                )
                 server.stop()
                 self._start_server()
             self._epoch += 1  # requests in flight to the old server must not trigger another recovery
@@ -524,8 +548,14 @@ class ServerRollout:
                     ) from exc
 
     # ------------------------------------------------------------------ HTTP with retries
-    def _post(self, path: str, body: dict, timeout: float, parse: Callable[[Any], Any] = lambda b: b,
-              cancel: threading.Event | None = None) -> Any:
+    def _post(
+        self,
+        path: str,
+        body: dict,
+        timeout: float,
+        parse: Callable[[Any], Any] = lambda b: b,
+        cancel: threading.Event | None = None,
+    ) -> Any:
         """POST ``body`` to ``path`` and return ``parse(answer JSON)``, retrying as the module docstring says."""
         import httpx
 
@@ -541,7 +571,9 @@ class ServerRollout:
                 if r.status_code in (408, 429) or r.status_code >= 500:
                     raise Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
                 if r.status_code >= 400:
-                    raise ServerError(f"The {self.engine} server rejected {path} with HTTP {r.status_code}: {r.text[:2000]}")
+                    raise ServerError(
+                        f"The {self.engine} server rejected {path} with HTTP {r.status_code}: {r.text[:2000]}"
+                    )
                 try:
                     payload = r.json() if r.content else None
                 except ValueError as exc:
@@ -557,7 +589,9 @@ class ServerRollout:
                 with self._lock:
                     self.retries += 1
                 self._recover(epoch, last)
-        raise ServerError(f"{self.engine}: POST {path} failed {self.max_retries + 1} times (rollout.max_retries={self.max_retries}); last error: {last}")
+        raise ServerError(
+            f"{self.engine}: POST {path} failed {self.max_retries + 1} times (rollout.max_retries={self.max_retries}); last error: {last}"
+        )
 
     # ------------------------------------------------------------------ generate
     def _unit_seed(self, seed: int, prompt_index: int, sample_index: int) -> int:
@@ -609,7 +643,9 @@ class ServerRollout:
                 lp = lp[:cut] if lp is not None else None
             elif reason == "length":
                 if len(ids) > params.max_tokens:
-                    raise ServerError(f"{self.engine} returned {len(ids)} tokens for prompt {i}, more than max_tokens={params.max_tokens}.")
+                    raise ServerError(
+                        f"{self.engine} returned {len(ids)} tokens for prompt {i}, more than max_tokens={params.max_tokens}."
+                    )
             else:
                 raise ServerError(
                     f"{self.engine} finished prompt {i} sample {j} with reason '{reason}' but no EOS token {sorted(eos)} in its "
@@ -643,8 +679,14 @@ class ServerRollout:
 
         self._check_open()
         t0 = time.perf_counter()
-        tensors = checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
-                                   model_path=self.model_path, reloads=f"the {self.engine} server reloads the whole model")
+        tensors = checked_weights(
+            named_tensors,
+            self.shapes,
+            dtype=self.dtype,
+            tie_word_embeddings=self.tie_word_embeddings,
+            model_path=self.model_path,
+            reloads=f"the {self.engine} server reloads the whole model",
+        )
         self._weights_count += 1
         folder = Path(self._weights_root()) / f"v{self._weights_count:06d}"
         folder.mkdir()
@@ -665,8 +707,9 @@ class ServerRollout:
         root = self._state.get("weights_root")
         if root is None:
             nbytes = sum(math.prod(shape) for shape in self.shapes.values()) * self.dtype.itemsize
-            root = self._state["weights_root"] = tempfile.mkdtemp(prefix=f"rlplug-{self.engine}-weights-{os.getpid()}-",
-                                                                  dir=_shm_dir(nbytes))
+            root = self._state["weights_root"] = tempfile.mkdtemp(
+                prefix=f"rlplug-{self.engine}-weights-{os.getpid()}-", dir=_shm_dir(nbytes)
+            )
         return root
 
     def _call_with_recovery(self, fn: Callable[[], Any]) -> Any:
@@ -723,7 +766,7 @@ class ServerRollout:
         _LIVE.discard(self)
         self._finalizer()
 
-    def __enter__(self) -> "ServerRollout":
+    def __enter__(self) -> ServerRollout:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -734,9 +777,11 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if len(argv) >= 4 and argv[0] == "--supervise" and "--" in argv:
         sep = argv.index("--")
-        opts, command = argv[2:sep], argv[sep + 1:]
+        opts, command = argv[2:sep], argv[sep + 1 :]
         if command and len(opts) % 2 == 0 and all(o == "--cleanup" for o in opts[::2]):
             sys.exit(_supervise(int(argv[1]), command, opts[1::2]))
-    print("usage: python -m rlplug.serving --supervise PARENT_PID [--cleanup DIR]... -- COMMAND...  "
-          "(started by rlplug)", file=sys.stderr)
+    print(
+        "usage: python -m rlplug.serving --supervise PARENT_PID [--cleanup DIR]... -- COMMAND...  (started by rlplug)",
+        file=sys.stderr,
+    )
     sys.exit(2)

@@ -30,7 +30,8 @@ inside the fixtures, so loading this module costs nothing for unrelated test sui
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -82,7 +83,7 @@ def make_batch(
     full_length_rows: int = 1,
     scores: str = "binary",
     kl_scale: float = 0.05,
-) -> dict[str, "torch.Tensor"]:
+) -> dict[str, torch.Tensor]:
     """Small random tensors with the trainer's names, as a ``dict[str, Tensor]``.
 
     With ``B = batch_size`` and ``T = response_length``:
@@ -190,9 +191,9 @@ def algorithm_config(**overrides: Any) -> Any:
 
 def assert_advantage_contract(
     estimator: Any,
-    data: Mapping[str, "torch.Tensor"],
+    data: Mapping[str, torch.Tensor],
     config: Any = None,
-) -> tuple["torch.Tensor", "torch.Tensor"]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Call ``estimator(data, config)`` and check the advantage-estimator contract.
 
     ``estimator`` is an :class:`rlplug.types.AdvantageEstimator` (or its registered name, looked
@@ -245,7 +246,7 @@ def assert_advantage_contract(
 
 
 @pytest.fixture
-def rlplug_registry() -> Iterator["Registry"]:
+def rlplug_registry() -> Iterator[Registry]:
     """A clean registry (no entry points loaded), process-wide for the test, restored after."""
     from .registry import Registry, set_registry
 
@@ -258,7 +259,7 @@ def rlplug_registry() -> Iterator["Registry"]:
 
 
 @pytest.fixture
-def rlplug_full_registry() -> Iterator["Registry"]:
+def rlplug_full_registry() -> Iterator[Registry]:
     """A fresh registry with every installed ``rlplug`` entry point loaded, process-wide for the test."""
     from .registry import Registry, set_registry
 

@@ -14,8 +14,9 @@ a plugin by name.  New inputs go on the batch, not into the trainer.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
     import torch
@@ -194,7 +195,7 @@ class PolicyLoss:
     ``ValueError`` for invalid settings (e.g. ``clip_ratio_c <= 1``).
     """
 
-    fn: Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+    fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
     validate: Callable[[Any], None] | None = None
     description: str = ""
     requires: tuple[str, ...] = ()
@@ -452,4 +453,3 @@ class Registration:
     distribution: str
     version: str
     extra: dict = field(default_factory=dict)
-

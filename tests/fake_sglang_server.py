@@ -52,10 +52,30 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
-    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params",
-    "stream_interval", "logit_bias", "sampling_seed",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
 }
 
 
@@ -78,8 +98,16 @@ def first_element(safetensors_path: str, name: str) -> float:
 class FakeSGLang:
     """State of one fake server (see the module docstring for the flags)."""
 
-    def __init__(self, model_path: str, delay: float = 0.0, fail_first: int = 0, die_after: int | None = None,
-                 die_once_file: str | None = None, max_len: int | None = None, log: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        delay: float = 0.0,
+        fail_first: int = 0,
+        die_after: int | None = None,
+        die_once_file: str | None = None,
+        max_len: int | None = None,
+        log: str | None = None,
+    ) -> None:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         self.model_path = model_path
         self.vocab = int(cfg.get("vocab_size", 1000))
@@ -108,8 +136,13 @@ class FakeSGLang:
             finish = {"type": "length", "length": max_new}
         logprobs = [[-(k + 1) / 10, t, None] for k, t in enumerate(tokens)]
         out_ids = tokens if (sp.get("no_stop_trim") or finish["type"] == "length") else tokens[:-1]
-        meta = {"id": f"fake-{rid}", "finish_reason": finish, "prompt_tokens": len(prompt),
-                "completion_tokens": len(tokens), "weight_version": self.weight_version}
+        meta = {
+            "id": f"fake-{rid}",
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(tokens),
+            "weight_version": self.weight_version,
+        }
         if return_logprob:
             meta["output_token_logprobs"] = logprobs
             meta["input_token_logprobs"] = []
@@ -131,15 +164,17 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             if self.path in ("/health", "/health_generate"):
                 self.reply(200)
             elif self.path == "/get_model_info":
-                self.reply(200, {"model_path": state.model_path, "is_generation": True, "weight_version": state.weight_version})
+                self.reply(
+                    200, {"model_path": state.model_path, "is_generation": True, "weight_version": state.weight_version}
+                )
             else:
                 self.reply(404, {"detail": "Not Found"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", 0))
             try:
                 body = json.loads(self.rfile.read(length) or b"null")
@@ -153,11 +188,16 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                 folder = Path(str(body.get("model_path", "")))
                 f = folder / "model.safetensors"
                 if not f.is_file():
-                    self.reply(400, {"success": False, "message": f"no model.safetensors in {folder}", "num_paused_requests": 0})
+                    self.reply(
+                        400,
+                        {"success": False, "message": f"no model.safetensors in {folder}", "num_paused_requests": 0},
+                    )
                     return
                 state.shift = round(first_element(str(f), "model.embed_tokens.weight"))
                 state.weight_version = body.get("weight_version") or state.weight_version
-                self.reply(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+                self.reply(
+                    200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+                )
             elif self.path == "/flush_cache":
                 self.reply(200)
             else:
@@ -181,7 +221,9 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
             sp = body.get("sampling_params") or {}
             unknown = set(sp) - SAMPLING_KEYS
             if unknown:
-                self.reply(400, {"object": "error", "message": f"unexpected sampling params {sorted(unknown)}", "code": 400})
+                self.reply(
+                    400, {"object": "error", "message": f"unexpected sampling params {sorted(unknown)}", "code": 400}
+                )
                 return
             if not ids:
                 self.reply(400, {"object": "error", "message": "input_ids is required", "code": 400})
@@ -189,8 +231,14 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
             batch = isinstance(ids[0], list)
             prompts = ids if batch else [ids]
             if state.max_len is not None and any(len(p) > state.max_len for p in prompts):
-                self.reply(400, {"object": "error", "code": 400,
-                                 "message": f"The input ({max(map(len, prompts))} tokens) is longer than the model's context length ({state.max_len} tokens)."})
+                self.reply(
+                    400,
+                    {
+                        "object": "error",
+                        "code": 400,
+                        "message": f"The input ({max(map(len, prompts))} tokens) is longer than the model's context length ({state.max_len} tokens).",
+                    },
+                )
                 return
             outs = [state.generate_one(p, sp, bool(body.get("return_logprob")), count) for p in prompts]
             self.reply(200, outs if batch else outs[0])
@@ -198,7 +246,9 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(model_path: str, host: str = "127.0.0.1", port: int = 0, **kwargs: object) -> tuple[ThreadingHTTPServer, FakeSGLang]:
+def serve(
+    model_path: str, host: str = "127.0.0.1", port: int = 0, **kwargs: object
+) -> tuple[ThreadingHTTPServer, FakeSGLang]:
     """Start a fake server in a daemon thread; returns ``(server, state)`` (``server.server_address`` has the port)."""
     state = FakeSGLang(model_path, **kwargs)  # type: ignore[arg-type]
     httpd = ThreadingHTTPServer((host, port), make_handler(state))
@@ -221,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
     args, _unknown = ap.parse_known_args(argv)  # accept SGLang's other launch flags (--dtype, ...)
     time.sleep(args.startup_delay)
-    state = FakeSGLang(args.model_path, args.delay, args.fail_first, args.die_after, args.die_once_file, args.max_len, args.log)
+    state = FakeSGLang(
+        args.model_path, args.delay, args.fail_first, args.die_after, args.die_once_file, args.max_len, args.log
+    )
     httpd = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     httpd.daemon_threads = True
     print(f"fake sglang server pid {os.getpid()} on {args.host}:{args.port}", flush=True)

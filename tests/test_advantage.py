@@ -40,7 +40,9 @@ def test_gae_hand_values_with_a_skipped_token():
     rewards = torch.tensor([[0.0, 1.0, 2.0, 0.0, 0.0], [0.0, 1.0, 55.0, 2.0, 9.0]])
     values = torch.tensor([[1.0, 2.0, 3.0, 7.0, 7.0], [1.0, 2.0, float("nan"), 3.0, 1e6]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0, 0.0]])
-    adv, ret = est("gae")({"token_level_rewards": rewards, "values": values, "response_mask": mask}, {"gamma": 0.9, "lam": 0.8})
+    adv, ret = est("gae")(
+        {"token_level_rewards": rewards, "values": values, "response_mask": mask}, {"gamma": 0.9, "lam": 0.8}
+    )
     gae = [1.5056, 0.98, -1.0]
     expected_ret = torch.tensor([[2.5056, 2.98, 2.0, 0, 0], [2.5056, 2.98, 0, 2.0, 0]])
     assert torch.allclose(ret, expected_ret, atol=1e-5)
@@ -61,9 +63,7 @@ def test_gae_defaults_gamma_lam_one():
     assert torch.allclose(adv, torch.tensor([whiten_ref([0.5, 0.75, 0.5])]), atol=1e-5)
 
 
-GROUP_MASK = torch.tensor(
-    [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float32
-)
+GROUP_MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
 GROUP_INDEX = torch.tensor([7, 7, 7, 3, 3, 9])  # groups: rows 0-2, rows 3-4, singleton row 5
 
 
@@ -78,7 +78,11 @@ def test_grpo_hand_values():
     # unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3, std = 1/sqrt(3)
     #   a = (2/3) / (1/sqrt 3 + 1e-6), (-1/3) / (1/sqrt 3 + 1e-6) twice
     # group 3: equal scores -> 0; group 9: singleton -> 0
-    data = {"token_level_rewards": _outcome_rewards([1.0, 0.0, 0.0, 1.0, 1.0, 5.0]), "response_mask": GROUP_MASK, "index": GROUP_INDEX}
+    data = {
+        "token_level_rewards": _outcome_rewards([1.0, 0.0, 0.0, 1.0, 1.0, 5.0]),
+        "response_mask": GROUP_MASK,
+        "index": GROUP_INDEX,
+    }
     adv, ret = est("grpo")(data, {"norm_adv_by_std_in_grpo": True})
     s = 1 / math.sqrt(3) + 1e-6
     per_row = torch.tensor([(2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s, 0.0, 0.0, 0.0])
@@ -92,7 +96,11 @@ def test_grpo_hand_values():
 
 def test_grpo_equal_non_representable_scores_give_exact_zero():
     # 0.1 is not exact in binary; group statistics in float64 keep (s - mean)/(std + 1e-6) ~ 0
-    data = {"token_level_rewards": _outcome_rewards([0.1, 0.1, 0.1, 0.7, 0.7, 0.3]), "response_mask": GROUP_MASK, "index": GROUP_INDEX}
+    data = {
+        "token_level_rewards": _outcome_rewards([0.1, 0.1, 0.1, 0.7, 0.7, 0.3]),
+        "response_mask": GROUP_MASK,
+        "index": GROUP_INDEX,
+    }
     adv, _ = est("grpo")(data, None)
     assert adv.abs().max().item() < 1e-6
 
@@ -100,7 +108,11 @@ def test_grpo_equal_non_representable_scores_give_exact_zero():
 def test_rloo_hand_values():
     # group 7 scores (1, 0, 0): a_0 = 1 - (0+0)/2 = 1, a_1 = 0 - (1+0)/2 = -0.5, a_2 = -0.5
     # group 3 (1, 1): 0, 0; singleton: 0
-    data = {"token_level_rewards": _outcome_rewards([1.0, 0.0, 0.0, 1.0, 1.0, 5.0]), "response_mask": GROUP_MASK, "index": GROUP_INDEX}
+    data = {
+        "token_level_rewards": _outcome_rewards([1.0, 0.0, 0.0, 1.0, 1.0, 5.0]),
+        "response_mask": GROUP_MASK,
+        "index": GROUP_INDEX,
+    }
     adv, ret = est("rloo")(data, None)
     per_row = torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0, 0.0])
     assert torch.allclose(adv, per_row.unsqueeze(1) * GROUP_MASK, atol=1e-6)
@@ -135,7 +147,9 @@ def test_remax_hand_values():
     # advantages = returns - b on valid tokens = [2.5, 2.5, 1.5, 0]
     r = torch.tensor([[0.0, 1.0, 2.0, 9.0]])
     m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    adv, ret = est("remax")({"token_level_rewards": r, "response_mask": m, "reward_baselines": torch.tensor([0.5])}, None)
+    adv, ret = est("remax")(
+        {"token_level_rewards": r, "response_mask": m, "reward_baselines": torch.tensor([0.5])}, None
+    )
     assert torch.equal(ret, torch.tensor([[3.0, 3.0, 2.0, 0.0]]))
     assert torch.equal(adv, torch.tensor([[2.5, 2.5, 1.5, 0.0]]))
 
@@ -256,7 +270,13 @@ def random_batch(seed, B, T, holes, group_size):
     perm = torch.randperm(B, generator=g)
     index = perm // group_size  # shuffled groups, last one possibly smaller
     baselines = torch.randn(B, generator=g)
-    return {"token_level_rewards": rewards, "response_mask": mask, "values": values, "index": index, "reward_baselines": baselines}
+    return {
+        "token_level_rewards": rewards,
+        "response_mask": mask,
+        "values": values,
+        "index": index,
+        "reward_baselines": baselines,
+    }
 
 
 CASES = [(0, 8, 5, 4), (1, 13, 17, 3), (2, 32, 9, 5), (3, 3, 1, 2), (4, 24, 31, 1)]
@@ -328,7 +348,9 @@ def test_gae_ignores_values_and_rewards_at_masked_positions():
     invalid = data["response_mask"] == 0
     changed = dict(data)
     changed["values"] = torch.where(invalid, torch.full_like(data["values"], float("nan")), data["values"])
-    changed["token_level_rewards"] = torch.where(invalid, torch.full_like(data["values"], -1e4), data["token_level_rewards"])
+    changed["token_level_rewards"] = torch.where(
+        invalid, torch.full_like(data["values"], -1e4), data["token_level_rewards"]
+    )
     adv1, ret1 = est("gae")(changed, {"gamma": 0.9, "lam": 0.95})
     assert torch.equal(adv0, adv1) and torch.equal(ret0, ret1)
     # and changing a valid value does change them (row 0 is full length: V_0 enters delta_0)
@@ -365,7 +387,13 @@ def test_string_group_labels_like_verl_uids():
 
 @pytest.mark.parametrize(
     "name,missing",
-    [("gae", "values"), ("grpo", "index"), ("rloo", "index"), ("reinforce_plus_plus_baseline", "index"), ("remax", "reward_baselines")],
+    [
+        ("gae", "values"),
+        ("grpo", "index"),
+        ("rloo", "index"),
+        ("reinforce_plus_plus_baseline", "index"),
+        ("remax", "reward_baselines"),
+    ],
 )
 def test_missing_input_raises(name, missing):
     data = random_batch(11, 4, 3, holes=False, group_size=2)

@@ -13,15 +13,29 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import bench_vs_trl  # noqa: E402
-from _trl_worker import arithmetic_workload, last_integer_reward  # noqa: E402
+import bench_vs_trl
+from _trl_worker import arithmetic_workload, last_integer_reward
 
 
 def test_breakdown_runs_a_tiny_experiment_and_reports_every_stage(tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_step.py"), "breakdown", "--steps", "2", "--out-dir", str(tmp_path), "--",
-         "debug=tiny", "model.tiny.num_hidden_layers=1", "trainer.num_threads=1", "trainer.device=cpu"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(BENCH / "bench_step.py"),
+            "breakdown",
+            "--steps",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+            "--",
+            "debug=tiny",
+            "model.tiny.num_hidden_layers=1",
+            "trainer.num_threads=1",
+            "trainer.device=cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "step_breakdown.json").read_text())
@@ -31,7 +45,9 @@ def test_breakdown_runs_a_tiny_experiment_and_reports_every_stage(tmp_path) -> N
     # the summary is step 2's figures (medians over the steps after the first)
     assert s["step"] == pytest.approx(steps[1]["timing_s/step"])
     assert s["gen"] == pytest.approx(steps[1]["timing_s/gen"]) and s["update_actor"] > 0
-    assert s["train_tokens_per_s"] == pytest.approx(steps[1]["perf/total_num_tokens"] / steps[1]["timing_s/update_actor"])
+    assert s["train_tokens_per_s"] == pytest.approx(
+        steps[1]["perf/total_num_tokens"] / steps[1]["timing_s/update_actor"]
+    )
     assert 0 < s["peak_rss_gib"] < 64
     assert "| update_actor |" in (tmp_path / "step_breakdown.md").read_text()
 
@@ -39,10 +55,14 @@ def test_breakdown_runs_a_tiny_experiment_and_reports_every_stage(tmp_path) -> N
 def test_trl_comparison_table_from_hand_made_timings() -> None:
     runs = {
         # first step of each run dropped: trl 30, 32 | 28, 30 -> median 30; tokens 1000 each
-        "trl": [{"seconds": [99, 30, 32], "response_tokens": [1, 1000, 1000], "peak_rss_gib": 6.0, "startup_s": 8},
-                {"seconds": [99, 28, 30], "response_tokens": [1, 1000, 1000], "peak_rss_gib": 6.5, "startup_s": 9}],
+        "trl": [
+            {"seconds": [99, 30, 32], "response_tokens": [1, 1000, 1000], "peak_rss_gib": 6.0, "startup_s": 8},
+            {"seconds": [99, 28, 30], "response_tokens": [1, 1000, 1000], "peak_rss_gib": 6.5, "startup_s": 9},
+        ],
         # 10 s for 500 tokens and 10 s for 1000 tokens: median 10 s/step, 15 s per 1k tokens
-        "rlplug-vllm": [{"seconds": [99, 10, 10], "response_tokens": [1, 500, 1000], "peak_rss_gib": 8.0, "startup_s": 14}],
+        "rlplug-vllm": [
+            {"seconds": [99, 10, 10], "response_tokens": [1, 500, 1000], "peak_rss_gib": 8.0, "startup_s": 14}
+        ],
     }
     text, summary = bench_vs_trl.render(runs, {"cores": 2, "loadavg_at_start": 0.0}, 2, 3)
     assert summary["trl"]["median_s_per_step"] == 30 and summary["trl"]["s_per_1k_response_tokens"] == 30
@@ -65,6 +85,8 @@ def test_both_sides_train_on_the_same_prompts_and_reward(tmp_path) -> None:
     q = items[0]["question"]
     a, b = (int(x) for x in q.split("What is ")[1].split("?")[0].split(" + "))
     assert items[0]["answer"] == str(a + b)
-    completions = [[{"role": "assistant", "content": f"{a} + {b} = {a + b}\n#### {a + b}"}],
-                   [{"role": "assistant", "content": f"#### {a + b + 1}"}]]
+    completions = [
+        [{"role": "assistant", "content": f"{a} + {b} = {a + b}\n#### {a + b}"}],
+        [{"role": "assistant", "content": f"#### {a + b + 1}"}],
+    ]
     assert last_integer_reward(completions, [items[0]["answer"]] * 2) == [1.0, 0.0]

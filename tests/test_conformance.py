@@ -49,8 +49,11 @@ def test_packaged_kl_penalties(name):
 
 RG_EXTRA = {"rg_task": "basic_arithmetic", "question": "Calculate 1 + 2.", "answer": "3"}
 REWARD_CASES = {
-    "reasoning_gym": [("basic_arithmetic", "#### 3", "3", RG_EXTRA), ("basic_arithmetic", "", "3", RG_EXTRA),
-                      ("basic_arithmetic", "#### \u2212\u00bd \U0001f600", "3", RG_EXTRA)],
+    "reasoning_gym": [
+        ("basic_arithmetic", "#### 3", "3", RG_EXTRA),
+        ("basic_arithmetic", "", "3", RG_EXTRA),
+        ("basic_arithmetic", "#### \u2212\u00bd \U0001f600", "3", RG_EXTRA),
+    ],
 }
 
 
@@ -64,8 +67,11 @@ def test_packaged_factories_build_conforming_classes(kind):
     reg = get_registry()
     for name in reg.names(kind):
         r = reg.registration(kind, name)
-        kit = {"rollout_backend": check_rollout_backend, "training_backend": check_training_backend,
-               "tracker": check_tracker}[kind]
+        kit = {
+            "rollout_backend": check_rollout_backend,
+            "training_backend": check_training_backend,
+            "tracker": check_tracker,
+        }[kind]
         kit(r.obj, builds=r.extra.get("builds"))
 
 
@@ -104,11 +110,18 @@ def test_local_training_backend_instance_passes_the_kit(tiny_model_path):
     ids = torch.full((4, P + T), 2, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, (p, r) in enumerate([(3, 4), (3, 2), (2, 1), (2, 3)]):
-        ids[i, P - p:P + r] = torch.arange(10 + i, 10 + i + p + r)
-        attn[i, P - p:P + r] = 1
+        ids[i, P - p : P + r] = torch.arange(10 + i, 10 + i + p + r)
+        attn[i, P - p : P + r] = 1
     mask = (torch.arange(T)[None] < torch.tensor([4, 2, 1, 3])[:, None]).float()
-    batch = Batch({"input_ids": ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
-                   "responses": ids[:, P:], "response_mask": mask})
+    batch = Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, P:],
+            "response_mask": mask,
+        }
+    )
     try:
         check_training_backend(backend, batch=batch)
     finally:
@@ -155,8 +168,18 @@ def test_estimator_kit_catches_padding_and_dtype_errors():
         check_advantage_estimator(AdvantageEstimator(nan_on_equal))
 
 
-def _per_micro_batch_mean(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
-                          max_response_length=None, rollout_is_weights=None):
+def _per_micro_batch_mean(
+    old_log_probs,
+    log_probs,
+    advantages,
+    response_mask,
+    *,
+    config,
+    loss_agg_mode,
+    normalizer,
+    max_response_length=None,
+    rollout_is_weights=None,
+):
     # verl's old default: each micro-batch normalised by its own token count
     per_token = -advantages * torch.exp(log_probs - old_log_probs)
     if rollout_is_weights is not None:
@@ -164,8 +187,18 @@ def _per_micro_batch_mean(old_log_probs, log_probs, advantages, response_mask, *
     return masked_mean(per_token, response_mask), {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0}
 
 
-def _ignores_weights(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
-                     max_response_length=None, rollout_is_weights=None):
+def _ignores_weights(
+    old_log_probs,
+    log_probs,
+    advantages,
+    response_mask,
+    *,
+    config,
+    loss_agg_mode,
+    normalizer,
+    max_response_length=None,
+    rollout_is_weights=None,
+):
     per_token = -advantages * torch.exp(log_probs - old_log_probs)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
     return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0}

@@ -65,8 +65,17 @@ def test_every_kind_has_a_protocol_with_members():
     methods, attrs = protocol_members(CONTRACTS["rollout_backend"].protocol)
     assert set(methods) == {"generate", "update_weights", "sleep", "wake_up", "close"} and attrs == set()
     methods, attrs = protocol_members(CONTRACTS["training_backend"].protocol)
-    assert {"compute_log_probs", "compute_values", "update_actor", "update_critic", "actor_weights", "save", "load",
-            "export_hf", "close"} == set(methods)
+    assert {
+        "compute_log_probs",
+        "compute_values",
+        "update_actor",
+        "update_critic",
+        "actor_weights",
+        "save",
+        "load",
+        "export_hf",
+        "close",
+    } == set(methods)
     assert attrs == {"consecutive_bad_steps", "coordinator", "per_token_outputs", "capabilities"}
 
 
@@ -76,14 +85,25 @@ def test_conforming_factory_class_resolves():
 
 
 def test_missing_method_names_method_kind_and_distribution():
-    reg = _registry_with("rollout_backend", type("Half", (), {"generate": GoodRollout.generate,
-                                                              "update_weights": GoodRollout.update_weights,
-                                                              "close": GoodRollout.close}))
+    reg = _registry_with(
+        "rollout_backend",
+        type(
+            "Half",
+            (),
+            {
+                "generate": GoodRollout.generate,
+                "update_weights": GoodRollout.update_weights,
+                "close": GoodRollout.close,
+            },
+        ),
+    )
     with pytest.raises(PluginContractError) as exc:
         reg.get("rollout_backend", "thing")
     msg = str(exc.value)
-    assert msg.startswith("The rollout backend 'thing' (rlplug-thing 0.3.0, plugin <direct>) does not implement "
-                          "rlplug.types.RolloutBackend: ")
+    assert msg.startswith(
+        "The rollout backend 'thing' (rlplug-thing 0.3.0, plugin <direct>) does not implement "
+        "rlplug.types.RolloutBackend: "
+    )
     assert "Half has no method sleep()" in msg and "Half has no method wake_up()" in msg
     assert exc.value.problems == ["Half has no method sleep()", "Half has no method wake_up()"]
     assert isinstance(exc.value, PluginError)  # the config check reports it like any plugin problem
@@ -118,8 +138,11 @@ def test_factory_function_must_declare_what_it_builds():
     def make(config, model_path, tokenizer):
         return GoodRollout(config, model_path, tokenizer)
 
-    with pytest.raises(PluginContractError, match=r"does not declare the class it builds; register the class itself or "
-                                                  r"register\(name, factory, builds=TheClass\)"):
+    with pytest.raises(
+        PluginContractError,
+        match=r"does not declare the class it builds; register the class itself or "
+        r"register\(name, factory, builds=TheClass\)",
+    ):
         _registry_with("rollout_backend", make).get("rollout_backend", "thing")
     assert _registry_with("rollout_backend", make, builds=GoodRollout).get("rollout_backend", "thing") is make
     with pytest.raises(PluginContractError, match="MisnamedRollout"):
@@ -161,8 +184,11 @@ def test_reward_function_needs_verl_call_signature():
     def two(data_source, solution_str):
         return 0.0
 
-    with pytest.raises(PluginContractError, match=r"two\(data_source, solution_str\) cannot be called as "
-                                                  r"two\(data_source, solution_str, ground_truth, extra_info=\.\.\.\)"):
+    with pytest.raises(
+        PluginContractError,
+        match=r"two\(data_source, solution_str\) cannot be called as "
+        r"two\(data_source, solution_str, ground_truth, extra_info=\.\.\.\)",
+    ):
         _registry_with("reward_function", two).get("reward_function", "thing")
 
 
@@ -178,7 +204,8 @@ def test_third_party_plugin_missing_a_method_fails_at_train_resolve_time(tmp_pat
     site = tmp_path / "site"
     pkg = site / "rlplug_halfroll"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(textwrap.dedent('''
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent("""
         import rlplug
 
         class HalfRollout:
@@ -191,25 +218,44 @@ def test_third_party_plugin_missing_a_method_fails_at_train_resolve_time(tmp_pat
         @rlplug.hookimpl
         def register_rollout_backends(register):
             register("halfroll", HalfRollout)
-    '''))
+    """)
+    )
     info = site / "rlplug_halfroll-0.2.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlplug-halfroll\nVersion: 0.2.0\n")
     (info / "entry_points.txt").write_text("[rlplug]\nhalfroll = rlplug_halfroll\n")
     (info / "RECORD").write_text("")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", COLUMNS="200")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        COLUMNS="200",
+    )
     env.pop("RLPLUG_DISABLE_PLUGINS", None)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "rlplug", "train", "rollout.name=halfroll",
-                           f"trainer.default_local_dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlplug",
+            "train",
+            "rollout.name=halfroll",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     seconds = time.perf_counter() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert ("rollout.name=halfroll: The rollout backend 'halfroll' (rlplug-halfroll 0.2.0, plugin halfroll) does not "
-            "implement rlplug.types.RolloutBackend: HalfRollout has no method sleep(); HalfRollout has no method "
-            "wake_up() (found 'wakeup': misnamed?)") in out, out
+    assert (
+        "rollout.name=halfroll: The rollout backend 'halfroll' (rlplug-halfroll 0.2.0, plugin halfroll) does not "
+        "implement rlplug.types.RolloutBackend: HalfRollout has no method sleep(); HalfRollout has no method "
+        "wake_up() (found 'wakeup': misnamed?)"
+    ) in out, out
     assert "Traceback" not in out, out
     assert not (tmp_path / "run").exists()  # nothing was started
     # no model or data was touched: about 3 s here (the 5 s target is measured, not timed, in the

@@ -38,9 +38,23 @@ def example_site(tmp_path_factory):
     # build from a copy: setuptools writes build/ and *.egg-info next to the sources
     shutil.copytree(SOURCE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--target", str(site), "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--quiet", str(src)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--target",
+            str(site),
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--quiet",
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     yield site
@@ -77,8 +91,13 @@ def test_rlplug_plugins_lists_it_with_distribution_and_version(example_site):
 
 
 def test_selected_by_name_from_the_config(example_site):
-    proc = run_cli(example_site, "config", "algorithm=grpo", "algorithm.adv_estimator=median_baseline",
-                   "reward.reward_fn_map.basic_arithmetic=exact_match")
+    proc = run_cli(
+        example_site,
+        "config",
+        "algorithm=grpo",
+        "algorithm.adv_estimator=median_baseline",
+        "reward.reward_fn_map.basic_arithmetic=exact_match",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "algorithm.adv_estimator=median_baseline (rlplug-example-plugin 0.1.0)" in proc.stdout
     assert "reward.reward_fn_map.basic_arithmetic=exact_match (rlplug-example-plugin 0.1.0)" in proc.stdout
@@ -110,7 +129,11 @@ def test_its_own_tests_pass_with_rlplug_testing_fixtures(example_site, tmp_path)
     tests = shutil.copytree(SOURCE / "tests", tmp_path / "tests")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tests)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
@@ -186,7 +209,9 @@ def _broken_estimators():
     ]
 
 
-@pytest.mark.parametrize("estimator, message", _broken_estimators(), ids=["unmasked", "float64", "in-place", "one-output", "per-row"])
+@pytest.mark.parametrize(
+    "estimator, message", _broken_estimators(), ids=["unmasked", "float64", "in-place", "one-output", "per-row"]
+)
 def test_assert_advantage_contract_catches_violations(estimator, message):
     data = make_batch(scores="normal", min_length=1)
     with pytest.raises(AssertionError, match=message):
@@ -213,8 +238,23 @@ def test_fixtures_install_and_restore_the_registry(tmp_path):
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env.pop("RLPLUG_DISABLE_PLUGINS", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           str(tmp_path / "test_fixtures.py")], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_fixtures.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4 passed" in proc.stdout

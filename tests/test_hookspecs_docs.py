@@ -17,11 +17,7 @@ from rlplug.registry import KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_ATTR = f"{hookspecs.PROJECT}_spec"
-SPECS = {
-    name: fn
-    for name, fn in vars(hookspecs).items()
-    if inspect.isfunction(fn) and hasattr(fn, SPEC_ATTR)
-}
+SPECS = {name: fn for name, fn in vars(hookspecs).items() if inspect.isfunction(fn) and hasattr(fn, SPEC_ATTR)}
 
 #: the config key that selects plugins of each kind (as read by rlplug.validate)
 SELECTED_BY = {

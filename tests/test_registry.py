@@ -132,10 +132,15 @@ def test_collision_between_plugins(rlplug_registry):
 
 
 def test_unknown_name_message(rlplug_registry):
-    rlplug_registry.add_plugin(registering("register_advantage_estimators", "grpo", "gae"), name="core",
-                               distribution="rlplug", version="0.1.0")
-    rlplug_registry.add_plugin(registering("register_advantage_estimators", "my_adv"), name="mine",
-                               distribution="rlplug-myplugin", version="0.1.0")
+    rlplug_registry.add_plugin(
+        registering("register_advantage_estimators", "grpo", "gae"), name="core", distribution="rlplug", version="0.1.0"
+    )
+    rlplug_registry.add_plugin(
+        registering("register_advantage_estimators", "my_adv"),
+        name="mine",
+        distribution="rlplug-myplugin",
+        version="0.1.0",
+    )
     with pytest.raises(UnknownPluginError) as info:
         rlplug_registry.get("advantage_estimator", "grp")
     assert str(info.value) == (
@@ -217,7 +222,7 @@ def test_every_packaged_plugin_on_disk_loads(rlplug_full_registry):
         assert name in loaded, f"packaged plugin '{name}' was not loaded"
         assert loaded[name].hooks, f"packaged plugin '{name}' implements no hook"
         assert loaded[name].version == rlplug.__version__
-    for name, value in declared.items():  # declared but not written yet: reported, not fatal
+    for name in declared:  # declared but not written yet: reported, not fatal
         if name not in present:
             assert name in broken and "ModuleNotFoundError" in broken[name].message
     # every loaded packaged plugin registers what its hooks promise

@@ -172,11 +172,17 @@ def test_reasoning_gym_countdown_from_ground_truth_alone(response, expected_acc)
 def test_reasoning_gym_partial_credit_only_on_request():
     # countdown's scorer gives 0.05 for an expression with the right numbers and a wrong value
     assert reasoning_gym("countdown", "#### 23 + 15 - 9", CD_GT, None) == {"score": 0.0, "acc": 0.0}
-    assert reasoning_gym("countdown", "#### 23 + 15 - 9", CD_GT, None, partial_credit=True) == {"score": 0.05, "acc": 0.0}
+    assert reasoning_gym("countdown", "#### 23 + 15 - 9", CD_GT, None, partial_credit=True) == {
+        "score": 0.05,
+        "acc": 0.0,
+    }
     # basic_arithmetic's default scorer: oracle "3" inside "3 apples" -> len("3")/len("3 apples") = 1/8
     extra = {"rg_task": "basic_arithmetic", "question": "Calculate 1 + 2.", "answer": "3"}
     assert reasoning_gym("basic_arithmetic", "#### 3 apples", "3", extra) == {"score": 0.0, "acc": 0.0}
-    assert reasoning_gym("basic_arithmetic", "#### 3 apples", "3", extra, partial_credit=True) == {"score": 0.125, "acc": 0.0}
+    assert reasoning_gym("basic_arithmetic", "#### 3 apples", "3", extra, partial_credit=True) == {
+        "score": 0.125,
+        "acc": 0.0,
+    }
     assert reasoning_gym("basic_arithmetic", "#### 3", "3", extra) == {"score": 1.0, "acc": 1.0}
 
 

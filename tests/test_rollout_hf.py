@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from _helpers import PROMPTS, manual_greedy, reference_log_probs
 
 import rlplug
-from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
 from rlplug.models import load_causal_lm
 from rlplug.plugins.rollout.hf import HFRollout, create_hf_rollout
@@ -45,7 +45,9 @@ def test_left_padding_and_micro_batching_do_not_change_greedy_output(cfg, model_
     batched = backend.generate(PROMPTS, params).response_ids
     single = [backend.generate([p], params).response_ids[0] for p in PROMPTS]
     assert batched == single
-    one_at_a_time = HFRollout(compose(["model=tiny", "rollout.dtype=fp32", "rollout.micro_batch_size=1"]), model_path, tok)
+    one_at_a_time = HFRollout(
+        compose(["model=tiny", "rollout.dtype=fp32", "rollout.micro_batch_size=1"]), model_path, tok
+    )
     assert one_at_a_time.generate(PROMPTS, params).response_ids == batched
 
 
@@ -77,7 +79,6 @@ def test_response_is_cut_after_the_first_eos(cfg, model_path, tok, ref_model) ->
     assert 2 in b.eos_ids and stop in b.eos_ids
 
 
-
 def test_ignore_eos_generates_exactly_max_tokens(cfg, model_path, tok, ref_model) -> None:
     """``ignore_eos`` masks the EOS tokens until max_tokens: prompt 0 follows greedy up to the token
     declared EOS, then takes another one and runs to 8 tokens; prompt 1 is unchanged."""
@@ -94,6 +95,7 @@ def test_ignore_eos_generates_exactly_max_tokens(cfg, model_path, tok, ref_model
     assert out.response_ids[0][:k] == g0[:k] and stop not in out.response_ids[0]
     assert out.response_ids[1] == g1
 
+
 def test_same_seed_same_output_and_default_seed_is_trainer_seed(backend) -> None:
     p = dict(n=2, temperature=1.0, top_p=0.9, max_tokens=10)
     a = backend.generate(PROMPTS, SamplingParams(**p, seed=11))
@@ -102,7 +104,10 @@ def test_same_seed_same_output_and_default_seed_is_trainer_seed(backend) -> None
     assert a.response_ids == b.response_ids
     assert a.response_ids != c.response_ids
     # seed None -> trainer.seed (7 in this config)
-    assert backend.generate(PROMPTS, SamplingParams(**p)).response_ids == backend.generate(PROMPTS, SamplingParams(**p, seed=7)).response_ids
+    assert (
+        backend.generate(PROMPTS, SamplingParams(**p)).response_ids
+        == backend.generate(PROMPTS, SamplingParams(**p, seed=7)).response_ids
+    )
     # the caller's global RNG is not consumed
     torch.manual_seed(0)
     expected = torch.rand(2)
@@ -113,7 +118,9 @@ def test_same_seed_same_output_and_default_seed_is_trainer_seed(backend) -> None
 
 def test_top_k_1_sampling_is_greedy(backend) -> None:
     greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8)).response_ids
-    assert backend.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, seed=5)).response_ids == greedy
+    assert (
+        backend.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, seed=5)).response_ids == greedy
+    )
 
 
 def test_log_probs_equal_log_softmax_of_logits_over_temperature(backend, ref_model) -> None:

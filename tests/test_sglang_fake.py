@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 
 import rlplug
 from rlplug.config import compose
-from rlplug.serving import ServerError
 from rlplug.plugins.rollout.sglang import SGLangRollout, create_sglang_rollout
+from rlplug.serving import ServerError
 from rlplug.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -56,8 +56,17 @@ def base_cfg():
 def model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"vocab_size": V, "eos_token_id": 2, "tie_word_embeddings": True,
-                                               "hidden_size": 4, "num_attention_heads": 1}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": V,
+                "eos_token_id": 2,
+                "tie_word_embeddings": True,
+                "hidden_size": 4,
+                "num_attention_heads": 1,
+            }
+        )
+    )
     (d / "tokenizer_config.json").write_text("{}")
     save_file(weights(), str(d / "model.safetensors"))
     return d
@@ -77,8 +86,19 @@ def make(base_cfg, model_dir, tmp_path):
 
     def _make(*flags: str, **overrides):
         cfg = copy.deepcopy(base_cfg)
-        cfg.rollout.server_cmd = ["{python}", str(FAKE), "--model-path", "{model_path}", "--host", "{host}",
-                                  "--port", "{port}", "--log", str(log), *flags]
+        cfg.rollout.server_cmd = [
+            "{python}",
+            str(FAKE),
+            "--model-path",
+            "{model_path}",
+            "--host",
+            "{host}",
+            "--port",
+            "{port}",
+            "--log",
+            str(log),
+            *flags,
+        ]
         cfg.rollout.server_timeout_s = 30.0
         cfg.rollout.request_timeout_s = 30.0
         for k, v in overrides.items():
@@ -145,12 +165,22 @@ def test_generate_order_finish_reasons_logprobs_and_request_fields(make) -> None
     assert out.log_probs == [[-0.1, -0.2, -0.3, -0.4]] * 2 + [[-0.1, -0.2, -0.3, -0.4, -0.5]] * 2 + [[-0.1]] * 2
     reqs = requests_log(make.log, "/generate")
     assert len(reqs) == 6  # one request per response
-    assert sorted(map(tuple, (r["body"]["input_ids"] for r in reqs))) == sorted(map(tuple, [p for p in PROMPTS for _ in range(2)]))
+    assert sorted(map(tuple, (r["body"]["input_ids"] for r in reqs))) == sorted(
+        map(tuple, [p for p in PROMPTS for _ in range(2)])
+    )
     sp = reqs[0]["body"]["sampling_params"]
-    assert sp == {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "stop_token_ids": [2],
-                  "no_stop_trim": True, "skip_special_tokens": False, "n": 1}
+    assert sp == {
+        "max_new_tokens": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.0,
+        "stop_token_ids": [2],
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "n": 1,
+    }
     assert reqs[0]["body"]["return_logprob"] is True
-
 
 
 def test_ignore_eos_asks_for_max_new_tokens_at_least(make) -> None:
@@ -158,6 +188,7 @@ def test_ignore_eos_asks_for_max_new_tokens_at_least(make) -> None:
     b.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     sp = requests_log(make.log, "/generate")[0]["body"]["sampling_params"]
     assert sp["min_new_tokens"] == sp["max_new_tokens"] == 4
+
 
 def test_greedy_and_no_logprobs(make) -> None:
     b = make()
@@ -181,8 +212,13 @@ def test_weight_update_call_and_effect(make) -> None:
     out = b.generate([[9, 13]], SamplingParams(temperature=0.0, max_tokens=2))
     assert out.response_ids == [[30, 37]] and [tok_k([9, 13], k, 5) for k in range(2)] == [30, 37]
     # tied lm_head and wrapper prefixes are accepted; the older folder is deleted after the next push
-    b.update_weights({"module.model.embed_tokens.weight": weights(-4.0)["model.embed_tokens.weight"],
-                      "model.norm.weight": torch.ones(4), "lm_head.weight": torch.zeros(V, 4)})
+    b.update_weights(
+        {
+            "module.model.embed_tokens.weight": weights(-4.0)["model.embed_tokens.weight"],
+            "model.norm.weight": torch.ones(4),
+            "lm_head.weight": torch.zeros(V, 4),
+        }
+    )
     assert not folder.exists()
     assert b.generate([[9, 13]], SamplingParams(temperature=0.0, max_tokens=1)).response_ids == [[22 - 4 + 3]]
     with pytest.raises(ValueError, match="Missing: \\['model.norm.weight'\\]"):
@@ -278,7 +314,9 @@ def test_startup_failures_are_reported_and_leave_nothing(base_cfg, model_dir) ->
         SGLangRollout(cfg, str(model_dir), TOK)
     assert time.monotonic() - t0 < 15
     new = [int(p) for p in set(os.listdir("/proc")) - before if p.isdigit()]
-    assert [p for p in new if _alive(p) and "time.sleep(120)" in open(f"/proc/{p}/cmdline").read().replace("\0", " ")] == []
+    assert [
+        p for p in new if _alive(p) and "time.sleep(120)" in open(f"/proc/{p}/cmdline").read().replace("\0", " ")
+    ] == []
 
 
 def test_close_stops_the_server_group_and_is_idempotent(make) -> None:
@@ -295,7 +333,8 @@ def test_close_stops_the_server_group_and_is_idempotent(make) -> None:
 @pytest.mark.parametrize("ending", ["sigkill", "exit_without_close"])
 def test_no_orphan_server_when_the_trainer_dies_or_forgets_close(ending, model_dir, tmp_path) -> None:
     script = tmp_path / "owner.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, os, signal, sys
         from types import SimpleNamespace
         from safetensors.torch import load_file
@@ -309,7 +348,8 @@ def test_no_orphan_server_when_the_trainer_dies_or_forgets_close(ending, model_d
         if {ending!r} == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         sys.exit(0)  # no close(): atexit must stop the server
-    """))
+    """)
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     pids, log_dir, weights_root = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -338,7 +378,9 @@ def test_external_server_url(base_cfg, model_dir) -> None:
             assert b.generate([[9, 13]], SamplingParams(temperature=0.0, max_tokens=1)).response_ids == [[30]]
         assert b.base_url.endswith(str(httpd.server_address[1]))  # closing the backend leaves the server alone
         with SGLangRollout(cfg, str(model_dir), TOK) as b2:
-            assert b2.generate([[5, 3]], SamplingParams(temperature=0.0, max_tokens=1)).response_ids == [[16]]  # 3 + (8 + 5)
+            assert b2.generate([[5, 3]], SamplingParams(temperature=0.0, max_tokens=1)).response_ids == [
+                [16]
+            ]  # 3 + (8 + 5)
     finally:
         httpd.shutdown()
 
@@ -351,14 +393,38 @@ def test_trainer_runs_with_the_sglang_backend(tmp_path) -> None:
     from rlplug.validate import validate_config
 
     log = tmp_path / "requests.jsonl"
-    cfg = compose(["debug=tiny", "rollout=sglang", "model.tiny.num_hidden_layers=1", "data.train_batch_size=2",
-                   "actor.ppo_mini_batch_size=1", "actor.micro_batch_size_per_device=1", "data.max_response_length=8",
-                   "data.val_max_samples=2", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0",
-                   "trainer.num_threads=1", "trainer.device=cpu", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    cfg = compose(
+        [
+            "debug=tiny",
+            "rollout=sglang",
+            "model.tiny.num_hidden_layers=1",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=1",
+            "actor.micro_batch_size_per_device=1",
+            "data.max_response_length=8",
+            "data.val_max_samples=2",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",
+            "trainer.num_threads=1",
+            "trainer.device=cpu",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ]
+    )
     validate_config(cfg)
     OmegaConf.set_readonly(cfg, False)
-    cfg.rollout.server_cmd = ["{python}", str(FAKE), "--model-path", "{model_path}", "--host", "{host}", "--port", "{port}",
-                              "--log", str(log)]
+    cfg.rollout.server_cmd = [
+        "{python}",
+        str(FAKE),
+        "--model-path",
+        "{model_path}",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--log",
+        str(log),
+    ]
     trainer = Trainer(cfg)
     try:
         pids = trainer.rollout.server_group_pids()

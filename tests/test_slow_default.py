@@ -23,11 +23,22 @@ def test_default_experiment_two_real_steps(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "rlplug", "train",
-        "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=2",
-        "data.val_max_samples=16", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
-        "actor.micro_batch_size_per_device=8", "data.max_response_length=64", "trainer.critic_warmup=1",
-        f"trainer.default_local_dir={run_dir}", "trainer.logger=[console,mlflow]", "trainer.device=cpu",
+        sys.executable,
+        "-m",
+        "rlplug",
+        "train",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+        "data.val_max_samples=16",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=8",
+        "actor.micro_batch_size_per_device=8",
+        "data.max_response_length=64",
+        "trainer.critic_warmup=1",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=[console,mlflow]",
+        "trainer.device=cpu",
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)

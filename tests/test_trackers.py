@@ -110,8 +110,9 @@ def test_console_line_without_known_metrics_and_cap():
 def mlflow_cfg(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)  # nothing may be written to the working directory
-    return compose([f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.project_name=proj",
-                    "trainer.experiment_name=exp1"])
+    return compose(
+        [f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.project_name=proj", "trainer.experiment_name=exp1"]
+    )
 
 
 def _artifact_json(tracker: MlflowTracker, path: str) -> dict:
@@ -141,7 +142,9 @@ def test_mlflow_end_to_end(mlflow_cfg, tmp_path, caplog, capfd):
         tracker.log_params({"actor.clip_ratio": 0.3})
     assert "already '0.2'" in caplog.text
     params = tracker.client.get_run(tracker.run_id).data.params
-    assert len(params["notes.long"]) == MAX_PARAM_VALUE_LENGTH and params["notes.long"].endswith("[truncated, 7000 chars]")
+    assert len(params["notes.long"]) == MAX_PARAM_VALUE_LENGTH and params["notes.long"].endswith(
+        "[truncated, 7000 chars]"
+    )
     assert params["actor.clip_ratio"] == "0.2"
 
     # metrics: per step, names sanitized, tensors accepted, text skipped
@@ -149,7 +152,9 @@ def test_mlflow_end_to_end(mlflow_cfg, tmp_path, caplog, capfd):
     tracker.log_metrics({"actor/pg_loss": 0.75}, step=2)
     hist = tracker.client.get_metric_history(tracker.run_id, "actor/pg_loss")
     assert [(m.step, m.value) for m in hist] == [(1, 1.5), (2, 0.75)]
-    assert [(m.step, m.value) for m in tracker.client.get_metric_history(tracker.run_id, "val-core/src/acc/mean_at_8")] == [(1, 0.5)]
+    assert [
+        (m.step, m.value) for m in tracker.client.get_metric_history(tracker.run_id, "val-core/src/acc/mean_at_8")
+    ] == [(1, 0.5)]
     assert "note" not in tracker.client.get_run(tracker.run_id).data.metrics
 
     # tables: JSON with a step column; a second call to the same name appends
@@ -164,7 +169,10 @@ def test_mlflow_end_to_end(mlflow_cfg, tmp_path, caplog, capfd):
     (tmp_path / "folder" / "w.txt").write_text("weights")
     tracker.log_artifact(tmp_path / "folder", artifact_path="final_model")
     assert [a.path for a in tracker.client.list_artifacts(tracker.run_id, "final_model")] == ["final_model/w.txt"]
-    assert OmegaConf.create(Path(tracker.client.download_artifacts(tracker.run_id, "config.yaml")).read_text()) == mlflow_cfg
+    assert (
+        OmegaConf.create(Path(tracker.client.download_artifacts(tracker.run_id, "config.yaml")).read_text())
+        == mlflow_cfg
+    )
     with pytest.raises(FileNotFoundError, match="does not exist"):
         tracker.log_artifact(tmp_path / "nope.bin")
 

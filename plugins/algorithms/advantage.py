@@ -19,7 +19,8 @@ Semantics: ``docs/algorithms.md``; reference verl ``verl/trainer/ppo/core_algos.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -56,7 +57,9 @@ def _rewards_and_mask(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tens
 def _per_row(data: Mapping[str, Any], key: str, batch: int, device: torch.device) -> torch.Tensor:
     x = torch.as_tensor(data[key], device=device)
     if x.dim() != 1 or x.shape[0] != batch:
-        raise ValueError(f"advantage estimator: '{key}' must be ({batch},) (one value per response), got {tuple(x.shape)}.")
+        raise ValueError(
+            f"advantage estimator: '{key}' must be ({batch},) (one value per response), got {tuple(x.shape)}."
+        )
     return x
 
 

@@ -24,7 +24,7 @@ keeps the logits of the actor and the reference model at once **(differs from ve
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -110,4 +110,6 @@ def _make(name: str) -> Callable[..., torch.Tensor]:
 def register_kl_penalties(register):
     for base, (_, desc) in _BASE.items():
         register(base, KLPenalty(_make(base), description=desc))
-        register(f"{base}+", KLPenalty(_make(f"{base}+"), description=f"straight-through: value of {base}, gradient of k2"))
+        register(
+            f"{base}+", KLPenalty(_make(f"{base}+"), description=f"straight-through: value of {base}, gradient of k2")
+        )

@@ -25,7 +25,6 @@ import re
 import threading
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
-from typing import Any
 
 import rlplug
 
@@ -105,7 +104,7 @@ def extract_answer_text(solution_str: str) -> str | None:
     pos = solution_str.rfind("####")
     if pos < 0:
         return None
-    line = solution_str[pos + 4:].strip().split("\n", 1)[0].strip()
+    line = solution_str[pos + 4 :].strip().split("\n", 1)[0].strip()
     line = line.strip("*").strip()
     if len(line) > 1 and line.startswith("$") and line.endswith("$"):
         line = line[1:-1].strip()
@@ -257,7 +256,11 @@ def _rg_entry(data_source: str, ground_truth: str, extra_info: dict | None, task
         answer = gt_obj.get("answer", answer)
     elif answer is None:
         answer = ground_truth
-    entry = {"question": extra.get("question", ""), "answer": "" if answer is None else str(answer), "metadata": metadata}
+    entry = {
+        "question": extra.get("question", ""),
+        "answer": "" if answer is None else str(answer),
+        "metadata": metadata,
+    }
     return task, entry, extra.get("rg_config") or ""
 
 
@@ -337,7 +340,7 @@ def format_reward(
     if require_number:
         return 1.0 if extract_hash_answer(solution_str, "strict") is not None else 0.0
     pos = solution_str.rfind("####")
-    return 1.0 if pos >= 0 and solution_str[pos + 4:].strip() else 0.0
+    return 1.0 if pos >= 0 and solution_str[pos + 4 :].strip() else 0.0
 
 
 @rlplug.hookimpl

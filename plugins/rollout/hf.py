@@ -19,7 +19,8 @@ when ``top_k = -1`` and ``top_p = 1``), raw logits when greedy; this matches vLL
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from rlplug.rollout_utils import eos_ids, parse_dtype, strip_wrapper_prefixes, v
 from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = ["HFRollout", "create_hf_rollout"]
+
 
 class _LogProbRecorder:
     """Logits processor placed last: records ``log_softmax(scores)`` of each sampled token.
@@ -94,7 +96,9 @@ class HFRollout:
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         # A clean generation config: no sampling defaults shipped with the model may leak in.
         self.model.generation_config = GenerationConfig(
-            bos_token_id=getattr(self.model.config, "bos_token_id", None), eos_token_id=self.eos_ids, pad_token_id=self.pad_id
+            bos_token_id=getattr(self.model.config, "bos_token_id", None),
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
         )
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self._closed = False
@@ -124,7 +128,9 @@ class HFRollout:
                 reasons += f
                 if logprobs is not None:
                     logprobs += lp  # type: ignore[arg-type]
-        return RolloutOutput(response_ids=responses, finish_reasons=reasons, prompt_index=prompt_index, log_probs=logprobs)
+        return RolloutOutput(
+            response_ids=responses, finish_reasons=reasons, prompt_index=prompt_index, log_probs=logprobs
+        )
 
     def _generate_micro_batch(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
@@ -230,7 +236,9 @@ class HFRollout:
                 )
             target = targets[name]
             if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the rollout model expects {tuple(target.shape)}.")
+                raise ValueError(
+                    f"update_weights: '{name}' has shape {tuple(tensor.shape)}, the rollout model expects {tuple(target.shape)}."
+                )
             pending.append((target, tensor))
         for target, tensor in pending:
             target.data.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
@@ -255,7 +263,7 @@ class HFRollout:
         if self._closed:
             raise RuntimeError("This hf rollout backend was closed; create a new one to generate.")
 
-    def __enter__(self) -> "HFRollout":
+    def __enter__(self) -> HFRollout:
         return self
 
     def __exit__(self, *exc: Any) -> None:

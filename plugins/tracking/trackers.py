@@ -39,8 +39,9 @@ import posixpath
 import re
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import rlplug
 from rlplug.config import config_get
@@ -84,8 +85,10 @@ def run_dir(config: Any) -> Path:
 
         return Path(run_dir_for(config))
     except Exception:  # the trainer could not be imported, or config is a plain mapping
-        return Path("checkpoints") / str(config_get(config, "trainer.project_name", "rlplug")) / str(
-            config_get(config, "trainer.experiment_name", "default")
+        return (
+            Path("checkpoints")
+            / str(config_get(config, "trainer.project_name", "rlplug"))
+            / str(config_get(config, "trainer.experiment_name", "default"))
         )
 
 
@@ -250,7 +253,7 @@ class ConsoleTracker:
                 fields.append(f"{label} {_fmt(values[key])}")
         for key in sorted(values):
             if key.startswith("val-core/"):
-                fields.append(f"{key[len('val-core/'):]} {_fmt(values[key])}")
+                fields.append(f"{key[len('val-core/') :]} {_fmt(values[key])}")
         if not fields:  # unknown naming: show the first metrics alphabetically
             fields = [f"{k} {_fmt(values[k])}" for k in sorted(values)]
         if len(fields) > self.max_fields:
@@ -328,7 +331,9 @@ class MlflowTracker:
         self._tables: dict[str, dict] = {}
         run_id = self._continue_run() if _will_resume(config, self.run_dir) else None
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=run_name, tags={"rlplug.run_dir": str(self.run_dir)})
+            run = self.client.create_run(
+                self.experiment_id, run_name=run_name, tags={"rlplug.run_dir": str(self.run_dir)}
+            )
             run_id = run.info.run_id
             self._params = {}
         self.run_id: str = run_id

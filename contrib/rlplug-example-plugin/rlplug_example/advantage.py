@@ -15,14 +15,17 @@ No std normalisation. A variant of the group baselines of GRPO (Shao et al. 2024
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from rlplug import AdvantageEstimator
 
 
-def median_baseline_advantage(data: Mapping[str, torch.Tensor], config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def median_baseline_advantage(
+    data: Mapping[str, torch.Tensor], config: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)``, both ``(B, T) float32``, 0.0 where ``response_mask`` is 0.
 
     ``data``: ``token_level_rewards`` ``(B, T) float32``, ``response_mask`` ``(B, T)`` (1.0 on

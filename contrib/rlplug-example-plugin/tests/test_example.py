@@ -83,6 +83,8 @@ def test_conformance_kits(registry):
     from rlplug.testing import check_advantage_estimator, check_reward_function
 
     check_advantage_estimator("median_baseline")
-    check_reward_function("exact_match", [("basic_arithmetic", "#### 7", "7", None), ("x", "", "7", None),
-                                          ("x", "\u00bd \U0001f600", "7", {"k": 1})])
+    check_reward_function(
+        "exact_match",
+        [("basic_arithmetic", "#### 7", "7", None), ("x", "", "7", None), ("x", "\u00bd \U0001f600", "7", {"k": 1})],
+    )
     check_reward_function("exact_match", kwargs={"ignore_case": True})
