@@ -4,12 +4,19 @@ Layout under ``trainer.default_local_dir``::
 
     global_step_10/                   complete checkpoint (has COMPLETE)
         COMPLETE                      written last inside the directory, then fsync'ed
-        trainer_state.json            step, epoch, data loader position, KL controller, ...
-        rng_state.pt                  python/numpy/torch RNG states (tensors only)
         backend/                      written by the training backend (weights, optimizer, ...)
+        rng_state.pt                  python/numpy/torch RNG states (tensors only)
         hf_meta/                      model config + tokenizer, so the checkpoint exports alone
+        trainer_state.json            global step, data loader position, KL controller
+        config.yaml                   the run config (for reading; resuming uses the command's)
     latest_checkpointed_iteration.txt the step of the latest complete checkpoint (verl's name)
     global_step_20.partial-1234/      a save that was interrupted: ignored, removed on next save
+
+:func:`save_checkpoint` writes one (files in the order above) and :func:`load_checkpoint` reads
+one back; :func:`resume_checkpoint` finds the one ``trainer.resume_mode`` selects. The RNG
+capture (:func:`seed_everything`, :func:`rng_state`, :func:`set_rng_state`) lives here too, so
+a resumed run draws the same random numbers as an uninterrupted one. Everything is loaded with
+``torch.load(weights_only=True)``, JSON or safetensors: nothing is unpickled.
 
 A save writes into ``global_step_N.partial-<pid>``, fsyncs every file in it, marks it COMPLETE,
 renames it to ``global_step_N`` (atomic on POSIX) and only then replaces the ``latest`` pointer
@@ -28,15 +35,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import pickle
+import random
 import re
 import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "resume_checkpoint", "export_checkpoint",
+           "seed_everything", "rng_state", "set_rng_state", "atomic_write_text", "LATEST", "COMPLETE"]
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
@@ -229,6 +242,164 @@ class CheckpointManager:
                 if d != keep:
                     self._discard(d)
                     _fault_point("ckpt_cleanup")
+
+
+# ============================================================================ RNG state
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global RNGs with ``seed``."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states (Python, NumPy, torch CPU) as tensors and plain types, loadable with
+    ``torch.load(weights_only=True)``; :func:`set_rng_state` restores them."""
+    import numpy as np
+    import torch
+
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python_version": py[0],
+        "python_state": torch.tensor(py[1], dtype=torch.int64),
+        "python_gauss": py[2] if py[2] is not None else float("nan"),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]),
+        "numpy_gauss": float(np_state[4]),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the RNG states saved by :func:`rng_state`."""
+    import numpy as np
+    import torch
+
+    gauss = state["python_gauss"]
+    random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()),
+                     None if isinstance(gauss, float) and math.isnan(gauss) else gauss))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_gauss"]))
+    torch.set_rng_state(state["torch"])
+
+
+# ============================================================================ the run's checkpoint
+
+#: file names inside a ``global_step_N`` directory (see the module docstring)
+BACKEND_DIR, RNG_FILE, META_DIR, STATE_FILE, CONFIG_FILE = (
+    "backend", "rng_state.pt", "hf_meta", "trainer_state.json", "config.yaml")
+
+
+def write_checkpoint(directory: Path, *, step: int, backend: Any, stateful: Mapping[str, Any], tokenizer: Any,
+                     model_path: str | Path, config: Any) -> None:
+    """Fill ``directory`` (an empty partial dir) with one checkpoint, in the layout's order.
+
+    ``backend`` writes ``backend/`` (:meth:`rlplug.types.TrainingBackend.save`); ``stateful``
+    maps names to objects with ``state_dict()`` (JSON-serialisable; the trainer passes its data
+    loader and KL controller), saved with ``step`` in ``trainer_state.json``; ``tokenizer`` and
+    the model's ``config.json`` go to ``hf_meta/``; ``config`` (a DictConfig) to ``config.yaml``.
+    """
+    import torch
+    from omegaconf import OmegaConf
+
+    backend.save(directory / BACKEND_DIR)
+    _fault_point("ckpt_backend")
+    torch.save(rng_state(), directory / RNG_FILE)
+    _fault_point("ckpt_rng")
+    meta = directory / META_DIR
+    meta.mkdir()
+    tokenizer.save_pretrained(meta)
+    cfg_json = Path(model_path) / "config.json"
+    if cfg_json.is_file():
+        (meta / "config.json").write_text(cfg_json.read_text())
+    _fault_point("ckpt_meta")
+    state = {"global_step": step, **{name: obj.state_dict() for name, obj in stateful.items()}}
+    (directory / STATE_FILE).write_text(json.dumps(state, indent=1))
+    _fault_point("ckpt_state")
+    (directory / CONFIG_FILE).write_text(OmegaConf.to_yaml(config))
+
+
+def save_checkpoint(manager: CheckpointManager, step: int, *, backend: Any, coordinator: Any,
+                    **files: Any) -> Path:
+    """Save checkpoint ``step`` crash-safely (:meth:`CheckpointManager.save` around
+    :func:`write_checkpoint`, which takes ``files``) and return its path, on every process.
+
+    ``coordinator`` (:class:`rlplug.types.Coordinator`): the main process owns the directory and
+    writes everything; it broadcasts the partial directory's path so every other process writes
+    its shards of ``backend/`` there, then the final path. Every process must call this.
+    """
+    if not coordinator.is_main:
+        backend.save(Path(coordinator.broadcast(None)) / BACKEND_DIR)
+        return Path(coordinator.broadcast(None))
+
+    def write(tmp: Path) -> None:
+        coordinator.broadcast(str(tmp))  # the other processes write their shards into the same folder
+        write_checkpoint(tmp, step=step, backend=backend, **files)
+
+    path = manager.save(step, write)
+    coordinator.broadcast(str(path))
+    return path
+
+
+def resume_checkpoint(trainer_config: Any, manager: CheckpointManager) -> Path | None:
+    """The checkpoint ``trainer.resume_mode`` selects: ``None`` for ``disable`` (or when ``auto``
+    finds none), ``trainer.resume_from_path`` for ``resume_path``, else the latest complete one.
+
+    Raises :class:`rlplug.config.ConfigError` when the selected directory is not a complete
+    checkpoint (no COMPLETE marker).
+    """
+    from .config import ConfigError
+
+    mode = trainer_config.resume_mode
+    if mode == "disable":
+        return None
+    path = Path(str(trainer_config.resume_from_path)) if mode == "resume_path" else manager.latest()
+    if path is not None and not (path / COMPLETE).is_file():
+        raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint (no COMPLETE marker).")
+    return path
+
+
+def load_checkpoint(path: Path, *, backend: Any, stateful: Mapping[str, Any]) -> int:
+    """Restore the checkpoint at ``path`` written by :func:`write_checkpoint`: the backend's state,
+    the RNG states and each ``stateful`` object's ``load_state_dict``; returns its global step.
+
+    Raises :class:`rlplug.config.ConfigError` when a file holds pickled objects other than tensors
+    and plain containers (nothing is unpickled), or when a ``stateful`` object rejects its state
+    (the data or KL settings differ from the checkpointed run).
+    """
+    import torch
+
+    from .config import ConfigError
+
+    state = json.loads((path / STATE_FILE).read_text())
+    try:
+        backend.load(path / BACKEND_DIR)
+        set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+    except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) met a non-tensor object
+        lines = str(exc).splitlines() or [""]
+        detail = next((ln.strip() for ln in lines if "Unsupported" in ln), lines[0]).split(" Please use")[0]
+        raise ConfigError(
+            f"Refusing to resume from {path}: a file in it holds pickled Python objects other than tensors and "
+            f"plain containers ({detail}). rlplug loads checkpoints with torch.load(weights_only=True) and "
+            "safetensors only, because unpickling arbitrary objects can run code. Resume from a checkpoint "
+            "written by rlplug, or start fresh with trainer.resume_mode=disable."
+        ) from exc
+    try:
+        for name, obj in stateful.items():
+            obj.load_state_dict(state[name])
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"Cannot resume from {path}: {exc}. The data or KL settings differ from the checkpointed run; "
+            "restore them, or start fresh with trainer.resume_mode=disable (or another trainer.default_local_dir)."
+        ) from exc
+    return int(state["global_step"])
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["DatasetError", "RLDataset", "read_dataset", "StatefulDataLoader", "ALLOWED_ROLES"]
+__all__ = ["DatasetError", "RLDataset", "read_dataset", "read_run_datasets", "StatefulDataLoader", "ALLOWED_ROLES"]
 
 logger = logging.getLogger("rlplug.data")
 
@@ -351,6 +351,36 @@ def read_dataset(
             f"{max_prompt_length} tokens. Raise data.max_prompt_length."
         )
     return RLDataset(rows, files, filtered)
+
+
+def read_run_datasets(cfg: Any, tokenizer: Any, check_data_sources: Any = None) -> tuple[RLDataset, RLDataset | None]:
+    """The run's training and validation sets (``None`` without validation files), read with the
+    ``data.*`` settings from :func:`rlplug.data_prepare.prepared_data_files` (preparing
+    ``data.task`` first when needed). ``check_data_sources(set_of_names)`` (e.g.
+    :meth:`rlplug.reward.RewardManager.check_data_sources`) is called with every data source of
+    both sets before the size check.
+
+    Raises :class:`DatasetError` for a bad file, what ``check_data_sources`` raises, and
+    :class:`rlplug.config.ConfigError` when the training set has fewer usable rows than
+    ``data.train_batch_size``.
+    """
+    from .config import ConfigError
+    from .data_prepare import prepared_data_files
+
+    d = cfg.data
+    train_files, val_files = prepared_data_files(cfg)
+    kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
+                  filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key, system_prompt=d.system_prompt)
+    train = read_dataset(train_files, **kwargs)
+    val = read_dataset(val_files, **kwargs) if val_files else None
+    if check_data_sources is not None:
+        check_data_sources(set(train.data_sources) | (set(val.data_sources) if val else set()))
+    if len(train) < d.train_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} but the training set has only {len(train)} "
+            f"usable rows (files: {train_files}). Lower the batch size or add data."
+        )
+    return train, val
 
 
 # ============================================================================ loader

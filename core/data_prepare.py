@@ -49,7 +49,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TASKS", "TASK_DEFAULTS", "GSM8K_INSTRUCTION", "prepare_dataset", "build_rows", "parquet_schema"]
+__all__ = ["TASKS", "TASK_DEFAULTS", "GSM8K_INSTRUCTION", "DATA_FORMAT_VERSION", "prepare_dataset", "prepared_data_files",
+           "build_rows", "parquet_schema"]
 
 logger = logging.getLogger("rlplug.data")
 
@@ -93,6 +94,10 @@ _INSTRUCTIONS = {
     "gsm_symbolic": GSM8K_INSTRUCTION,
     "countdown": COUNTDOWN_INSTRUCTION,
 }
+
+#: bump when this module changes how prompts or ground truths are written: part of the cache key of
+#: :func:`prepared_data_files`, so files written by an older version are never reused
+DATA_FORMAT_VERSION = 1
 
 _SEED_STRIDE = 1_000_003
 _TEST_OFFSET = 10**9
@@ -329,3 +334,45 @@ def prepare_dataset(
     stored = {**info, "train_path": train_path.name, "test_path": test_path.name}
     (out / "info.json").write_text(json.dumps(stored, indent=2, default=str) + "\n")
     return info
+
+
+def prepared_data_files(cfg: Any) -> tuple[list[str], list[str]]:
+    """The run's train and validation parquet files: ``data.train_files`` / ``data.val_files`` (``~``
+    expanded), or a cached preparation of ``data.task``.
+
+    The cache lives in ``<cache dir>/data/<task>-<key>/{train,test}.parquet``
+    (:func:`rlplug.config.default_cache_dir`), where ``key`` hashes everything that shapes the
+    files: the task, sizes, seed, ``data.task_kwargs``, ``data.instruction``, rlplug's
+    :data:`TASK_DEFAULTS` for the task and :data:`DATA_FORMAT_VERSION`, so a change to any of them
+    never silently reuses stale data. A missing preparation is written to a temporary folder and
+    renamed into place (concurrent runs: the first rename wins, the others use its files). The
+    validation files default to the prepared test split.
+    """
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    from .config import default_cache_dir
+
+    d = cfg.data
+    if d.train_files:
+        return [str(Path(f).expanduser()) for f in d.train_files], [str(Path(f).expanduser()) for f in (d.val_files or [])]
+    spec = {"task": d.task, "train": d.train_size, "test": d.test_size, "seed": d.data_seed,
+            "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True), "instruction": d.instruction,
+            "defaults": TASK_DEFAULTS.get(d.task), "format": DATA_FORMAT_VERSION}
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    out = default_cache_dir() / "data" / f"{d.task}-{key}"
+    train, test = out / "train.parquet", out / "test.parquet"
+    if not (train.is_file() and test.is_file()):
+        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+        prepare_dataset(d.task, tmp, train_size=d.train_size, test_size=d.test_size, seed=d.data_seed,
+                        task_kwargs=spec["kwargs"] or None, instruction=d.instruction)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process won the race; use its files
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    val = [str(Path(f).expanduser()) for f in d.val_files] if d.val_files else [str(test)]
+    return [str(train)], val

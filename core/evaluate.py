@@ -39,7 +39,7 @@ def evaluate(cfg: DictConfig, checkpoint: str | None = None, k: int = 1, tempera
     from .models import load_tokenizer
     from .registry import get_registry
     from .reward import RewardManager
-    from .trainer import prepared_data_files
+    from .data_prepare import prepared_data_files
 
     with ExitStack() as stack:
         path = _model_path(cfg, checkpoint, stack)

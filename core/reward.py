@@ -42,11 +42,14 @@ import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import ConfigError
 
-__all__ = ["RewardManager", "RewardConfigError"]
+if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
+    import torch
+
+__all__ = ["RewardManager", "RewardConfigError", "components_tensor"]
 
 logger = logging.getLogger("rlplug.reward")
 
@@ -119,6 +122,21 @@ def _run_chunk(calls: list[tuple[Callable, tuple, dict]], timeout_s: float | Non
 
 
 # ============================================================================ the manager
+
+
+def components_tensor(extra: Mapping[str, Sequence[float | None]], n: int) -> tuple["torch.Tensor", tuple[str, ...]]:
+    """:meth:`RewardManager.score`'s named per-response values (``extra``, lists of ``n`` floats) as
+    one ``(n, K) float32`` tensor and its ``K`` column names, in ``extra``'s order; NaN where a
+    value is NaN or ``None`` (the response's reward did not report that name). This is the batch
+    field ``reward_components`` (see :mod:`rlplug.batch`)."""
+    import torch
+
+    names = tuple(str(k) for k in extra)
+    cols = [[math.nan if v is None else float(v) for v in extra[k]] for k in extra]
+    if any(len(c) != n for c in cols):
+        raise ValueError(f"reward components need {n} values each; got {dict(zip(names, map(len, cols)))}")
+    return torch.tensor(cols, dtype=torch.float32).reshape(len(cols), n).T.contiguous(), names
+
 
 
 def _section(config: Any) -> dict:
@@ -198,6 +216,7 @@ class RewardManager:
         self._fns: dict[str, Callable] = {}
         self._checked: set[str] = set()
         self._pool: cf.ProcessPoolExecutor | None = None
+        self._thread: cf.ThreadPoolExecutor | None = None  # score_async's background thread
         self._logged: set[str] = set()
         self.total_failures = 0
         self.total_timeouts = 0
@@ -368,6 +387,34 @@ class RewardManager:
         self.total_timeouts += timeouts
         return scores, extra_out, {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
 
+    def score_async(self, rows_or_fields: Any, responses: Sequence[str] | Callable[[], Sequence[str]], *,
+                    overlap: bool = True) -> "cf.Future[tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]]":
+        """Start :meth:`score` on a background thread and return its future, so scoring overlaps
+        other work (the trainer's log-prob and value passes).
+
+        ``responses`` are the decoded texts, or a function returning them (called on the thread
+        too, e.g. to decode token ids there). The future's result is ``(score's result, seconds)``,
+        the seconds counted from this call to the end of scoring; ``future.result()`` raises what
+        scoring raised. Reward functions are plain Python or run in ``reward.num_workers``
+        processes, and torch releases the GIL inside its kernels, so both proceed together. One
+        thread serves the manager: calls run one after another. With ``overlap=False`` the scoring
+        runs here, before returning (an error raises here), and the future is already done.
+        :meth:`close` waits for a running call.
+        """
+        t0 = time.perf_counter()
+
+        def work() -> tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]:
+            texts = responses() if callable(responses) else responses
+            return self.score(rows_or_fields, texts), time.perf_counter() - t0
+
+        if not overlap:
+            done: cf.Future = cf.Future()
+            done.set_result(work())
+            return done
+        if self._thread is None:
+            self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlplug-score")
+        return self._thread.submit(work)
+
     @staticmethod
     def _interpret(status: str, value: Any) -> tuple[float, dict[str, float], str | None]:
         if status != "ok":
@@ -458,7 +505,11 @@ class RewardManager:
         pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        """Shut the worker pool down (idempotent). The manager can still score afterwards (a new pool starts)."""
+        """Wait for a running :meth:`score_async` call (bounded by ``timeout_s`` per call), then shut the
+        worker pool down (idempotent). The manager can still score afterwards (a new pool starts)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:  # before the pool below: the running call may be using it
+            thread.shutdown(wait=True, cancel_futures=True)
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -2,59 +2,53 @@
 
 One loop runs every algorithm preset; the plugins decide the math::
 
-    rollout -> [reward scoring on a thread, overlapping:] old log-probs -> ref log-probs -> values
-            -> in-reward KL -> advantages
+    rollout [-> greedy baseline rollout] -> [reward scoring on a thread, overlapping:] old log-probs
+            -> ref log-probs -> values -> in-reward KL -> advantages
             -> critic update -> actor update (after critic_warmup) -> push weights to rollout
             -> validation (every trainer.test_freq) -> checkpoint (every trainer.save_freq)
 
-The trainer talks to a training backend (kind ``training_backend``) through these methods::
+Which of these stages run follows from the config and from what the selected plugins require
+(:func:`rlplug.validate.plan_batch`); the trainer never special-cases a plugin by name. It talks
+to a training backend (kind ``training_backend``, :class:`rlplug.types.TrainingBackend`: log-prob
+and value passes, the updates, weights, checkpoints, ``coordinator`` for multi-process runs) and
+a rollout backend (kind ``rollout_backend``, :class:`rlplug.types.RolloutBackend`). Pieces that
+are not the loop live elsewhere: data preparation in :mod:`rlplug.data` /
+:mod:`rlplug.data_prepare`, the checkpoint layout and RNG capture in :mod:`rlplug.checkpoint`,
+the scoring thread in :class:`rlplug.reward.RewardManager`, step metrics in :mod:`rlplug.metrics`.
 
-    backend = factory(config, model_path, use_critic=bool, use_ref=bool, total_steps=int)
-    backend.compute_log_probs(batch, which="actor"|"ref", with_entropy=False) -> {"log_probs": (B, T), ...}
-    backend.compute_values(batch) -> (B, T) float32
-    backend.update_actor(batch) -> dict[str, float]      # actor/* metrics
-    backend.update_critic(batch) -> dict[str, float]     # critic/* metrics
-    backend.actor_weights() -> Iterator[(hf_name, tensor)]
-    backend.save(dir) / backend.load(dir) / backend.export_hf(dir, tokenizer) / backend.close()
-    backend.consecutive_bad_steps: int                   # non-finite optimizer steps in a row
-    backend.world_size / is_main_process / broadcast_object(obj)   # multi-process backends only (fsdp2)
-
-and to a rollout backend (kind ``rollout_backend``, see :class:`rlplug.types.RolloutBackend`).
 Metric names follow verl (``actor/pg_loss``, ``critic/score/mean``, ``timing_s/gen`` ...).
 Every step is deterministic given the seed and the checkpointed state (data position, RNG
 states, optimizer, KL controller), so a resumed run reproduces an uninterrupted one.
 
-``_fault_point("<label>")`` calls mark where the crash tests stop the process (a testing aid
-that does nothing unless ``RLPLUG_TEST_KILL_AT`` is set; see :func:`rlplug.checkpoint._fault_point`).
+Fault points (``_fault_point("<label>")``, reached mostly through :func:`rlplug.metrics.stage`)
+mark where the crash tests stop the process: a testing aid that does nothing unless
+``RLPLUG_TEST_KILL_AT`` is set (see :func:`rlplug.checkpoint._fault_point`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import functools
-import hashlib
-import json
 import logging
-import math
 import os
-import pickle
-import random
 import signal
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .batch import Batch
-from .checkpoint import CheckpointManager, _fault_point
-from .config import ConfigError, default_cache_dir
+from .batch import build_batch, padded_rows
+from .checkpoint import (CheckpointManager, _fault_point, load_checkpoint, resume_checkpoint, rng_state,  # noqa: F401
+                         save_checkpoint, seed_everything, set_rng_state)
+from .data_prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
+from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
+from .metrics import progress_metrics, stage, step_metrics, throughput_metrics, validation_metrics, validation_samples
 from .registry import Registry, get_registry
-from .types import SamplingParams
-from .validate import uses_critic
+from .reward import components_tensor
+from .types import RolloutOutput, SamplingParams
+from .validate import BatchPlan, plan_batch
 
 log = logging.getLogger("rlplug")
 
@@ -76,40 +70,6 @@ def run_dir_for(cfg: DictConfig) -> Path:
     return Path("checkpoints") / cfg.trainer.project_name / cfg.trainer.experiment_name
 
 
-#: bump when data_prepare changes how prompts or ground truths are written
-DATA_FORMAT_VERSION = 1
-
-
-def prepared_data_files(cfg: DictConfig) -> tuple[list[str], list[str]]:
-    """The train/val parquet files: ``data.train_files`` or a cached preparation of ``data.task``."""
-    d = cfg.data
-    if d.train_files:
-        return [str(Path(f).expanduser()) for f in d.train_files], [str(Path(f).expanduser()) for f in (d.val_files or [])]
-    from . import data_prepare
-
-    # The key covers everything that shapes the files, including rlplug's task defaults and format
-    # version, so a change there never silently reuses stale data.
-    spec = {"task": d.task, "train": d.train_size, "test": d.test_size, "seed": d.data_seed,
-            "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True), "instruction": d.instruction,
-            "defaults": data_prepare.TASK_DEFAULTS.get(d.task), "format": DATA_FORMAT_VERSION}
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    out = default_cache_dir() / "data" / f"{d.task}-{key}"
-    train, test = out / "train.parquet", out / "test.parquet"
-    if not (train.is_file() and test.is_file()):
-        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-        data_prepare.prepare_dataset(d.task, tmp, train_size=d.train_size, test_size=d.test_size, seed=d.data_seed,
-                        task_kwargs=spec["kwargs"] or None, instruction=d.instruction)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process won the race; use its files
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    val = [str(Path(f).expanduser()) for f in d.val_files] if d.val_files else [str(test)]
-    return [str(train)], val
-
-
 def set_threads(n: int | None) -> None:
     """Use ``n`` torch threads (None: all cores); thread counts are set explicitly (MACHINE_NOTES)."""
     n = n or os.cpu_count() or 1
@@ -117,99 +77,79 @@ def set_threads(n: int | None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's global RNGs with ``seed``."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+def skips_old_log_probs(cfg: DictConfig, plan: BatchPlan, capabilities: frozenset[str]) -> bool:
+    """Whether the old-log-prob pass is skipped (``actor.skip_old_log_prob_on_policy``): one optimizer
+    step over the whole batch, nothing reading ``old_log_probs`` or a per-token quantity before the
+    update (the in-reward KL, a plugin's ``requires``), and a backend declaring
+    ``"reuses_on_policy_log_probs"``: the actor update then uses its own detached log-probs."""
+    return bool(cfg.actor.skip_old_log_prob_on_policy and int(cfg.actor.ppo_epochs) == 1
+                and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
+                and not cfg.algorithm.use_kl_in_reward and not plan.needs_old_log_prob_pass
+                and "reuses_on_policy_log_probs" in capabilities)
 
 
-def rng_state() -> dict[str, Any]:
-    """RNG states as tensors and plain types (loadable with ``torch.load(weights_only=True)``)."""
-    py = random.getstate()
-    np_state = np.random.get_state()
-    return {
-        "python_version": py[0],
-        "python_state": torch.tensor(py[1], dtype=torch.int64),
-        "python_gauss": py[2] if py[2] is not None else float("nan"),
-        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": int(np_state[2]),
-        "numpy_has_gauss": int(np_state[3]),
-        "numpy_gauss": float(np_state[4]),
-        "torch": torch.get_rng_state(),
-    }
+def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0) -> SamplingParams:
+    """The rollout's sampling settings for training step ``step`` (``rollout.*``, a seed per step),
+    or for validation (``rollout.val_kwargs``, one fixed seed)."""
+    r, max_tokens = cfg.rollout, cfg.data.max_response_length
+    if validation:
+        v = r.val_kwargs
+        return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                              max_tokens=max_tokens, seed=cfg.trainer.seed + 7919)
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=max_tokens,
+                          seed=cfg.trainer.seed * 1_000_003 + step, logprobs=r.calculate_log_probs,
+                          ignore_eos=bool(r.ignore_eos))
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the RNG states saved by :func:`rng_state`."""
-    gauss = state["python_gauss"]
-    random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()),
-                     None if isinstance(gauss, float) and math.isnan(gauss) else gauss))
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
-                         state["numpy_has_gauss"], state["numpy_gauss"]))
-    torch.set_rng_state(state["torch"])
+def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path) -> None:
+    """Raise :class:`TrainingStopped` when ``bad`` (the backend's ``consecutive_bad_steps``) reached
+    ``trainer.max_consecutive_bad_steps``."""
+    limit = trainer_cfg.max_consecutive_bad_steps
+    if bad >= limit:
+        raise TrainingStopped(
+            f"{bad} consecutive optimizer steps had a non-finite loss or gradient (limit "
+            f"trainer.max_consecutive_bad_steps={limit}); stopping. The last good "
+            f"checkpoint is intact under {checkpoint_root}. Lower the learning rate or check the data/reward."
+        )
 
 
-@contextlib.contextmanager
-def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
-    """Add the block's wall time (seconds) to ``metrics["timing_s/<name>"]``."""
-    start = time.perf_counter()
-    yield
-    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
-
-
-def _stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
-    if mask is not None:
-        x = x[mask.bool()]
-    if x.numel() == 0:
-        return {}
-    x = x.float()
-    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
-
-
-def build_batch(prompt_ids: list[list[int]], out_response_ids: list[list[int]], prompt_index: list[int],
-                pad_id: int) -> Batch:
-    """Pack prompts (left-padded) and responses (right-padded) into the batch tensors.
-
-    ``response_mask`` is 1.0 on each response's own tokens (EOS included when generated) and
-    0.0 on padding -- built from lengths, never from ``ids != pad_id`` (pad may equal EOS).
-    """
-    B = len(out_response_ids)
-    prompts = [prompt_ids[i] for i in prompt_index]
-    P = max(len(p) for p in prompts)
-    T = max(1, max(len(r) for r in out_response_ids))
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
-    response_mask = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompts, out_response_ids)):
-        input_ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, P - len(p):P] = 1
-        if r:
-            input_ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, P:P + len(r)] = 1
-            response_mask[i, :len(r)] = 1.0
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return Batch({
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "responses": input_ids[:, P:].clone(),
-        "response_mask": response_mask,
-        "index": torch.tensor(prompt_index, dtype=torch.long),
-    })
-
-
-def _rank0_then_broadcast(method: Any) -> Any:
-    """Multi-process backends (``backend.world_size > 1``): run ``method`` on rank 0 only and return
-    its result on every rank, so all ranks train on the same rollouts and rewards."""
+def on_main_then_broadcast(method: Callable) -> Callable:
+    """Multi-process runs (``coordinator.world_size > 1``): run ``method`` on the main process only
+    and return its result on every process, so all train on the same rollouts and rewards."""
 
     @functools.wraps(method)
     def wrapper(self: "Trainer", *args: Any, **kwargs: Any) -> Any:
-        if not getattr(self, "distributed", False):
+        if self.coordinator.world_size == 1:
             return method(self, *args, **kwargs)
-        return self.backend.broadcast_object(method(self, *args, **kwargs) if self.is_main else None)
+        return self.coordinator.broadcast(method(self, *args, **kwargs) if self.is_main else None)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def signals_handled(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT go to ``handler`` inside the block (main thread only); the previous
+    handlers come back afterwards."""
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not in the main thread
+            pass
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def close_trackers(trackers: list[Any], status: str) -> None:
+    """Close every tracker with ``FINISHED``/``KILLED``/``FAILED`` for ``status`` finished/interrupted/
+    other, ignoring errors (so no MLflow run is left RUNNING)."""
+    label = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
+    for t in trackers:
+        with contextlib.suppress(Exception):
+            t.close(status=label)
 
 
 # ============================================================================ trainer
@@ -219,42 +159,27 @@ class Trainer:
     """Owns the run: data, reward, backends, trackers, checkpoints; :meth:`fit` trains."""
 
     def __init__(self, cfg: DictConfig, registry: Registry | None = None) -> None:
-        from .losses import compute_token_level_scores  # noqa: F401 - fail early if missing
-        from .models import load_tokenizer, resolve_model_path
-        from .data import StatefulDataLoader, read_dataset
+        from .data import StatefulDataLoader, read_run_datasets
         from .kl_control import make_kl_controller
+        from .models import load_tokenizer, resolve_model_path
         from .reward import RewardManager
 
-        self.cfg = cfg
-        self.registry = registry or get_registry()
+        self.cfg, self.registry = cfg, registry or get_registry()
         self.run_dir = run_dir_for(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         set_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
 
         # ---- everything that can fail cheaply comes before any model loads
+        self.plan = plan_batch(cfg, self.registry)  # which stages run, from the plugins' requires
         self.estimator = self.registry.get("advantage_estimator", cfg.algorithm.adv_estimator)
-        self.use_critic = uses_critic(cfg, self.estimator)
-        self.use_ref = bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-        self.needs_baseline = "reward_baselines" in self.estimator.requires
+        self.use_critic, self.use_ref, self.needs_baseline = self.plan.use_critic, self.plan.use_ref, self.plan.baseline
         self.kl_in_reward = (self.registry.get("kl_penalty", cfg.algorithm.kl_penalty)
                              if cfg.algorithm.use_kl_in_reward else None)
         self.reward = RewardManager(cfg.reward, registry=self.registry)
         self.model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
-        train_files, val_files = prepared_data_files(cfg)
-        read_kwargs = dict(tokenizer=self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
-                           filter_overlong_prompts=cfg.data.filter_overlong_prompts, prompt_key=cfg.data.prompt_key,
-                           system_prompt=cfg.data.system_prompt)
-        self.train_ds = read_dataset(train_files, **read_kwargs)
-        self.val_ds = read_dataset(val_files, **read_kwargs) if val_files else None
-        sources = set(self.train_ds.data_sources) | (set(self.val_ds.data_sources) if self.val_ds else set())
-        self.reward.check_data_sources(sources)
-        if len(self.train_ds) < cfg.data.train_batch_size:
-            raise ConfigError(
-                f"data.train_batch_size={cfg.data.train_batch_size} but the training set has only {len(self.train_ds)} "
-                f"usable rows (files: {train_files}). Lower the batch size or add data."
-            )
+        self.train_ds, self.val_ds = read_run_datasets(cfg, self.tokenizer, self.reward.check_data_sources)
         self.loader = StatefulDataLoader(self.train_ds, batch_size=cfg.data.train_batch_size,
                                          shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         self.total_steps = int(cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs)
@@ -265,18 +190,12 @@ class Trainer:
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
         self.backend = backend_factory(cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref,
                                        total_steps=self.total_steps)
-        # one optimizer step over the whole batch, nothing reading old_log_probs before it (the
-        # in-reward KL does), a backend that can do without them: the actor update uses its own
-        # detached log-probs (see ActorConfig.skip_old_log_prob_on_policy)
-        self.skip_old_log_prob = bool(
-            cfg.actor.skip_old_log_prob_on_policy and int(cfg.actor.ppo_epochs) == 1
-            and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
-            and not cfg.algorithm.use_kl_in_reward and getattr(self.backend, "reuses_on_policy_log_probs", False))
-        # Multi-process backends (trainer=fsdp2 under torchrun) run this trainer on every rank. Rank 0
-        # alone owns the rollout engine, generates and scores (broadcast to the others by
-        # _rank0_then_broadcast), pushes weights, logs to trackers and writes checkpoint metadata.
-        self.distributed = getattr(self.backend, "world_size", 1) > 1
-        self.is_main = not self.distributed or bool(self.backend.is_main_process)
+        self.skip_old_log_prob = skips_old_log_probs(cfg, self.plan, self.backend.capabilities)
+        # A multi-process backend (trainer=fsdp2 under torchrun) runs this trainer on every process. The
+        # main one alone owns the rollout engine, generates and scores (broadcast to the others by
+        # on_main_then_broadcast), pushes weights, logs to trackers and writes checkpoint metadata.
+        self.coordinator = self.backend.coordinator
+        self.distributed, self.is_main = self.coordinator.world_size > 1, bool(self.coordinator.is_main)
         rollout_factory = self.registry.get("rollout_backend", cfg.rollout.name)
         try:
             self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer) if self.is_main else None
@@ -288,44 +207,21 @@ class Trainer:
         self.global_step = 0
         self.trackers: list[Any] = []
         self._stop_signal: int | None = None
-        self._score_pool: cf.ThreadPoolExecutor | None = None
+        self._last_val_samples: list[dict] = []
         # Seed again now that everything is built: first-time imports and model loading above may
         # draw from the global RNGs (e.g. Python's ``random`` changed during the first Trainer of a
         # process only), so without this the same seed could give different runs in one process.
         seed_everything(cfg.trainer.seed)
 
     # ------------------------------------------------------------------ state
+    def _stateful(self) -> dict[str, Any]:
+        return {"data_loader": self.loader, "kl_ctrl": self.kl_ctrl}
+
     def _resume(self) -> None:
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            return
-        path = Path(str(self.cfg.trainer.resume_from_path)) if mode == "resume_path" else self.ckpt.latest()
+        path = resume_checkpoint(self.cfg.trainer, self.ckpt)
         if path is None:
             return
-        if not (path / "COMPLETE").is_file():
-            raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint (no COMPLETE marker).")
-        state = json.loads((path / "trainer_state.json").read_text())
-        try:
-            self.backend.load(path / "backend")
-            set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
-        except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) met a non-tensor object
-            lines = str(exc).splitlines() or [""]
-            detail = next((ln.strip() for ln in lines if "Unsupported" in ln), lines[0]).split(" Please use")[0]
-            raise ConfigError(
-                f"Refusing to resume from {path}: a file in it holds pickled Python objects other than tensors and "
-                f"plain containers ({detail}). rlplug loads checkpoints with torch.load(weights_only=True) and "
-                "safetensors only, because unpickling arbitrary objects can run code. Resume from a checkpoint "
-                "written by rlplug, or start fresh with trainer.resume_mode=disable."
-            ) from exc
-        try:
-            self.loader.load_state_dict(state["data_loader"])
-            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        except (ValueError, KeyError) as exc:
-            raise ConfigError(
-                f"Cannot resume from {path}: {exc}. The data or KL settings differ from the checkpointed run; "
-                "restore them, or start fresh with trainer.resume_mode=disable (or another trainer.default_local_dir)."
-            ) from exc
-        self.global_step = int(state["global_step"])
+        self.global_step = load_checkpoint(path, backend=self.backend, stateful=self._stateful())
         self._push_weights()
         log.info("Resumed from %s at step %d", path, self.global_step)
         print(f"Resumed from {path} (step {self.global_step}).", flush=True)
@@ -335,276 +231,154 @@ class Trainer:
         weights = self.backend.actor_weights()
         if self.rollout is not None:
             self.rollout.update_weights(weights)
-        for _ in weights:  # other ranks (or an engine that stopped early): join the remaining gathers
+        for _ in weights:  # other processes (or an engine that stopped early): join the remaining gathers
             pass
 
     def save_checkpoint(self) -> Path:
-        step = self.global_step
-
-        def write(tmp: Path) -> None:
-            if self.distributed:  # the other ranks write their shards into the same folder
-                self.backend.broadcast_object(str(tmp))
-            self.backend.save(tmp / "backend")
-            _fault_point("ckpt_backend")
-            torch.save(rng_state(), tmp / "rng_state.pt")
-            _fault_point("ckpt_rng")
-            meta = tmp / "hf_meta"
-            meta.mkdir()
-            self.tokenizer.save_pretrained(meta)
-            cfg_json = Path(self.model_path) / "config.json"
-            if cfg_json.is_file():
-                (meta / "config.json").write_text(cfg_json.read_text())
-            _fault_point("ckpt_meta")
-            state = {
-                "global_step": step,
-                "data_loader": self.loader.state_dict(),
-                "kl_ctrl": self.kl_ctrl.state_dict(),
-            }
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            _fault_point("ckpt_state")
-            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
-
-        if self.distributed and not self.is_main:  # rank 0 owns the folder and its metadata (see write)
-            self.backend.save(Path(self.backend.broadcast_object(None)) / "backend")
-            return Path(self.backend.broadcast_object(None))
-        path = self.ckpt.save(step, write)
-        if self.distributed:
-            self.backend.broadcast_object(str(path))
-        self.registry.hook.on_checkpoint_saved(step=step, path=str(path))
+        path = save_checkpoint(self.ckpt, self.global_step, backend=self.backend, coordinator=self.coordinator,
+                               stateful=self._stateful(), tokenizer=self.tokenizer, model_path=self.model_path,
+                               config=self.cfg)
+        if self.is_main:
+            self.registry.hook.on_checkpoint_saved(step=self.global_step, path=str(path))
         return path
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ generation and scoring
     def sampling_params(self, validation: bool = False, step: int = 0) -> SamplingParams:
-        r = self.cfg.rollout
-        if validation:
-            v = r.val_kwargs
-            return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
-                                  max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed + 7919)
-        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_tokens=self.cfg.data.max_response_length,
-                              seed=self.cfg.trainer.seed * 1_000_003 + step, logprobs=r.calculate_log_probs,
-                              ignore_eos=bool(r.ignore_eos))
+        return sampling_params(self.cfg, validation=validation, step=step)
 
-    @_rank0_then_broadcast
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, label: str = "rollout"):
-        wake = getattr(self.rollout, "wake_up", None)
-        if wake:
-            wake()
+    @on_main_then_broadcast
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, label: str = "rollout") -> RolloutOutput:
+        self.rollout.wake_up()
         try:
             _fault_point(label)
             return self.rollout.generate(prompt_ids, params)
         finally:
-            sleep = getattr(self.rollout, "sleep", None)
-            if sleep:
-                sleep()
+            self.rollout.sleep()
 
-    def _score_here(self, rows: list[dict], out) -> tuple[list[float], dict, dict]:
-        """Decode ``out``'s responses and score them in this process (rank 0's share of :meth:`_score`)."""
-        texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        return self.reward.score([rows[i] for i in out.prompt_index], texts)
+    def _decode(self, out: RolloutOutput) -> list[str]:
+        return self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
 
-    @_rank0_then_broadcast
-    def _score(self, rows: list[dict], out) -> tuple[list[float], dict, dict]:
-        return self._score_here(rows, out)
+    @on_main_then_broadcast
+    def _score(self, rows: list[dict], out: RolloutOutput) -> tuple[list[float], dict, dict]:
+        return self.reward.score([rows[i] for i in out.prompt_index], self._decode(out))
 
-    def _start_scoring(self, rows: list[dict], out) -> "cf.Future | None":
-        """Start scoring ``out`` on a background thread (rank 0 only) and return its future.
+    def _baseline_scores(self, rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput) -> torch.Tensor:
+        """``(B,) float32``: the score of a greedy response to each response's prompt (ReMax's baseline)."""
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
+        base_scores, _, _ = self._score(rows, self._generate(prompt_ids, params, label="rollout_baseline"))
+        return torch.tensor([base_scores[i] for i in out.prompt_index], dtype=torch.float32)
 
-        Scores are needed first by the advantage estimator, so decoding and scoring run while the
-        actor computes old log-probs (and ref log-probs and values): the reward functions are plain
-        Python or run in ``reward.num_workers`` processes, and torch releases the GIL inside its
-        kernels, so the two proceed together. The future yields ``(result, seconds)``; an
-        exception raised while scoring is raised by :meth:`_finish_scoring`. With
-        ``reward.overlap=false`` the scoring runs here, on the main thread, before returning.
-        """
+    def _start_scoring(self, rows: list[dict], out: RolloutOutput) -> Any:
+        """Decode and score ``out`` on the reward manager's thread (main process only; on the main
+        thread with ``reward.overlap=false``); returns the future, joined by :meth:`_finish_scoring`."""
         if not self.is_main:
             return None
-        if not self.cfg.reward.overlap:  # score now, on the main thread
-            done: cf.Future = cf.Future()
-            t0 = time.perf_counter()
-            done.set_result((self._score_here(rows, out), time.perf_counter() - t0))
-            return done
-        if self._score_pool is None:
-            self._score_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlplug-score")
-        t0 = time.perf_counter()
+        return self.reward.score_async([rows[i] for i in out.prompt_index], lambda: self._decode(out),
+                                       overlap=bool(self.cfg.reward.overlap))
 
-        def work() -> tuple[tuple[list[float], dict, dict], float]:
-            return self._score_here(rows, out), time.perf_counter() - t0
+    def _finish_scoring(self, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
+        """The scores of :meth:`_start_scoring` on every process; ``timing_s/reward`` is the scoring time
+        itself (the part the passes did not cover shows in ``timing_s/reward_wait``)."""
+        result = None
+        if future is not None:
+            result, metrics["timing_s/reward"] = future.result()
+        return self.coordinator.broadcast(result)  # in the main thread: collectives must not interleave
 
-        return self._score_pool.submit(work)
-
-    def _finish_scoring(self, future: "cf.Future | None", metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
-        """Wait for :meth:`_start_scoring`'s result and share it with every rank.
-
-        ``timing_s/reward`` is the scoring time itself; ``timing_s/reward_wait`` is what the step
-        waited for it after the log-prob/value passes (the part on the critical path).
-        """
-        with timer(metrics, "reward_wait"):
-            result = None
-            if future is not None:
-                result, seconds = future.result()
-                metrics["timing_s/reward"] = seconds
-        if self.distributed:  # in the main thread: collectives must not interleave with the backend's
-            result = self.backend.broadcast_object(result)
-        return result
-
+    # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
-
-        cfg = self.cfg
-        metrics: dict[str, float] = {}
-        step = self.global_step + 1
+        cfg, metrics, step = self.cfg, {}, self.global_step + 1
         t_step = time.perf_counter()
         _fault_point("step_start")
         rows, epoch = self.loader.next_batch()
         prompt_ids = [r["prompt_ids"] for r in rows]
-
-        with timer(metrics, "gen"):
+        with stage(metrics, "gen", fault=None):
             out = self._generate(prompt_ids, self.sampling_params(step=step))
         batch = build_batch(prompt_ids, out.response_ids, out.prompt_index, self.pad_id)
-        mask = batch["response_mask"]
-        lengths = mask.sum(-1)
-
-        if self.needs_baseline:
-            with timer(metrics, "gen_baseline"):
-                base_out = self._generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length),
-                                          label="rollout_baseline")
-                base_scores, _, _ = self._score(rows, base_out)
-            batch["reward_baselines"] = torch.tensor([base_scores[i] for i in out.prompt_index], dtype=torch.float32)
+        if self.plan.baseline:
+            with stage(metrics, "gen_baseline", fault=None):
+                batch["reward_baselines"] = self._baseline_scores(rows, prompt_ids, out)
         scoring = self._start_scoring(rows, out)  # overlaps the passes below; joined before the advantages
         if out.log_probs is not None:
-            T = mask.shape[1]
-            batch["rollout_log_probs"] = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in out.log_probs], dtype=torch.float32)
-
+            batch["rollout_log_probs"] = padded_rows(out.log_probs, batch["response_mask"].shape[1])
         if not self.skip_old_log_prob:
-            with timer(metrics, "old_log_prob"):
-                res = self.backend.compute_log_probs(batch, which="actor", with_entropy=True)
-                batch["old_log_probs"] = res["log_probs"]
-                if "entropy" in res:
-                    metrics["actor/entropy_rollout"] = masked_mean(res["entropy"], mask).item()
-            _fault_point("old_log_prob")
+            with stage(metrics, "old_log_prob"):
+                self._old_log_probs(batch, metrics)
         if self.use_ref:
-            with timer(metrics, "ref"):
+            with stage(metrics, "ref"):
                 batch["ref_log_probs"] = self.backend.compute_log_probs(batch, which="ref")["log_probs"]
-            _fault_point("ref")
         if self.use_critic:
-            with timer(metrics, "values"):
-                batch["values"] = self.backend.compute_values(batch) * mask
-            _fault_point("values")
-
-        scores, extra, reward_metrics = self._finish_scoring(scoring, metrics)
-        _fault_point("reward")
+            with stage(metrics, "values"):
+                batch["values"] = self.backend.compute_values(batch) * batch["response_mask"]
+        with stage(metrics, "reward_wait", fault="reward"):
+            scores, extra, reward_metrics = self._finish_scoring(scoring, metrics)
         metrics.update(reward_metrics)
-        score_t = torch.tensor(scores, dtype=torch.float32)
-        batch["token_level_scores"] = compute_token_level_scores(score_t, mask)
-
-        with timer(metrics, "adv"):
-            if self.kl_in_reward is not None:
-                kl_fn = self.kl_in_reward
-                rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
-                                                       batch["ref_log_probs"], mask, self.kl_ctrl.value, kl_fn)
-                batch["token_level_rewards"] = rewards
-                metrics.update(kl_metrics)
-                self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
-            else:
-                batch["token_level_rewards"] = batch["token_level_scores"]
-            data = {k: batch.tensors.get(k) for k in ("token_level_rewards", "response_mask", "values", "index", "reward_baselines")}
-            advantages, returns = self.estimator(data, cfg.algorithm)
-            batch["advantages"], batch["returns"] = advantages, returns
-        _fault_point("adv")
-
+        batch["token_level_scores"] = compute_token_level_scores(torch.tensor(scores, dtype=torch.float32),
+                                                                 batch["response_mask"])
+        batch.set_columns("reward_components", *components_tensor(extra, len(scores)))
+        with stage(metrics, "adv"):
+            self._token_level_rewards(batch, metrics)
+            batch["advantages"], batch["returns"] = self.estimator(batch.fields(), cfg.algorithm)
         if self.use_critic:
-            with timer(metrics, "update_critic"):
+            with stage(metrics, "update_critic"):
                 metrics.update(self.backend.update_critic(batch))
-            _fault_point("update_critic")
         if step > cfg.trainer.critic_warmup:
-            with timer(metrics, "update_actor"):
+            with stage(metrics, "update_actor"):
                 metrics.update(self.backend.update_actor(batch))
-            _fault_point("update_actor")
-            bad = getattr(self.backend, "consecutive_bad_steps", 0)
-            if bad >= cfg.trainer.max_consecutive_bad_steps:
-                raise TrainingStopped(
-                    f"{bad} consecutive optimizer steps had a non-finite loss or gradient (limit "
-                    f"trainer.max_consecutive_bad_steps={cfg.trainer.max_consecutive_bad_steps}); stopping. The last good "
-                    f"checkpoint is intact under {self.ckpt.root}. Lower the learning rate or check the data/reward."
-                )
-            with timer(metrics, "update_weights"):
+            check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root)
+            with stage(metrics, "update_weights"):
                 self._push_weights()
-            _fault_point("update_weights")
-
-        # ---- metrics (verl's names)
-        metrics.update(_stats("critic/score", score_t))
-        seq_rewards = (batch["token_level_rewards"] * mask).sum(-1)
-        metrics.update(_stats("critic/rewards", seq_rewards))
-        metrics.update(_stats("critic/advantages", advantages, mask))
-        metrics.update(_stats("critic/returns", returns, mask))
-        if self.use_critic:
-            metrics.update(_stats("critic/values", batch["values"], mask))
-            valid = mask.bool()
-            ret, val = returns[valid], batch["values"][valid]
-            var_r = ret.var(unbiased=False)
-            metrics["critic/vf_explained_var"] = (1.0 - (ret - val).var(unbiased=False) / (var_r + 1e-8)).item()
-        for k, vals in extra.items():  # NaN marks samples whose reward did not report the key
-            finite = [v for v in vals if v is not None and not math.isnan(v)]
-            if finite:
-                metrics[f"critic/{k}/mean"] = float(np.mean(finite))
-        metrics.update(_stats("response_length", lengths))
-        metrics["response_length/clip_ratio"] = float(np.mean(out.truncated_flags))
-        metrics["response_length/empty"] = float(sum(1 for n in out.response_lengths if n == 0))
-        prompt_lens = torch.tensor([len(p) for p in prompt_ids], dtype=torch.float32)
-        metrics.update(_stats("prompt_length", prompt_lens))
-        metrics["training/global_step"] = float(step)
-        metrics["training/epoch"] = float(epoch)
-        if self.kl_in_reward is not None or cfg.algorithm.kl_ctrl.type == "adaptive":
-            metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
+        metrics.update(step_metrics(batch, scores=scores, components=extra, rollout=out, prompt_ids=prompt_ids,
+                                    use_critic=self.use_critic))
+        kl_on = self.kl_in_reward is not None or cfg.algorithm.kl_ctrl.type == "adaptive"
+        metrics.update(progress_metrics(step, epoch, kl_coef=self.kl_ctrl.value if kl_on else None))
         step_time = time.perf_counter() - t_step
-        metrics["timing_s/step"] = step_time
-        n_tokens = float(batch["attention_mask"].sum().item())
-        metrics["perf/total_num_tokens"] = n_tokens
-        metrics["perf/throughput"] = n_tokens / step_time
-        metrics["perf/gen_tokens_per_s"] = float(lengths.sum().item()) / max(metrics["timing_s/gen"], 1e-9)
+        metrics.update(throughput_metrics(batch, step_time=step_time, gen_time=metrics["timing_s/gen"]))
         self.global_step = step
         return metrics
 
+    def _old_log_probs(self, batch: Any, metrics: dict[str, float]) -> None:
+        """``old_log_probs`` (and the per-token quantities the plugins require) from the actor."""
+        res = self.backend.compute_log_probs(batch, which="actor", with_entropy=True, extras=self.plan.per_token)
+        batch["old_log_probs"] = res["log_probs"]
+        for name in self.plan.per_token:
+            batch[name] = res[name]
+        if "entropy" in res:
+            metrics["actor/entropy_rollout"] = masked_mean(res["entropy"], batch["response_mask"]).item()
+
+    def _token_level_rewards(self, batch: Any, metrics: dict[str, float]) -> None:
+        """``token_level_rewards``: the scores, minus the in-reward KL penalty when it is on."""
+        if self.kl_in_reward is None:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+            return
+        rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
+                                               batch["ref_log_probs"], batch["response_mask"], self.kl_ctrl.value,
+                                               self.kl_in_reward)
+        batch["token_level_rewards"] = rewards
+        metrics.update(kl_metrics)
+        self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
+        """Generate for the validation prompts (``rollout.val_kwargs``) and score them: ``val-core/<data_source>/
+        acc/mean@N`` and ``val-aux/<data_source>/reward/mean@N``; keeps samples for the trackers."""
         if self.val_ds is None or len(self.val_ds) == 0:
             return {}
-        cfg = self.cfg
-        rows = [self.val_ds[i] for i in range(len(self.val_ds))]
-        if cfg.data.val_max_samples:
-            rows = rows[: cfg.data.val_max_samples]
+        rows = [self.val_ds[i] for i in range(len(self.val_ds))][: self.cfg.data.val_max_samples or None]
         params = self.sampling_params(validation=True)
-        bs = cfg.data.val_batch_size or len(rows)
-        scores: list[float] = []
-        accs: list[float] = []
-        sources: list[str] = []
-        samples: list[dict] = []
+        bs = self.cfg.data.val_batch_size or len(rows)
+        scored: list[tuple[dict, str, float, float]] = []  # (row, response, score, acc) per response
         for start in range(0, len(rows), bs):
             chunk = rows[start:start + bs]
             out = self._generate([r["prompt_ids"] for r in chunk], params, label="validation")
-            texts = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-            s, extra, _ = self.reward.score([chunk[i] for i in out.prompt_index], texts)
-            scores += s
-            accs += extra.get("acc", s)
-            sources += [chunk[i]["data_source"] for i in out.prompt_index]
-            for j in range(len(texts)):
-                if len(samples) < cfg.trainer.val_samples_to_log:
-                    r = chunk[out.prompt_index[j]]
-                    samples.append({"data_source": r["data_source"], "prompt": r["messages"][-1]["content"],
-                                    "response": texts[j], "ground_truth": str(r["ground_truth"]), "score": s[j]})
-        n = params.n
-        metrics: dict[str, float] = {}
-        for src in sorted(set(sources)):
-            idx = [i for i, x in enumerate(sources) if x == src]
-            metrics[f"val-core/{src}/acc/mean@{n}"] = float(np.mean([accs[i] for i in idx]))
-            metrics[f"val-aux/{src}/reward/mean@{n}"] = float(np.mean([scores[i] for i in idx]))
-        self._last_val_samples = samples
-        return metrics
+            texts, answered = self._decode(out), [chunk[i] for i in out.prompt_index]
+            scores, extra, _ = self.reward.score(answered, texts)
+            scored += zip(answered, texts, scores, extra.get("acc", scores))
+        self._last_val_samples = validation_samples(scored[: self.cfg.trainer.val_samples_to_log])
+        return validation_metrics(scored, n=params.n)
 
     # ------------------------------------------------------------------ main loop
     def _open_trackers(self) -> None:
-        if not getattr(self, "is_main", True):  # only rank 0 logs
+        if not self.is_main:  # only the main process logs
             return
         for name in self.cfg.trainer.logger:
             self.trackers.append(self.registry.get("tracker", name)(self.cfg))
@@ -633,69 +407,60 @@ class Trainer:
         try:
             self._open_trackers()
         except BaseException:
-            for t in self.trackers:  # close those already open, so no MLflow run is left RUNNING
-                with contextlib.suppress(Exception):
-                    t.close(status="FAILED")
+            close_trackers(self.trackers, "failed")  # those already open
             raise
-        old_handlers = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                old_handlers[sig] = signal.signal(sig, self._handle_signal)
-            except ValueError:  # not in the main thread
-                pass
         status = "failed"
         t_start = time.time()
         try:
-            self.registry.hook.on_train_start(config=cfg, run_dir=str(self.run_dir))
-            if cfg.trainer.val_before_train and self.global_step == 0:
-                self._run_validation()
-            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
-                       disable=None)
-            while self.global_step < self.total_steps:
-                metrics = self.train_step()
-                step = self.global_step
-                out_of_time = cfg.trainer.max_wall_time_s is not None and time.time() - t_start > cfg.trainer.max_wall_time_s
-                if self.distributed:  # every rank must stop (and save) at the same step: rank 0 decides
-                    self._stop_signal, out_of_time = self.backend.broadcast_object((self._stop_signal, out_of_time))
-                # the time budget is part of the experiment: reaching it ends the run like its last step
-                # (validation, checkpoint, final model)
-                last = step >= self.total_steps or out_of_time
-                if out_of_time and step < self.total_steps:
-                    print(f"Reached trainer.max_wall_time_s={cfg.trainer.max_wall_time_s} after step {step}: "
-                          "validating, saving and exporting.", flush=True)
-                if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
-                    with timer(metrics, "testing"):
-                        metrics.update(self._run_validation(log_now=False))
-                self._log(metrics, step)
-                self.registry.hook.on_step_end(step=step, metrics=metrics)
-                _fault_point("step_end")
-                bar.update(1)
-                bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k: round(v, 3) for k, v in metrics.items()
-                                 if k in ("critic/score/mean", "actor/pg_loss", "response_length/mean")})
-                if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal:
-                    with timer(metrics, "save_checkpoint"):
-                        self.save_checkpoint()
-                if self._stop_signal is not None and not last:  # a stop in the last step just finishes
-                    status = "interrupted"
-                    print(f"Stopped after step {step} (a signal); checkpoint saved in {self.ckpt.root}. "
-                          f"Resume with the same command (trainer.resume_mode=auto).", flush=True)
-                    break
-                if out_of_time:
+            with signals_handled(self._handle_signal):
+                self.registry.hook.on_train_start(config=cfg, run_dir=str(self.run_dir))
+                if cfg.trainer.val_before_train and self.global_step == 0:
+                    self._run_validation()
+                bar = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
+                           disable=None)
+                while self.global_step < self.total_steps:
+                    metrics = self.train_step()
+                    step = self.global_step
+                    limit = cfg.trainer.max_wall_time_s
+                    out_of_time = limit is not None and time.time() - t_start > limit
+                    # every process must stop (and save) at the same step: the main one decides
+                    self._stop_signal, out_of_time = self.coordinator.broadcast((self._stop_signal, out_of_time))
+                    # the time budget is part of the experiment: reaching it ends the run like its last step
+                    # (validation, checkpoint, final model)
+                    last = step >= self.total_steps or out_of_time
+                    if out_of_time and step < self.total_steps:
+                        print(f"Reached trainer.max_wall_time_s={limit} after step {step}: "
+                              "validating, saving and exporting.", flush=True)
+                    if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
+                        with stage(metrics, "testing", fault=None):
+                            metrics.update(self._run_validation(log_now=False))
+                    self._log(metrics, step)
+                    self.registry.hook.on_step_end(step=step, metrics=metrics)
+                    _fault_point("step_end")
+                    bar.update(1)
+                    bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k: round(v, 3)
+                                     for k, v in metrics.items()
+                                     if k in ("critic/score/mean", "actor/pg_loss", "response_length/mean")})
+                    if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal:
+                        with stage(metrics, "save_checkpoint", fault=None):
+                            self.save_checkpoint()
+                    if self._stop_signal is not None and not last:  # a stop in the last step just finishes
+                        status = "interrupted"
+                        print(f"Stopped after step {step} (a signal); checkpoint saved in {self.ckpt.root}. "
+                              f"Resume with the same command (trainer.resume_mode=auto).", flush=True)
+                        break
+                    if out_of_time:
+                        status = "finished"
+                        break
+                else:
                     status = "finished"
-                    break
-            else:
-                status = "finished"
-            bar.close()
-            if status == "finished":
-                self._finish()
+                bar.close()
+                if status == "finished":
+                    self._finish()
             return status
         finally:
-            for sig, h in old_handlers.items():
-                signal.signal(sig, h)
             self.registry.hook.on_train_end(step=self.global_step, status=status)
-            for t in self.trackers:
-                with contextlib.suppress(Exception):
-                    t.close(status="FINISHED" if status == "finished" else ("KILLED" if status == "interrupted" else "FAILED"))
+            close_trackers(self.trackers, status)
 
     def _finish(self) -> None:
         final = self.run_dir / "final_model"
@@ -710,7 +475,7 @@ class Trainer:
         metrics = self.validate()
         if not metrics:
             return {}
-        samples = getattr(self, "_last_val_samples", [])
+        samples = self._last_val_samples
         for t in self.trackers:
             t.log_table(f"val_generations/step_{self.global_step:06d}.json", samples, self.global_step)
         if log_now:
@@ -720,14 +485,12 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        if self._score_pool is not None:  # wait for a running scoring (bounded by reward.timeout_s) before
-            self._score_pool.shutdown(wait=True, cancel_futures=True)  # the reward pool below closes
-            self._score_pool = None
-        for obj in (getattr(self, "rollout", None), getattr(self, "backend", None), getattr(self, "reward", None)):
-            close = getattr(obj, "close", None)
-            if close:
+        """Close the reward manager (after a running scoring, bounded by ``reward.timeout_s``), the rollout
+        engine and the backend; idempotent."""
+        for obj in (self.reward, self.rollout, self.backend):
+            if obj is not None:
                 with contextlib.suppress(Exception):
-                    close()
+                    obj.close()
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:

@@ -4,6 +4,11 @@
 misspelled name fails in seconds with the available names listed) and checks batch-size
 arithmetic and algorithm constraints. It raises :class:`rlplug.config.ConfigError` naming the
 key, the bad value, what was expected and what to do.
+
+:func:`plan_batch` decides which stages of the training step run, from what the selected
+plugins require (``AdvantageEstimator.requires``, ``PolicyLoss.requires``; the producers are
+listed in :data:`rlplug.types.BATCH_FIELD_PRODUCERS`). The trainer runs exactly that plan, and
+a field that no stage would produce under the config is a :class:`ConfigError` here.
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ from typing import Any
 from omegaconf import DictConfig
 
 from .config import ConfigError
+from .contracts import built_classes
 from .kl_control import KL_CONTROLLER_TYPES
 from .losses import LOSS_AGG_MODES
 from .registry import PluginError, Registry, get_registry
+from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
+
+__all__ = ["PluginChoice", "BatchPlan", "plan_batch", "uses_critic", "validate_config"]
 
 
 @dataclass
@@ -46,6 +55,116 @@ def uses_critic(cfg: DictConfig, estimator: Any) -> bool:
     if cfg.critic.enable is not None:
         return bool(cfg.critic.enable)
     return "values" in getattr(estimator, "requires", ())
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The stages of the training step that run, decided from the config and from what the
+    selected plugins require (:func:`plan_batch`).
+
+    * ``requires``: the batch fields the advantage estimator and the policy loss declare, in
+      declaration order, without repeats.
+    * ``use_critic``: train a critic and put ``values`` on the batch (``critic.enable``, else
+      whether ``values`` is required).
+    * ``use_ref``: load the reference model and put ``ref_log_probs`` on the batch
+      (``actor.use_kl_loss``, ``algorithm.use_kl_in_reward`` or required).
+    * ``baseline``: generate and score a greedy baseline rollout (``reward_baselines`` required).
+    * ``per_token``: the per-token quantities (:data:`rlplug.types.PER_TOKEN_QUANTITIES`) to keep
+      on the batch from the old-log-prob pass.
+    * ``needs_old_log_prob_pass``: a plugin reads ``old_log_probs`` or a per-token quantity before
+      the update, so the pass always runs (never skipped on-policy).
+    """
+
+    requires: tuple[str, ...] = ()
+    use_critic: bool = False
+    use_ref: bool = False
+    baseline: bool = False
+    per_token: tuple[str, ...] = ()
+
+    @property
+    def needs_old_log_prob_pass(self) -> bool:
+        return "old_log_probs" in self.requires or bool(self.per_token)
+
+
+#: fields a policy loss may require that the advantage stage puts on the batch before the update
+_BEFORE_UPDATE = {"advantages": "the advantage estimator (algorithm.adv_estimator)",
+                  "returns": "the advantage estimator (algorithm.adv_estimator)"}
+
+
+def plan_batch(cfg: DictConfig, registry: Registry | None = None) -> BatchPlan:
+    """Which stages run, from ``cfg`` and the ``requires`` of the selected advantage estimator and
+    policy loss; checks that every required field is produced.
+
+    Raises :class:`ConfigError` (before any model loads) naming the plugin, the field and what
+    would produce it, when a required field is one no stage produces (not a key of
+    :data:`rlplug.types.BATCH_FIELD_PRODUCERS`), is ``rollout_log_probs`` with
+    ``rollout.calculate_log_probs=false``, is ``values`` with ``critic.enable=false``, or is a
+    per-token quantity that the training backend's class does not list in ``per_token_outputs``
+    (the class comes from the registration: :func:`rlplug.contracts.built_classes`). A name that
+    does not resolve raises :class:`ConfigError` as in :func:`validate_config`.
+    """
+    registry = registry or get_registry()
+    choices: list[PluginChoice] = []
+    a = cfg.actor
+    users = [
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, "advantage estimator", {},
+         _resolve(registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices)),
+        ("actor.policy_loss", a.policy_loss, "policy loss", _BEFORE_UPDATE,
+         _resolve(registry, "policy_loss", "actor.policy_loss", a.policy_loss, choices)),
+    ]
+    requires: list[str] = []
+    for key, name, what, later, plugin in users:
+        for f in tuple(getattr(plugin, "requires", ()) or ()):
+            _check_producible(cfg, registry, f"{key}={name}", what, str(f), later)
+            if f not in requires:
+                requires.append(str(f))
+    use_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else "values" in requires
+    return BatchPlan(
+        requires=tuple(requires),
+        use_critic=use_critic,
+        use_ref=bool(a.use_kl_loss or cfg.algorithm.use_kl_in_reward or "ref_log_probs" in requires),
+        baseline="reward_baselines" in requires,
+        per_token=tuple(f for f in requires if f in PER_TOKEN_QUANTITIES),
+    )
+
+
+def _check_producible(cfg: DictConfig, registry: Registry, who: str, what: str, f: str, later: dict[str, str]) -> None:
+    if f in later:
+        return
+    if f not in BATCH_FIELD_PRODUCERS:
+        known = "; ".join(f"{k}: {v}" for k, v in BATCH_FIELD_PRODUCERS.items())
+        raise ConfigError(
+            f"{who} requires the batch field '{f}', but no stage produces it. The fields and what produces them: "
+            f"{known}. Fix the {what}'s requires (a typo?) or choose another {what}."
+        )
+    producer = BATCH_FIELD_PRODUCERS[f]
+    if f == "rollout_log_probs" and not cfg.rollout.calculate_log_probs:
+        raise ConfigError(
+            f"{who} requires the batch field 'rollout_log_probs', produced by {producer}, but "
+            "rollout.calculate_log_probs=false. Set rollout.calculate_log_probs=true."
+        )
+    if f == "values" and cfg.critic.enable is not None and not cfg.critic.enable:
+        raise ConfigError(
+            f"{who} requires the batch field 'values', produced by {producer}, but critic.enable=false. "
+            "Set critic.enable=true, or leave it unset (null) so the critic follows the plugins' requires."
+        )
+    if f in PER_TOKEN_QUANTITIES:
+        name = cfg.trainer.backend
+        try:
+            reg = registry.registration("training_backend", str(name))
+        except PluginError as exc:
+            raise ConfigError(f"trainer.backend={name}: {exc}") from exc
+        classes = built_classes(reg.obj, reg.extra)
+        lacking = [c for c in classes if f not in frozenset(getattr(c, "per_token_outputs", ()) or ())]
+        if lacking or not classes:
+            outputs = sorted(frozenset(getattr(lacking[0], "per_token_outputs", ()) or ())) if lacking else []
+            label = ", ".join(c.__qualname__ for c in lacking) or repr(reg.obj)
+            raise ConfigError(
+                f"{who} requires the batch field '{f}', produced by {producer}, but trainer.backend={name} "
+                f"({label}, {reg.distribution} {reg.version}) does not compute it: its per_token_outputs lists "
+                f"{outputs or 'nothing'}. Choose a training backend that lists '{f}' in per_token_outputs, "
+                f"or another {what}."
+            )
 
 
 def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[PluginChoice]:
@@ -77,6 +196,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         reward_names[f"reward.shaping[{i}].name"] = s.name
     for key, name in reward_names.items():
         _resolve(registry, "reward_function", key, name, choices)
+    plan = plan_batch(cfg, registry)  # every required batch field has a producer
 
     # ---- algorithm constraints
     if getattr(estimator, "group_based", False) and r.n < 2:
@@ -106,7 +226,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     _positive(a.micro_batch_size_per_device, "actor.micro_batch_size_per_device")
     _positive(a.ppo_epochs, "actor.ppo_epochs")
     _check_minibatch("actor", d.train_batch_size, a.ppo_mini_batch_size, a.micro_batch_size_per_device, r.n)
-    if uses_critic(cfg, estimator):
+    if plan.use_critic:
         c = cfg.critic
         mini = c.ppo_mini_batch_size if c.ppo_mini_batch_size is not None else a.ppo_mini_batch_size
         micro = c.micro_batch_size_per_device if c.micro_batch_size_per_device is not None else a.micro_batch_size_per_device

@@ -265,3 +265,151 @@ def test_export_refuses_weights_that_do_not_fit_the_model(tmp_path, damage):
     with pytest.raises(ValueError, match=expected):
         export_checkpoint(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- the run's checkpoint
+
+
+class _Backend:
+    """Records save/load; ``save`` writes one file naming the process."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank, self.saved, self.loaded = rank, [], []
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"shard{self.rank}.txt").write_text(f"rank {self.rank}")
+        self.saved.append(directory)
+
+    def load(self, directory: Path) -> None:
+        self.loaded.append(directory)
+
+
+class _Tokenizer:
+    def save_pretrained(self, directory: Path) -> None:
+        (Path(directory) / "tokenizer.json").write_text("{}")
+
+
+class _Stateful:
+    def __init__(self, state: dict) -> None:
+        self.state = dict(state)
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.state):
+            raise ValueError(f"keys {sorted(state)} differ")
+        self.state = dict(state)
+
+
+class _Coordinator:
+    """A fake coordinator: broadcasts replay what the main process sent (``sent``)."""
+
+    def __init__(self, is_main: bool, sent: list | None = None) -> None:
+        self.world_size, self.is_main, self.sent, self.received = 2, is_main, sent if sent is not None else [], []
+
+    def broadcast(self, obj):
+        if self.is_main:
+            self.sent.append(obj)
+            return obj
+        value = self.sent[len(self.received)]
+        self.received.append(value)
+        return value
+
+
+def test_save_and_load_checkpoint_layout_state_and_rng(tmp_path):
+    import random
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from rlplug.config import ConfigError
+    from rlplug.coordinator import SINGLE_PROCESS
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    backend, stateful = _Backend(), {"data_loader": _Stateful({"epoch": 1, "index": 2}), "kl_ctrl": _Stateful({"value": 0.1})}
+    manager = CheckpointManager(tmp_path / "run")
+    checkpoint.seed_everything(3)
+    path = checkpoint.save_checkpoint(manager, 7, backend=backend, coordinator=SINGLE_PROCESS, stateful=stateful,
+                                      tokenizer=_Tokenizer(), model_path=model_dir, config=OmegaConf.create({"a": 1}))
+    draws = [random.random(), torch.rand(1).item()]  # what the run draws after the save
+    assert path == manager.step_dir(7) and manager.latest() == path
+    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "backend", "config.yaml", "hf_meta", "rng_state.pt",
+                                                      "trainer_state.json"]
+    assert (path / "hf_meta" / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (path / "config.yaml").read_text() == "a: 1\n"
+    import json
+
+    assert json.loads((path / "trainer_state.json").read_text()) == {
+        "global_step": 7, "data_loader": {"epoch": 1, "index": 2}, "kl_ctrl": {"value": 0.1}}
+
+    class _Trainer:  # the trainer config section resume_checkpoint reads
+        resume_mode, resume_from_path = "auto", None
+
+    assert checkpoint.resume_checkpoint(_Trainer, manager) == path
+    _Trainer.resume_mode = "disable"
+    assert checkpoint.resume_checkpoint(_Trainer, manager) is None
+    _Trainer.resume_mode, _Trainer.resume_from_path = "resume_path", str(tmp_path)
+    with pytest.raises(ConfigError, match="is not a complete checkpoint"):
+        checkpoint.resume_checkpoint(_Trainer, manager)
+
+    fresh = {"data_loader": _Stateful({"epoch": 0, "index": 0}), "kl_ctrl": _Stateful({"value": 0.0})}
+    random.random(), torch.rand(3)  # move the RNGs on: loading must put them back
+    assert checkpoint.load_checkpoint(path, backend=backend, stateful=fresh) == 7
+    assert backend.loaded == [path / "backend"]
+    assert fresh["data_loader"].state == {"epoch": 1, "index": 2} and fresh["kl_ctrl"].state == {"value": 0.1}
+    assert [random.random(), torch.rand(1).item()] == draws
+    with pytest.raises(ConfigError, match="The data or KL settings differ from the checkpointed run"):
+        checkpoint.load_checkpoint(path, backend=backend, stateful={"kl_ctrl": _Stateful({"other": 1})})
+
+
+def test_save_checkpoint_other_processes_write_their_shards_into_the_main_folder(tmp_path):
+    """The main process broadcasts the partial folder, then the final one; another process saves its
+    backend shard into the partial folder and returns the final path. The two run one after the other
+    here: the main's backend save also plays the other process's first step."""
+    from omegaconf import OmegaConf
+
+    manager, sent = CheckpointManager(tmp_path / "run"), []
+    main, other = _Backend(0), _Backend(1)
+    main_save = main.save
+
+    def save_then_other_process(directory: Path) -> None:
+        main_save(directory)
+        other.save(Path(_Coordinator(False, sent).broadcast(None)) / "backend")  # the other process's first step
+
+    main.save = save_then_other_process
+    path = checkpoint.save_checkpoint(manager, 1, backend=main, coordinator=_Coordinator(True, sent), stateful={},
+                                      tokenizer=_Tokenizer(), model_path=tmp_path, config=OmegaConf.create({}))
+    assert len(sent) == 2 and ".partial-" in sent[0] and sent[1] == str(path)
+    assert sorted(p.name for p in (path / "backend").iterdir()) == ["shard0.txt", "shard1.txt"]
+    # the other process's whole call: save into the broadcast partial folder, return the final path
+    other2 = _Backend(1)
+    got = checkpoint.save_checkpoint(manager, 1, backend=other2, coordinator=_Coordinator(False, list(sent)),
+                                     stateful={}, tokenizer=None, model_path=tmp_path, config=None)
+    assert got == path and other2.saved == [Path(sent[0]) / "backend"]
+
+
+def test_stage_times_the_block_then_reaches_its_fault_point(monkeypatch):
+    import time
+
+    from rlplug.metrics import stage
+
+    reached: list[str] = []
+    monkeypatch.setattr(checkpoint, "_fault_point", reached.append)
+    metrics: dict[str, float] = {"timing_s/gen": 1.0}
+    with stage(metrics, "gen"):
+        time.sleep(0.05)
+        assert reached == []  # the fault point comes after the work
+    assert reached == ["gen"] and 1.05 <= metrics["timing_s/gen"] < 1.5  # added to what was there
+    with stage(metrics, "reward_wait", fault="reward"):
+        pass
+    with stage(metrics, "testing", fault=None):
+        pass
+    assert reached == ["gen", "reward"] and {"timing_s/reward_wait", "timing_s/testing"} <= set(metrics)
+    with pytest.raises(RuntimeError):
+        with stage(metrics, "adv"):
+            raise RuntimeError("boom")
+    assert "timing_s/adv" not in metrics and reached == ["gen", "reward"]  # a failed stage: no time, no point

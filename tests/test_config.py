@@ -9,6 +9,7 @@ import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlplug.config import ConfigError, RunConfig, compose, config_dir, config_get
+from rlplug.coordinator import SINGLE_PROCESS
 from rlplug.registry import Registry
 from rlplug.types import AdvantageEstimator, KLPenalty, PolicyLoss
 from rlplug.validate import validate_config
@@ -18,8 +19,50 @@ GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir() and any(p.glob("
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml"))]
 
 
-def _noop(*args, **kwargs):  # stands in for every plugin object in the stub registry
+def _noop(*args, **kwargs):  # stands in for the algorithm and reward plugin objects in the stub registry
     return None
+
+
+class _StubRollout:
+    """Stands in for the rollout backends (conforms to rlplug.types.RolloutBackend; builds nothing)."""
+
+    def __init__(self, *args, **kwargs): ...
+    def generate(self, prompt_ids, params): ...
+    def update_weights(self, named_tensors): ...
+    def sleep(self): ...
+    def wake_up(self): ...
+    def close(self): ...
+
+
+class _StubTraining:
+    """Stands in for the training backends (conforms to rlplug.types.TrainingBackend)."""
+
+    consecutive_bad_steps = 0
+    coordinator = SINGLE_PROCESS
+    per_token_outputs = frozenset({"entropy", "sum_pi_squared"})
+    capabilities = frozenset({"reuses_on_policy_log_probs"})
+
+    def __init__(self, *args, **kwargs): ...
+    def compute_log_probs(self, batch, *, which="actor", with_entropy=False, extras=()): ...
+    def compute_values(self, batch): ...
+    def update_actor(self, batch): ...
+    def update_critic(self, batch): ...
+    def actor_weights(self): ...
+    def save(self, directory): ...
+    def load(self, directory): ...
+    def export_hf(self, directory, tokenizer=None): ...
+    def close(self): ...
+
+
+class _StubTracker:
+    """Stands in for the trackers (conforms to rlplug.types.Tracker)."""
+
+    def __init__(self, *args, **kwargs): ...
+    def log_params(self, params): ...
+    def log_metrics(self, metrics, step): ...
+    def log_table(self, name, rows, step): ...
+    def log_artifact(self, path, artifact_path=None): ...
+    def close(self, status="FINISHED"): ...
 
 
 @pytest.fixture
@@ -39,11 +82,11 @@ def stub_registry() -> Registry:
     for name in ("kl", "low_var_kl"):
         r.register("kl_penalty", name, KLPenalty(_noop), "rlplug", "0.1.0")
     for name in ("hf", "vllm", "sglang"):
-        r.register("rollout_backend", name, _noop, "rlplug", "0.1.0")
+        r.register("rollout_backend", name, _StubRollout, "rlplug", "0.1.0")
     for name in ("local", "fsdp2"):
-        r.register("training_backend", name, _noop, "rlplug", "0.1.0")
+        r.register("training_backend", name, _StubTraining, "rlplug", "0.1.0")
     for name in ("console", "mlflow"):
-        r.register("tracker", name, _noop, "rlplug", "0.1.0")
+        r.register("tracker", name, _StubTracker, "rlplug", "0.1.0")
     for name in ("gsm8k", "reasoning_gym", "math_verify"):
         r.register("reward_function", name, _noop, "rlplug", "0.1.0")
     return r

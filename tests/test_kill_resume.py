@@ -265,7 +265,7 @@ def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_sigkill_at_26_points_then_resume_matches_uninterrupted(tmp_path):
     from rlplug.config import compose
     from rlplug.models import resolve_model_path
-    from rlplug.trainer import prepared_data_files
+    from rlplug.data_prepare import prepared_data_files
 
     # build the tiny model and the data once, before the processes run in parallel
     cfg = compose(OVERRIDES)

@@ -215,7 +215,7 @@ def test_training_starts_from_the_seeded_rng_state_whatever_construction_draws(t
     """Libraries may draw from the global RNGs while the trainer builds things (the first tokenizer
     load in a process changes Python's ``random`` state): the run must not depend on that."""
     import rlplug.models
-    from rlplug.trainer import rng_state, seed_everything
+    from rlplug.checkpoint import rng_state, seed_everything
 
     real_load = rlplug.models.load_tokenizer
 

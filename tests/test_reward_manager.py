@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlplug.plugins import rewards as packaged
+from rlplug.plugins.rewards import rules as packaged
 from rlplug.registry import Registry
 from rlplug.reward import RewardConfigError, RewardManager
 
@@ -246,3 +246,55 @@ def test_unpicklable_reward_in_pool_is_a_counted_failure_with_advice(caplog):
         assert any("module-level" in r.getMessage() and "num_workers=0" in r.getMessage() for r in caplog.records)
     finally:
         m.close()
+
+
+def test_score_async_scores_on_one_background_thread_and_close_waits_for_it():
+    import threading
+
+    from rlplug.reward import components_tensor
+
+    m = RewardManager(cfg(default="exact"), registry=registry_with(exact=exact))
+    rows = [{"data_source": "x", "ground_truth": "4"}, {"data_source": "x", "ground_truth": "5"}]
+    threads = []
+
+    def decode():  # called on the scoring thread
+        threads.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return ["4", "six"]
+
+    t0 = time.perf_counter()
+    future = m.score_async(rows, decode)
+    assert time.perf_counter() - t0 < 0.2 and not future.done()  # returned at once
+    m.close()  # waits for the running call
+    assert future.done()
+    (scores, extra, metrics), seconds = future.result()
+    assert threads and threads[0].startswith("rlplug-score")
+    assert (scores, extra, metrics) == m.score(rows, ["4", "six"])
+    assert scores == [1.0, 0.0] and extra["length"] == [1.0, 3.0]
+    assert seconds >= 0.3
+    # the components as the batch field: (B, K) float32, names in order
+    t, names = components_tensor(extra, 2)
+    assert names == ("acc", "correctness", "length") and t.dtype.is_floating_point and tuple(t.shape) == (2, 3)
+    assert t.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 3.0]]
+
+    # overlap=False: scored here, before returning; an error raises here
+    future = m.score_async(rows, ["4", "5"], overlap=False)
+    assert future.done() and future.result()[0][0] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="one row per response"):
+        m.score_async(rows, ["4"], overlap=False)
+    # on the thread, an error comes out of result()
+    with pytest.raises(ValueError, match="one row per response"):
+        m.score_async(rows, ["4"]).result()
+    m.close()
+
+
+def test_components_tensor_marks_unreported_values_nan():
+    from rlplug.reward import components_tensor
+
+    t, names = components_tensor({"acc": [1.0, 0.0], "format": [math.nan, 1.0], "other": [None, 2.5]}, 2)
+    assert names == ("acc", "format", "other")
+    assert t[:, 0].tolist() == [1.0, 0.0] and t[1, 1:].tolist() == [1.0, 2.5]
+    assert math.isnan(t[0, 1]) and math.isnan(t[0, 2])
+    assert tuple(components_tensor({}, 3)[0].shape) == (3, 0)
+    with pytest.raises(ValueError, match="need 2 values each"):
+        components_tensor({"acc": [1.0]}, 2)
