@@ -111,7 +111,8 @@ class AdvantageEstimator:
       critic, ``index`` ``(B,) int64`` group ids (responses to one prompt share one id),
       ``reward_baselines`` ``(B,) float32`` (the greedy response's score, ReMax),
       ``old_log_probs`` / ``ref_log_probs`` / ``sum_pi_squared`` ``(B, T) float32`` or
-      ``reward_components`` ``(B, K) float32``. :data:`BATCH_FIELD_PRODUCERS` lists every field.
+      ``reward_components`` ``(B, K) float32`` (its column names in ``data.columns["reward_components"]``,
+      an :class:`rlplug.batch.Fields`). :data:`BATCH_FIELD_PRODUCERS` lists every field.
     * ``config`` is the ``algorithm`` config section (``gamma``, ``lam``,
       ``norm_adv_by_std_in_grpo``, ...), a mapping or attribute object.
     * returns ``advantages`` and ``returns``, both ``(B, T) float32`` and exactly 0.0
