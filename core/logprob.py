@@ -1,4 +1,4 @@
-"""Memory-lean log-probs and entropies of sampled tokens.
+"""Memory-lean log-probs of sampled tokens, and per-token statistics of the token distributions.
 
 The vocabulary-sized logits dominate training memory for small language models: for
 ``B x T = 16 x 384`` response tokens and ``V = 49152`` one float32 copy of the logits is 1.2 GB,
@@ -15,16 +15,34 @@ Shape letters: ``B`` responses, ``P`` padded prompt length, ``T`` padded respons
 
 All log-probs are natural-log (nats) of ``softmax(logits / temperature)`` with the rollout
 temperature (``docs/algorithms.md``); entropies are in nats of the same distribution.
+
+Besides the log-probs, the same chunked pass computes the per-token quantities of
+:data:`PER_TOKEN_EXTRAS` (the names of :data:`rlplug.types.PER_TOKEN_QUANTITIES`) on request:
+``entropy`` and ``sum_pi_squared`` (``sum_v p_v^2``, the input of verl's optimal-token-baseline
+advantage estimator). :func:`response_token_stats` / :func:`token_stats_from_hidden` return them
+in a dict; :func:`response_log_probs` / :func:`log_probs_from_hidden` are the
+``(log_probs, entropy)`` forms.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import cast
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["log_probs_from_hidden", "response_log_probs", "lm_head_of", "trim_padding_columns"]
+__all__ = [
+    "PER_TOKEN_EXTRAS",
+    "check_extras",
+    "token_stats_from_hidden",
+    "log_probs_from_hidden",
+    "response_token_stats",
+    "response_log_probs",
+    "lm_head_of",
+    "trim_padding_columns",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,21 +58,45 @@ def _chunk_log_probs(
     labels: torch.Tensor,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``(n,)`` and entropy ``(n,)`` (zeros when not asked) of one chunk of rows."""
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs ``(n,)``, entropy ``(n,)`` and sum of squared probabilities ``(n,)`` of one chunk
+    of rows (the last two are zeros when not asked)."""
     logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (n, V)
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)  # (n, V)
     token_logp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    if with_entropy:
-        entropy = -(logp.exp() * logp).sum(dim=-1)
-    else:
-        entropy = torch.zeros_like(token_logp)
-    return token_logp, entropy
+    entropy = sum_pi_squared = torch.zeros_like(token_logp)
+    if with_entropy or with_sum_pi_squared:
+        probs = logp.exp()
+        if with_entropy:
+            entropy = -(probs * logp).sum(dim=-1)
+        if with_sum_pi_squared:
+            sum_pi_squared = (probs * probs).sum(dim=-1)
+    return token_logp, entropy, sum_pi_squared
 
 
-def log_probs_from_hidden(
+#: The per-token quantities this module computes besides the log-probs (the names of
+#: :data:`rlplug.types.PER_TOKEN_QUANTITIES`): ``entropy`` (nats) and ``sum_pi_squared``
+#: (``sum_v p_v^2`` of the token distribution, unitless in ``(0, 1]``).
+PER_TOKEN_EXTRAS: tuple[str, ...] = ("entropy", "sum_pi_squared")
+
+
+def check_extras(extras: Iterable[str]) -> tuple[str, ...]:
+    """``extras`` as a tuple without duplicates; raises ``ValueError`` naming the valid names
+    (:data:`PER_TOKEN_EXTRAS`) for an unknown one."""
+    out = tuple(dict.fromkeys(str(e) for e in extras))
+    unknown = [e for e in out if e not in PER_TOKEN_EXTRAS]
+    if unknown:
+        raise ValueError(
+            f"unknown per-token quantit{'y' if len(unknown) == 1 else 'ies'} {unknown} in extras; valid: "
+            f"{list(PER_TOKEN_EXTRAS)}."
+        )
+    return out
+
+
+def token_stats_from_hidden(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
@@ -62,9 +104,11 @@ def log_probs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    extras: Iterable[str] = (),
     lm_head_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of ``labels`` under ``softmax(hidden @ W.T / temperature)``, chunked.
+) -> dict[str, torch.Tensor]:
+    """Log-probs of ``labels`` under ``softmax(hidden @ W.T / temperature)``, and per-row
+    statistics of that distribution, chunked over the rows.
 
     Args:
         hidden: ``(N, H)`` final hidden states (any float dtype; under autocast the projection
@@ -74,14 +118,20 @@ def log_probs_from_hidden(
         temperature: the sampling temperature; logits are divided by it (must be > 0).
         chunk_size: rows projected onto the vocabulary at once (memory only; results do not
             depend on it beyond floating-point reassociation in the ``(V, H)`` weight gradient).
-        with_entropy: also return the entropy of each row's distribution.
+        with_entropy: also return the entropy of each row's distribution (the same as
+            ``"entropy"`` in ``extras``).
+        extras: names of :data:`PER_TOKEN_EXTRAS` to compute as well: ``"entropy"``
+            (``-sum_v p_v log p_v``, nats) and ``"sum_pi_squared"`` (``sum_v p_v^2``), both of
+            ``p = softmax(hidden @ W.T / temperature)``, computed chunk by chunk like the
+            log-probs (no ``(N, V)`` tensor for all rows).
         lm_head_bias: optional ``(V,)`` bias of the output projection.
 
     Returns:
-        ``(log_probs, entropy)``: ``(N,) float32`` in nats, and ``(N,) float32`` nats or ``None``
-        when ``with_entropy`` is false. Equal (within float tolerance) to the naive
-        ``log_softmax(hidden @ W.T / temperature).gather(labels)``, and so are the gradients with
-        respect to ``hidden`` and ``W``.
+        ``{"log_probs": (N,) float32 nats}`` plus ``"entropy"`` ``(N,) float32`` (nats) with
+        ``with_entropy`` and every name in ``extras`` ``(N,) float32``. Equal (within float
+        tolerance) to the naive ``log_softmax(hidden @ W.T / temperature).gather(labels)`` (and
+        ``-(p * log p).sum(-1)``, ``(p ** 2).sum(-1)``), and so are the gradients with respect to
+        ``hidden`` and ``W``.
 
     When autograd is recording, an input requires grad and there is more than one chunk, each
     chunk runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: only the
@@ -91,9 +141,12 @@ def log_probs_from_hidden(
     does not redo the projection (12% less time for a 4 x 178-token micro-batch of SmolLM2).
 
     Raises:
-        ValueError: on mismatched shapes, non-positive ``temperature`` or ``chunk_size``, or
-            labels outside ``[0, V)``.
+        ValueError: on mismatched shapes, non-positive ``temperature`` or ``chunk_size``, labels
+            outside ``[0, V)``, or an unknown name in ``extras``.
     """
+    extras = check_extras(extras)
+    with_entropy = bool(with_entropy) or "entropy" in extras
+    with_sps = "sum_pi_squared" in extras
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or labels.dim() != 1:
         raise ValueError(
             "log_probs_from_hidden expects hidden (N, H), lm_head_weight (V, H) and labels (N,); got "
@@ -127,11 +180,12 @@ def log_probs_from_hidden(
     )
     out_lp: list[torch.Tensor] = []
     out_ent: list[torch.Tensor] = []
+    out_sps: list[torch.Tensor] = []
     for start in range(0, n, chunk_size):
         h_chunk = hidden[start : start + chunk_size]
         y_chunk = labels[start : start + chunk_size]
         if needs_grad:
-            lp, ent = checkpoint(
+            lp, ent, sps = checkpoint(
                 _chunk_log_probs,
                 h_chunk,
                 lm_head_weight,
@@ -139,18 +193,50 @@ def log_probs_from_hidden(
                 y_chunk,
                 temperature,
                 with_entropy,
+                with_sps,
                 use_reentrant=False,
             )
         else:
-            lp, ent = _chunk_log_probs(h_chunk, lm_head_weight, lm_head_bias, y_chunk, temperature, with_entropy)
+            lp, ent, sps = _chunk_log_probs(h_chunk, lm_head_weight, lm_head_bias, y_chunk, temperature, with_entropy,
+                                            with_sps)
         out_lp.append(lp)
         out_ent.append(ent)
+        out_sps.append(sps)
     if not out_lp:  # N == 0
         empty = hidden.new_zeros((0,), dtype=torch.float32)
-        return empty, (empty.clone() if with_entropy else None)
-    log_probs = torch.cat(out_lp) if len(out_lp) > 1 else out_lp[0]
-    entropy = (torch.cat(out_ent) if len(out_ent) > 1 else out_ent[0]) if with_entropy else None
-    return log_probs, entropy
+        result = {"log_probs": empty}
+        if with_entropy:
+            result["entropy"] = empty.clone()
+        if with_sps:
+            result["sum_pi_squared"] = empty.clone()
+        return result
+    result = {"log_probs": torch.cat(out_lp) if len(out_lp) > 1 else out_lp[0]}
+    if with_entropy:
+        result["entropy"] = torch.cat(out_ent) if len(out_ent) > 1 else out_ent[0]
+    if with_sps:
+        result["sum_pi_squared"] = torch.cat(out_sps) if len(out_sps) > 1 else out_sps[0]
+    return result
+
+
+def log_probs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``labels`` under ``softmax(hidden @ W.T / temperature)``, chunked.
+
+    ``(log_probs, entropy)``: ``(N,) float32`` in nats, and ``(N,) float32`` nats or ``None``
+    when ``with_entropy`` is false. Arguments, memory behaviour and errors as
+    :func:`token_stats_from_hidden`, of which this is the two-output form.
+    """
+    out = token_stats_from_hidden(hidden, lm_head_weight, labels, temperature=temperature, chunk_size=chunk_size,
+                                  with_entropy=with_entropy, lm_head_bias=lm_head_bias)
+    return out["log_probs"], out.get("entropy")
 
 
 def lm_head_of(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -229,7 +315,7 @@ def trim_padding_columns(
     return trimmed, hi - p
 
 
-def response_log_probs(
+def response_token_stats(
     model: torch.nn.Module,
     batch_tensors: Mapping[str, torch.Tensor],
     response_length: int,
@@ -237,8 +323,10 @@ def response_log_probs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of the response tokens of a prompt+response batch.
+    extras: Iterable[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Log-probs of the response tokens of a prompt+response batch, and per-token statistics of
+    the model's token distributions there.
 
     Args:
         model: an HF causal LM (``...ForCausalLM``).
@@ -250,12 +338,17 @@ def response_log_probs(
         temperature: rollout sampling temperature; log-probs are of ``logits / temperature``.
         chunk_size: rows of the vocabulary projection computed at once (see
             :func:`log_probs_from_hidden`).
-        with_entropy: also return per-token entropies.
+        with_entropy: also return per-token entropies (as ``"entropy"`` in ``extras``).
+        extras: names of :data:`PER_TOKEN_EXTRAS` to compute as well (see
+            :func:`token_stats_from_hidden`): ``"entropy"`` (nats) and ``"sum_pi_squared"``
+            (``sum_v p_v^2`` of ``p = softmax(logits / temperature)``, the input of verl's
+            optimal-token-baseline estimator), computed in the same chunked pass.
 
     Returns:
-        ``(log_probs, entropy)``: ``(B, T) float32`` nats, and ``(B, T) float32`` nats or
-        ``None``. Positions where ``attention_mask`` is 0 (response padding) hold 0.0: they are
-        not computed at all. Multiply by ``response_mask`` (or use masked statistics) downstream.
+        ``{"log_probs": (B, T) float32 nats}``, plus ``"entropy"`` ``(B, T) float32`` (nats) with
+        ``with_entropy`` and each name of ``extras`` ``(B, T) float32``. Positions where
+        ``attention_mask`` is 0 (response padding) hold 0.0: they are not computed at all.
+        Multiply by ``response_mask`` (or use masked statistics) downstream.
 
     The hidden state at position ``p`` predicts token ``p + 1``, so the states at positions
     ``P - 1 .. P + T - 2`` (``P = L - T``) give the response tokens' log-probs. The backbone runs
@@ -266,8 +359,12 @@ def response_log_probs(
     ``(B, L, V)`` logits are computed instead (correct, but without the memory saving).
 
     Raises:
-        ValueError: when ``response_length`` is not in ``[1, L - 1]`` or ``input_ids`` is missing.
+        ValueError: when ``response_length`` is not in ``[1, L - 1]``, ``input_ids`` is missing or
+            ``extras`` names an unknown quantity.
     """
+    extras = check_extras(extras)
+    with_entropy = bool(with_entropy) or "entropy" in extras
+    extras = tuple(e for e in extras if e != "entropy")
     if "input_ids" not in batch_tensors:
         raise ValueError(f"response_log_probs needs 'input_ids' (B, L); got keys {sorted(batch_tensors)}.")
     input_ids = batch_tensors["input_ids"]
@@ -283,6 +380,8 @@ def response_log_probs(
     parts = lm_head_of(model)
     if parts is not None:
         backbone, head = parts
+        head_weight = cast(torch.Tensor, head.weight)
+        head_bias = cast("torch.Tensor | None", head.bias)
         full_t = t
         trimmed, t = trim_padding_columns(batch_tensors, t)
         input_ids, attention_mask, position_ids = trimmed["input_ids"], trimmed.get("attention_mask"), trimmed.get("position_ids")
@@ -293,36 +392,58 @@ def response_log_probs(
         hidden = hidden_all[:, seq_len - t - 1 : seq_len - 1]  # (B, t, H)
         valid = (attention_mask[:, seq_len - t :].bool() if attention_mask is not None
                  else torch.ones_like(labels, dtype=torch.bool))  # (B, t): real response tokens
-        lp_rows, ent_rows = log_probs_from_hidden(
+        rows = token_stats_from_hidden(
             hidden[valid],
-            head.weight,
+            head_weight,
             labels[valid],
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
-            lm_head_bias=head.bias,
+            extras=extras,
+            lm_head_bias=head_bias,
         )
-        lp = lp_rows.new_zeros((bsz, full_t)).masked_scatter(_pad_right(valid, full_t), lp_rows)
-        ent = (ent_rows.new_zeros((bsz, full_t)).masked_scatter(_pad_right(valid, full_t), ent_rows)
-               if ent_rows is not None else None)
-        if lp_rows.numel() == 0 and torch.is_grad_enabled():
+        out_mask = _pad_right(valid, full_t)
+        result = {k: v.new_zeros((bsz, full_t)).masked_scatter(out_mask, v) for k, v in rows.items()}
+        if rows["log_probs"].numel() == 0 and torch.is_grad_enabled():
             # no real response token (every response empty): add a zero that depends on the backbone
             # and the head, so a backward pass through this micro-batch works (and gives zero grads)
-            anchor = (hidden.sum() * 0.0 + head.weight.sum() * 0.0).float()
-            lp = lp + anchor
-            ent = ent + anchor if ent is not None else None
-        return lp, ent
+            anchor = (hidden.sum() * 0.0 + head_weight.sum() * 0.0).float()
+            result = {k: v + anchor for k, v in result.items()}
+        return result
     labels = input_ids[:, seq_len - t :]  # (B, T)
     # Fallback: the model's own logits (soft-capped / scaled heads, custom remote code).
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
     logits = logits[:, seq_len - t - 1 : seq_len - 1].float() / float(temperature)  # (B, T, V)
     logp = torch.log_softmax(logits, dim=-1)
-    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(dim=-1) if with_entropy else None
+    result = {"log_probs": logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)}
+    if with_entropy:
+        result["entropy"] = -(logp.exp() * logp).sum(dim=-1)
+    if "sum_pi_squared" in extras:
+        probs = logp.exp()
+        result["sum_pi_squared"] = (probs * probs).sum(dim=-1)
     if attention_mask is not None:  # 0.0 at padding, as on the chunked path
-        real = attention_mask[:, seq_len - t :].to(lp.dtype)
-        lp = lp * real
-        ent = ent * real if ent is not None else None
-    return lp, ent
+        real = attention_mask[:, seq_len - t :].to(result["log_probs"].dtype)
+        result = {k: v * real for k, v in result.items()}
+    return result
+
+
+def response_log_probs(
+    model: torch.nn.Module,
+    batch_tensors: Mapping[str, torch.Tensor],
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens of a prompt+response batch.
+
+    ``(log_probs, entropy)``: ``(B, T) float32`` nats, and ``(B, T) float32`` nats or ``None``
+    without ``with_entropy``; 0.0 after each response's end. The two-output form of
+    :func:`response_token_stats` (see there for the arguments, the computation and the errors).
+    """
+    out = response_token_stats(model, batch_tensors, response_length, temperature=temperature,
+                               chunk_size=chunk_size, with_entropy=with_entropy)
+    return out["log_probs"], out.get("entropy")
 

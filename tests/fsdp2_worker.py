@@ -5,8 +5,8 @@
     python tests/fsdp2_worker.py SPEC.json            # one rank, no torchrun (FileStore group)
 
 SPEC (JSON): ``{"model_path", "out", "jobs": [...]}``; each job is
-``{"kind": "step", "name", "overrides", "batch"}`` (log-probs, values, one critic and one actor
-update on a saved batch) or ``{"kind": "ckpt" | "resume" | "errors", ...}`` (see
+``{"kind": "step", "name", "overrides", "batch"}`` (the coordinator, log-probs with entropy and
+``sum_pi_squared``, values, one critic and one actor update on a saved batch) or ``{"kind": "ckpt" | "resume" | "errors", ...}`` (see
 :func:`run_ckpt`, :func:`run_resume` and :func:`run_errors`). The helpers ``make_cfg`` and ``make_batch`` are also
 used by the test module for the single-process reference.
 """
@@ -115,8 +115,13 @@ def run_step(job: dict, model_path: str) -> dict:
 
     batch = Batch(dict(torch.load(job["batch"], weights_only=True)))
     backend = _backend(job, model_path, use_critic=True, use_ref=True)
+    rank = int(os.environ.get("RANK", "0"))
+    coordinator = backend.coordinator  # every rank checks it: an assertion on rank 1 fails the launch
+    assert (coordinator.world_size, coordinator.is_main) == (backend.world_size, rank == 0)
+    assert coordinator.broadcast({"from": rank}) == {"from": 0} and backend.broadcast_object(rank + 10) == 10
     res = {
         "log_probs": backend.compute_log_probs(batch, with_entropy=True),
+        "sum_pi_squared": backend.compute_log_probs(batch, extras=("sum_pi_squared",))["sum_pi_squared"],
         "ref_log_probs": backend.compute_log_probs(batch, which="ref")["log_probs"],
         "values": backend.compute_values(batch),
         "critic_metrics": backend.update_critic(batch),

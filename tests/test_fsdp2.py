@@ -23,7 +23,7 @@ from rlplug.losses import agg_loss
 from rlplug.plugins.training.local import LocalTrainingBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fsdp2_worker as W  # noqa: E402
+import fsdp2_worker as W
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -68,6 +68,17 @@ def test_registered_and_config_group():
     assert rlplug.get_plugin("training_backend", "fsdp2") is FSDP2TrainingBackend
     cfg = compose(["trainer=fsdp2", "trainer.backend_kwargs.dist_backend=gloo"])
     assert cfg.trainer.backend == "fsdp2" and cfg.trainer.backend_kwargs.dist_backend == "gloo"
+
+
+def test_meets_the_training_backend_protocol():
+    from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
+    from rlplug.training import TrainingBackendBase
+
+    rlplug.get_registry().registration("training_backend", "fsdp2")  # raises when a member is missing
+    assert issubclass(FSDP2TrainingBackend, TrainingBackendBase)
+    assert not issubclass(FSDP2TrainingBackend, LocalTrainingBackend)  # library code, not another plugin
+    assert FSDP2TrainingBackend.capabilities == frozenset({"reuses_on_policy_log_probs"})
+    assert FSDP2TrainingBackend.per_token_outputs == frozenset({"entropy", "sum_pi_squared"})
 
 
 def test_bad_backend_kwargs_fail_clearly(model_path):
@@ -128,6 +139,7 @@ def step_results(model_path, tmp_path_factory):
             batch["advantages"][2, 0] = float("nan")  # row 2: rank 1's half of mini-batch 1
         torch.save(dict(batch.tensors), tmp / f"batch-{name}.pt")
         res = {"log_probs": backend.compute_log_probs(batch, with_entropy=True),
+               "sum_pi_squared": backend.compute_log_probs(batch, extras=("sum_pi_squared",))["sum_pi_squared"],
                "ref_log_probs": backend.compute_log_probs(batch, which="ref")["log_probs"],
                "values": backend.compute_values(batch),
                "critic_metrics": backend.update_critic(batch), "actor_metrics": backend.update_actor(batch),
@@ -154,6 +166,7 @@ def test_one_step_matches_local_backend(step_results, setting):
     # inference: every rank returns the full (B, T) tensors, equal to the single-process ones
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(dist["log_probs"][key], loc["log_probs"][key], rtol=0, atol=ATOL)
+    torch.testing.assert_close(dist["sum_pi_squared"], loc["sum_pi_squared"], rtol=0, atol=ATOL)
     torch.testing.assert_close(dist["ref_log_probs"], loc["ref_log_probs"], rtol=0, atol=ATOL)
     torch.testing.assert_close(dist["values"], loc["values"], rtol=0, atol=ATOL)
     # the update: same parameters (actor and critic) and the same mini-batch metrics; the update

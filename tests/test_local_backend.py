@@ -135,6 +135,82 @@ def test_compute_log_probs_match_full_logits_and_ref(model_path):
     backend.close()
 
 
+def test_compute_log_probs_sum_pi_squared_matches_full_logits(model_path):
+    # extras=("sum_pi_squared",): per response token sum_v p_v^2 with p = softmax(logits / 0.8),
+    # computed in the chunked pass; against the model's full (B, L, V) logits. Micro-batches of 3
+    # rows (grouped by length, then put back in batch order); 0.0 after each response's end.
+    backend = LocalTrainingBackend(make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path,
+                                   use_critic=False, use_ref=True, total_steps=1)
+    batch = make_batch()
+    out = backend.compute_log_probs(batch, extras=("sum_pi_squared",))
+    assert set(out) == {"log_probs", "sum_pi_squared"} and out["sum_pi_squared"].dtype == torch.float32
+    with torch.no_grad():
+        logits = backend.actor.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     position_ids=batch["position_ids"]).logits / 0.8
+    probs = torch.softmax(logits[:, P - 1 : P + T - 1].double(), -1)
+    real = batch["response_mask"].bool()
+    torch.testing.assert_close(out["sum_pi_squared"][real].double(), (probs * probs).sum(-1)[real], rtol=1e-5, atol=1e-7)
+    assert torch.all(out["sum_pi_squared"][~real] == 0)
+    # the other outputs are what they are without the extra, bit for bit; "entropy" as an extra
+    # is with_entropy; the reference model takes extras too
+    both = backend.compute_log_probs(batch, with_entropy=True, extras=("sum_pi_squared",))
+    plain = backend.compute_log_probs(batch, with_entropy=True)
+    assert torch.equal(both["log_probs"], plain["log_probs"]) and torch.equal(both["entropy"], plain["entropy"])
+    assert torch.equal(both["sum_pi_squared"], out["sum_pi_squared"])
+    as_extra = backend.compute_log_probs(batch, extras=("entropy",))
+    assert set(as_extra) == {"log_probs", "entropy"} and torch.equal(as_extra["entropy"], plain["entropy"])
+    ref = backend.compute_log_probs(batch, which="ref", extras=("sum_pi_squared",))
+    assert torch.equal(ref["sum_pi_squared"], out["sum_pi_squared"])  # the reference is the initial actor
+    with pytest.raises(ValueError, match=r"unknown per-token quantity \['pi_squared'\].*\['entropy', 'sum_pi_squared'\]"):
+        backend.compute_log_probs(batch, extras=("pi_squared",))
+    backend.close()
+
+
+def test_meets_the_training_backend_protocol(model_path):
+    from rlplug.coordinator import SINGLE_PROCESS
+    from rlplug.types import PER_TOKEN_QUANTITIES, TrainingBackend
+
+    reg = rlplug.get_registry()
+    reg.registration("training_backend", "local")  # raises PluginContractError when a member is missing
+    assert LocalTrainingBackend.capabilities == frozenset({"reuses_on_policy_log_probs"})
+    assert LocalTrainingBackend.per_token_outputs == frozenset(PER_TOKEN_QUANTITIES)
+    backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
+    assert isinstance(backend, TrainingBackend)
+    assert backend.coordinator is SINGLE_PROCESS
+    c = backend.coordinator
+    assert (c.world_size, c.is_main) == (1, True) and c.broadcast(obj := object()) is obj
+    assert backend.consecutive_bad_steps == 0
+    backend.close()
+
+
+def test_policy_loss_requires_reaches_the_loss_row_aligned(model_path):
+    # A policy loss that requires a batch field gets, in every micro-batch, the rows of that field
+    # that match the other inputs (micro-batches are regrouped by length): here the field is
+    # 2 * advantages, so the loss can check the alignment. Without the field: a clear error.
+    from rlplug.types import PolicyLoss
+
+    calls = []
+
+    def checking_loss(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
+                      max_response_length=None, rollout_is_weights=None, sum_pi_squared):
+        calls.append(len(advantages))
+        assert torch.equal(sum_pi_squared, 2 * advantages)
+        return rlplug.get_plugin("policy_loss", "vanilla")(
+            old_log_probs, log_probs, advantages, response_mask, config=config, loss_agg_mode=loss_agg_mode,
+            normalizer=normalizer, max_response_length=max_response_length)
+
+    backend = LocalTrainingBackend(make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path,
+                                   use_critic=False, use_ref=False, total_steps=1)
+    backend.policy_loss = PolicyLoss(checking_loss, requires=("sum_pi_squared",))
+    batch = prepared_batch(backend)
+    with pytest.raises(ValueError, match=r"missing \['sum_pi_squared'\].*old-log-prob pass"):
+        backend.update_actor(batch)
+    batch["sum_pi_squared"] = 2 * batch["advantages"]
+    metrics = backend.update_actor(batch)
+    assert calls == [3, 1, 3, 1] and metrics["actor/nonfinite_skipped"] == 0.0  # 2 mini-batches of 4 = 3 + 1
+    backend.close()
+
+
 # --------------------------------------------------------------------------- micro-batch invariance
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_update_actor_micro_batch_invariance(model_path, mode):
@@ -233,8 +309,8 @@ def test_metrics_are_means_over_mini_batches(model_path):
 
 
 def test_truncated_importance_sampling_scales_the_policy_loss(model_path):
-    # actor.rollout_is_threshold = 2: token weight min(exp(old - rollout), 2) multiplies the
-    # advantage, i.e. each token's surrogate loss (the weight is positive). rollout = old + ln 2
+    # actor.rollout_is_threshold = 2: the objective hands the token weight min(exp(old - rollout), 2)
+    # to the policy loss, which multiplies each token's surrogate loss by it. rollout = old + ln 2
     # gives weight 1/2 everywhere -> pg_loss halves; rollout = old - ln 4 gives 4, truncated to 2
     # -> pg_loss doubles. lr = 0 keeps the policy fixed between the calls.
     cfg = make_cfg(**{"actor.optim.lr": 0.0, "actor.rollout_is_threshold": 2.0})

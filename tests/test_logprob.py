@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from rlplug.logprob import lm_head_of, log_probs_from_hidden, response_log_probs, trim_padding_columns
+from rlplug.logprob import (
+    lm_head_of,
+    log_probs_from_hidden,
+    response_log_probs,
+    response_token_stats,
+    token_stats_from_hidden,
+    trim_padding_columns,
+)
 
 
 def naive(hidden, weight, labels, temperature=1.0, bias=None):
@@ -239,3 +246,61 @@ def test_response_length_checked(tiny_lm):
     batch = _prompt_response_batch()
     with pytest.raises(ValueError, match="response_length must be between 1 and L - 1 = 6"):
         response_log_probs(tiny_lm, batch, 7)
+
+
+# --------------------------------------------------------------------------- sum_pi_squared (extras)
+def test_sum_pi_squared_hand_values():
+    # Zero weights: V = 8 equal logits, p = 1/8 each, sum p^2 = 8 / 64 = 1/8 (the minimum).
+    # V = 2 with logits (2, 0) at temperature 2 -> (1, 0): p0 = e / (e + 1) = 0.73106, p1 = 1 - p0,
+    # sum p^2 = p0^2 + p1^2 = 0.60669...
+    out = token_stats_from_hidden(torch.randn(5, 3), torch.zeros(8, 3), torch.tensor([0, 7, 3, 3, 1]),
+                                  temperature=0.7, chunk_size=2, extras=("sum_pi_squared",))
+    assert set(out) == {"log_probs", "sum_pi_squared"}
+    assert out["sum_pi_squared"].dtype == torch.float32
+    torch.testing.assert_close(out["sum_pi_squared"], torch.full((5,), 1 / 8))
+    p0 = math.e / (math.e + 1)
+    out = token_stats_from_hidden(torch.tensor([[1.0]]), torch.tensor([[2.0], [0.0]]), torch.tensor([1]),
+                                  temperature=2.0, extras=("sum_pi_squared", "entropy"))
+    torch.testing.assert_close(out["sum_pi_squared"], torch.tensor([p0 ** 2 + (1 - p0) ** 2]))
+    torch.testing.assert_close(out["entropy"], torch.tensor([-(p0 * math.log(p0) + (1 - p0) * math.log(1 - p0))]))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 1024])
+def test_sum_pi_squared_matches_naive_and_leaves_log_probs_unchanged(chunk_size):
+    hidden, weight, labels = _inputs()
+    hidden, weight = hidden.float(), weight.float()
+    out = token_stats_from_hidden(hidden, weight, labels, temperature=0.6, chunk_size=chunk_size,
+                                  with_entropy=True, extras=("sum_pi_squared",))
+    p = torch.softmax(torch.nn.functional.linear(hidden.double(), weight.double()) / 0.6, dim=-1)
+    torch.testing.assert_close(out["sum_pi_squared"].double(), (p * p).sum(-1), rtol=1e-5, atol=1e-6)
+    # the extra does not change what the two-output form computes, bit for bit
+    lp, ent = log_probs_from_hidden(hidden, weight, labels, temperature=0.6, chunk_size=chunk_size, with_entropy=True)
+    assert torch.equal(out["log_probs"], lp) and torch.equal(out["entropy"], ent)
+
+
+def test_unknown_extra_names_the_valid_ones():
+    hidden, weight, labels = _inputs(n=4)
+    with pytest.raises(ValueError, match=r"unknown per-token quantity \['sum_pi_sq'\].*valid: \['entropy', 'sum_pi_squared'\]"):
+        token_stats_from_hidden(hidden, weight, labels, extras=("sum_pi_sq",))
+
+
+def test_response_sum_pi_squared_matches_model_logits(tiny_lm, monkeypatch):
+    # against the model's full (B, L, V) logits: per response token, sum_v softmax(logits / 0.9)_v^2;
+    # 0.0 at the padding position, as the log-probs
+    batch = _prompt_response_batch()
+    with torch.no_grad():
+        out = response_token_stats(tiny_lm, batch, 3, temperature=0.9, chunk_size=4, extras=("sum_pi_squared",))
+        probs = torch.softmax(tiny_lm(**batch).logits.float()[:, 3:6] / 0.9, -1)  # positions 3..5 predict 4..6
+        lp, _ = response_log_probs(tiny_lm, batch, 3, temperature=0.9, chunk_size=4)
+    assert set(out) == {"log_probs", "sum_pi_squared"} and out["sum_pi_squared"].shape == (3, 3)
+    real = batch["attention_mask"][:, 4:].bool()
+    torch.testing.assert_close(out["sum_pi_squared"][real], (probs * probs).sum(-1)[real], rtol=1e-5, atol=1e-6)
+    assert out["sum_pi_squared"][2, 2] == 0.0
+    assert torch.equal(out["log_probs"], lp)
+    # the full-logits fallback (as for a soft-capped head; the attribute is inert in Llama) agrees
+    monkeypatch.setattr(tiny_lm.config, "final_logit_softcapping", 30.0, raising=False)
+    assert lm_head_of(tiny_lm) is None
+    with torch.no_grad():
+        slow = response_token_stats(tiny_lm, batch, 3, temperature=0.9, extras=("sum_pi_squared",))
+    torch.testing.assert_close(slow["sum_pi_squared"], out["sum_pi_squared"], rtol=1e-5, atol=1e-6)
+    assert slow["sum_pi_squared"][2, 2] == 0.0

@@ -1,10 +1,20 @@
 """Policy losses (kind ``policy_loss``): PPO's clipped surrogate and its dual-clip variant.
 
-Both take ``old_log_probs``, ``log_probs``, ``advantages``, ``response_mask`` (all
-``(B, T) float32``, log-probs in nats of the sampled tokens) and the ``actor`` config section,
-and return ``(loss, metrics)``: a scalar loss tensor (this micro-batch's contribution to the
-mini-batch loss, see :func:`rlplug.losses.agg_loss`) and ``dict[str, float]`` metrics computed as
-masked means over THIS micro-batch's valid tokens (the caller weights them):
+Both have the one policy-loss signature (:class:`rlplug.types.PolicyLoss`)::
+
+    fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
+       max_response_length=None, rollout_is_weights=None) -> (loss, metrics)
+
+``old_log_probs``, ``log_probs``, ``advantages``, ``response_mask`` are ``(B, T) float32``
+(log-probs in nats of the sampled tokens), ``config`` is the ``actor`` config section,
+``loss_agg_mode`` / ``normalizer`` / ``max_response_length`` go to :func:`rlplug.losses.agg_loss`
+(``normalizer``: the whole mini-batch's count), and ``rollout_is_weights`` ``(B, T) float32`` or
+``None`` are detached truncated importance weights against the rollout engine
+(``actor.rollout_is_threshold``, computed by :func:`rlplug.objective.truncated_is_weights`): each
+token's loss is multiplied by its weight before aggregation, as verl's ``compute_policy_loss_*``
+do. They return a scalar loss tensor (this micro-batch's contribution to the mini-batch loss) and
+``dict[str, float]`` metrics computed as masked means over THIS micro-batch's valid tokens (the
+caller weights them), from the unweighted per-token terms:
 
 * ``pg_clipfrac``: share of valid tokens where the clipped term is the larger one (``L2 > L1``);
 * ``pg_clipfrac_lower``: share of valid tokens with ``A < 0`` where the dual-clip bound
@@ -48,6 +58,18 @@ def _check_shapes(old_log_probs, log_probs, advantages, response_mask) -> None:
         raise ValueError(f"policy loss inputs must all be (B, T); got {shapes}.")
 
 
+def _weighted(per_token: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """``per_token * rollout_is_weights`` (detached weights), or ``per_token`` without weights."""
+    if rollout_is_weights is None:
+        return per_token
+    if rollout_is_weights.shape != per_token.shape:
+        raise ValueError(
+            f"rollout_is_weights has shape {tuple(rollout_is_weights.shape)} but the policy loss inputs are "
+            f"{tuple(per_token.shape)}; both must be (B, T)."
+        )
+    return per_token * rollout_is_weights.detach()
+
+
 def _surrogate(old_log_probs, log_probs, advantages, config):
     """Per-token PPO terms: (ratio, L1, L2, max(L1, L2))."""
     low, high = _clip_range(config)
@@ -81,6 +103,7 @@ def vanilla_policy_loss(
     loss_agg_mode: str = "token-mean",
     normalizer: float | torch.Tensor | None = None,
     max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss.
 
@@ -90,11 +113,16 @@ def vanilla_policy_loss(
     ``normalizer`` (global count of the whole mini-batch; ``None`` = this micro-batch is the
     whole mini-batch) and ``max_response_length`` (for ``seq-mean-token-sum-norm``).
     ``config``: the actor section (``clip_ratio`` 0.2; ``clip_ratio_low``/``clip_ratio_high``
-    default to ``clip_ratio``), as DictConfig, dataclass or dict. Returns ``(loss, metrics)``;
-    see the module docstring. Raises ``ValueError`` on mismatched shapes or a bad aggregation.
+    default to ``clip_ratio``), as DictConfig, dataclass or dict. ``rollout_is_weights``
+    ``(B, T) float32`` (detached, truncated IS against the rollout engine) or ``None``: the
+    per-token loss becomes ``w * max(L1, L2)`` before aggregation (verl's
+    ``compute_policy_loss_vanilla`` with ``rollout_is_weights``); the metrics use the unweighted
+    terms. Returns ``(loss, metrics)``; see the module docstring. Raises ``ValueError`` on
+    mismatched shapes or a bad aggregation.
     """
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
     l1, l2, per_token = _surrogate(old_log_probs, log_probs, advantages, config)
+    per_token = _weighted(per_token, rollout_is_weights)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
     return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask)
 
@@ -123,13 +151,17 @@ def dual_clip_policy_loss(
     loss_agg_mode: str = "token-mean",
     normalizer: float | torch.Tensor | None = None,
     max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dual-clip PPO loss (Ye et al. 2020).
 
     As :func:`vanilla_policy_loss`, and for tokens with ``A < 0`` the per-token loss is capped:
     ``min(max(L1, L2), -A * clip_ratio_c)`` (``clip_ratio_c`` from ``config``, default 3.0,
     must be > 1). ``pg_clipfrac_lower`` is the share of valid tokens with ``A < 0`` where the cap
-    is active. Raises ``ValueError`` for ``clip_ratio_c <= 1`` or mismatched shapes.
+    is active. ``rollout_is_weights`` (or ``None``) multiply the capped per-token loss before
+    aggregation, as in :func:`vanilla_policy_loss` (verl's ``compute_policy_loss`` dual-clip
+    branch with ``rollout_is_weights``). Raises ``ValueError`` for ``clip_ratio_c <= 1`` or
+    mismatched shapes.
     """
     validate_dual_clip(config)
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
@@ -138,6 +170,7 @@ def dual_clip_policy_loss(
     l3 = -advantages * c
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, l3), clipped)
+    per_token = _weighted(per_token, rollout_is_weights)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
     return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask, lower_clipped=(clipped > l3) & negative)
 

@@ -8,15 +8,17 @@ Launch with torchrun, one process per device (CPU ranks use gloo, GPU ranks NCCL
 Without torchrun (``WORLD_SIZE`` unset) it runs as a one-rank group (a ``FileStore`` in a
 temporary folder), so ``trainer=fsdp2`` also works in a plain ``rlplug train``.
 
-Design (the methods and their semantics are those of :class:`rlplug.plugins.training.local.LocalTrainingBackend`,
-which this class extends; only the distributed parts differ):
+Design (the methods and their semantics are those of the library's
+:class:`rlplug.training.TrainingBackendBase`, which this class extends by overriding its
+data-parallel hooks; the objectives are :mod:`rlplug.objective`'s; only the distributed parts
+differ):
 
 * **Sharding.** The actor, the critic and the reference model are each wrapped with
   ``torch.distributed.fsdp.fully_shard``: every decoder layer (the model's ``_no_split_modules``
   classes, e.g. ``LlamaDecoderLayer``) is its own FSDP unit, then the root (embeddings, final
   norm, tied LM head, value head). Each rank keeps ``1 / world_size`` of every parameter,
   gradient and AdamW state (fp32 masters). The actor is wrapped in a small module whose
-  ``forward`` is :func:`rlplug.logprob.response_log_probs`, so the root unit's parameters
+  ``forward`` is :func:`rlplug.logprob.response_token_stats`, so the root unit's parameters
   (embedding = tied LM head) are gathered around the chunked log-prob computation. The
   reference model is sharded too (no optimizer): it costs one all-gather per layer per
   forward, and keeps its memory at ``1 / world_size`` like the actor's.
@@ -53,8 +55,10 @@ which this class extends; only the distributed parts differ):
   ``actor/model.safetensors`` (written by rank 0) so ``rlplug export`` reads it unchanged.
   The checkpoint folder must be on a file system every rank sees.
 
-Extra attributes for the trainer: ``world_size``, ``rank``, ``is_main_process`` and
-:meth:`broadcast_object`.
+The trainer coordinates the ranks through ``backend.coordinator``
+(:class:`rlplug.training.TorchDistributedCoordinator`: ``world_size``, ``is_main``,
+``broadcast(obj)``). ``world_size``, ``rank``, ``is_main_process`` and :meth:`broadcast_object` are
+the older names of the same things, kept as aliases.
 """
 
 from __future__ import annotations
@@ -68,18 +72,19 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import rlplug
 from rlplug.batch import Batch
-from rlplug.logprob import response_log_probs
 from rlplug.config import config_get
-from rlplug.plugins.training.local import _STATE_FILE, LocalTrainingBackend, _resolve_device, _Role
+from rlplug.logprob import response_token_stats
+from rlplug.training import STATE_FILE, Role, TorchDistributedCoordinator, TrainingBackendBase, resolve_device
 
 __all__ = ["FSDP2TrainingBackend"]
 
@@ -100,9 +105,9 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
 
 
 class _LogProbModule(torch.nn.Module):
-    """Wraps a causal LM so that its ``forward`` is :func:`rlplug.logprob.response_log_probs`.
+    """Wraps a causal LM so that its ``forward`` is :func:`rlplug.logprob.response_token_stats`.
 
-    FSDP2 gathers a unit's parameters in the unit's forward pre-hook; ``response_log_probs``
+    FSDP2 gathers a unit's parameters in the unit's forward pre-hook; ``response_token_stats``
     calls the decoder and reads ``lm_head.weight`` directly (it never calls the LM's own
     ``forward``), so the root unit has to be a module whose forward covers the whole computation.
     """
@@ -116,11 +121,12 @@ class _LogProbModule(torch.nn.Module):
         return self.lm.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                response_length: int, temperature: float, chunk_size: int, with_entropy: bool):
-        """``(log_probs (B, T) float32, entropy (B, T) float32 or None)``; see ``response_log_probs``."""
+                response_length: int, temperature: float, chunk_size: int, with_entropy: bool,
+                extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """``{"log_probs": (B, T) float32, "entropy": ..., <extra>: ...}``; see ``response_token_stats``."""
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return response_log_probs(self.lm, tensors, response_length, temperature=temperature, chunk_size=chunk_size,
-                                  with_entropy=with_entropy)
+        return response_token_stats(self.lm, tensors, response_length, temperature=temperature,
+                                    chunk_size=chunk_size, with_entropy=with_entropy, extras=extras)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -135,7 +141,7 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _unique_named(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of the state dict without aliases (tied embeddings keep the first name,
     ``model.embed_tokens.weight``, as in Hugging Face checkpoints) nor non-persistent buffers."""
-    own = dict(module.named_parameters())  # duplicates removed: the first name wins
+    own: dict[str, torch.Tensor] = dict(module.named_parameters())  # duplicates removed: the first name wins
     own.update(dict(module.named_buffers()))
     return [(name, own[name]) for name in module.state_dict().keys() if name in own]
 
@@ -152,20 +158,26 @@ def _quiet_view_warning() -> Iterator[None]:
 # ============================================================================ the backend
 
 
-class FSDP2TrainingBackend(LocalTrainingBackend):
+class FSDP2TrainingBackend(TrainingBackendBase):
     """Training backend sharded over a ``torch.distributed`` group (``trainer.backend=fsdp2``).
 
     Same factory signature, methods, metrics and checkpoint contract as
-    :class:`~rlplug.plugins.training.local.LocalTrainingBackend` (see there and the module docstring).
-    Every method is collective: all ranks must call it, in the same order, with the same batch.
+    :class:`rlplug.training.TrainingBackendBase` (see there and the module docstring), and the
+    same ``capabilities`` and ``per_token_outputs``. Every method is collective: all ranks must
+    call it, in the same order, with the same batch.
 
     Attributes:
+        coordinator: :class:`rlplug.training.TorchDistributedCoordinator` of the group.
         world_size, rank, local_rank: of the process group.
-        is_main_process: ``rank == 0``.
+        is_main_process: ``rank == 0`` (alias of ``coordinator.is_main``).
 
     Raises ``ValueError`` for unknown or inconsistent ``trainer.backend_kwargs``, a NCCL backend
     without CUDA, or mini-batches that do not split evenly over the ranks.
     """
+
+    backend_name = "fsdp2"
+    log = logger
+    coordinator: TorchDistributedCoordinator
 
     def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
         self._owns_group = False
@@ -215,7 +227,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
     def _init_distributed(self, config: Any, kwargs: dict[str, Any]) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = torch.device(_resolve_device(config.trainer, "fsdp2")).type  # the index comes from LOCAL_RANK
+        device_type = torch.device(resolve_device(config.trainer, "fsdp2")).type  # the index comes from LOCAL_RANK
         backend = str(kwargs["dist_backend"])
         if backend == "auto":
             backend = "nccl" if device_type == "cuda" else "gloo"
@@ -249,6 +261,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
             self._owns_group = True
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        self.coordinator = TorchDistributedCoordinator(self.world_size, self.rank)
         self.mesh = init_device_mesh(device_type, (self.world_size,))
 
     def _destroy_group(self) -> None:
@@ -261,13 +274,13 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
 
     @property
     def is_main_process(self) -> bool:
-        return self.rank == 0
+        """``rank == 0``; the older name of ``coordinator.is_main``."""
+        return self.coordinator.is_main
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` of rank ``src`` (any picklable object) on every rank; collective."""
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        """``obj`` of rank ``src`` (any picklable object) on every rank; collective. The older name
+        of ``coordinator.broadcast``."""
+        return self.coordinator.broadcast(obj, src=src)
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -370,10 +383,11 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         return full[:size].to(out_device)
 
     # ------------------------------------------------------------------ inference
-    def _log_probs(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int, with_entropy: bool):
+    def _forward_log_probs(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int, with_entropy: bool,
+                           extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         with _quiet_view_warning(), self._autocast():
             return model(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], t, self.temperature,
-                         self.chunk_size, with_entropy)
+                         self.chunk_size, with_entropy, tuple(extras))
 
     def _values(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int) -> torch.Tensor:
         with _quiet_view_warning():
@@ -386,16 +400,16 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
             dist.all_reduce(x)
         return x.tolist()
 
-    def _rank_slice(self, mini: Batch, role: _Role) -> Batch:
+    def _rank_slice(self, mini: Batch, role: Role) -> Batch:
         """This rank's consecutive ``1 / world_size`` of a global mini-batch (the sizes divide
         evenly: checked in ``__init__``)."""
         per_rank = role.mini_batch // self.world_size
         return mini.slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
     def _release(self, model: torch.nn.Module) -> None:
-        model.reshard()
+        model.reshard()  # type: ignore[operator]  # an FSDPModule
 
-    def _clip_grad(self, role: _Role) -> float:
+    def _clip_grad(self, role: Role) -> float:
         """Clip the sharded gradients to ``grad_clip`` by their GLOBAL norm; returns that norm
         (before clipping, the same on every rank; non-finite when any gradient is).
 
@@ -487,7 +501,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
             meta = {r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
                     for r in self._roles()}
             meta["world_size"] = self.world_size  # type: ignore[assignment]
-            (out / _STATE_FILE).write_text(json.dumps(meta, indent=1))
+            (out / STATE_FILE).write_text(json.dumps(meta, indent=1))
         del actor_state
         self._barrier()
 
@@ -498,11 +512,15 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
         no critic while this backend has one).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                             set_model_state_dict, set_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         src = Path(directory)
-        state_file = src / _STATE_FILE
+        state_file = src / STATE_FILE
         for role in self._roles():
             d = src / role.name
             if not (d / "dcp" / ".metadata").is_file() or not state_file.is_file():
@@ -517,7 +535,7 @@ class FSDP2TrainingBackend(LocalTrainingBackend):
             info = meta.get(role.name, {})
             if info.get("optimizer_saved", False):
                 model_sd, optim_sd = get_state_dict(role.model, role.optimizer)
-                state = {"model": model_sd, "optim": optim_sd}
+                state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(d / "dcp"))
                 set_state_dict(role.model, role.optimizer, model_state_dict=state["model"],
                                optim_state_dict=state["optim"])

@@ -1,0 +1,866 @@
+"""The training-backend library: what the packaged backends share, for any backend to reuse.
+
+A training backend (kind ``training_backend``, :class:`rlplug.types.TrainingBackend`) owns the
+models, optimizers, devices and process groups; the math it minimises is in
+:mod:`rlplug.objective`. This module holds the rest that backends have in common:
+
+* :class:`TrainingBackendBase`: a complete single-process backend -- model loading (actor,
+  reference, critic), AdamW and learning-rate schedules (:class:`Role`), inference
+  (:meth:`~TrainingBackendBase.compute_log_probs`, :meth:`~TrainingBackendBase.compute_values`),
+  the epoch / mini-batch / micro-batch update loop around :func:`rlplug.objective.actor_objective`
+  and :func:`rlplug.objective.critic_objective`, non-finite-step handling, checkpoints and export.
+  The ``local`` plugin is this class as it is; the data-parallel ``fsdp2`` plugin overrides its
+  hooks (below). A new backend subclasses it and overrides what differs.
+* :class:`Role`: one trained model with its optimizer, schedule and update sizes.
+* :func:`build_lr_lambda` (the LR schedule), :func:`resolve_device` (``trainer.device``),
+  :func:`unique_state` (state dict without tied aliases), :func:`check_batch_fields`,
+  :data:`STATE_FILE` (the counters file of a backend checkpoint).
+* :class:`TorchDistributedCoordinator`: the :class:`rlplug.types.Coordinator` of a
+  ``torch.distributed`` process group (``broadcast`` = ``dist.broadcast_object_list``).
+
+The update loop (``docs/algorithms.md``, "Batch sizes and the update loop"): for each of
+``ppo_epochs`` the batch is split IN ORDER (no shuffling, like verl's default) into mini-batches
+of ``ppo_mini_batch_size * rollout.n`` responses; each mini-batch is one optimizer step. Its
+loss normaliser (valid tokens or sequences, :func:`rlplug.losses.agg_normalizer`) is computed on
+the whole mini-batch, so splitting it into micro-batches of ``micro_batch_size_per_device``
+responses (gradient accumulation) does not change the gradient. Gradients are clipped to
+``grad_clip`` by global norm; a non-finite loss or gradient norm skips the optimizer step.
+
+Numerics: fp32 master weights and optimizer states; with ``model.compute_dtype == "bf16"`` the
+forward passes run under ``torch.autocast(dtype=torch.bfloat16)`` (fp32 when the device has no
+bf16 autocast). Log-probs come from :func:`rlplug.logprob.response_token_stats`, which never
+materialises the ``(B, T, V)`` logits at once.
+
+Data-parallel hooks of :class:`TrainingBackendBase` (single-process defaults; ``fsdp2``
+overrides them): ``_training_device()`` (the device), ``_prepare_model(model, role)`` (place /
+shard a loaded model), ``_check_same_batch(batch, what)`` (every process got the same batch),
+``_rank_rows(batch, keys)`` / ``_gather_rows(local, size, device)`` (this process's inference rows
+and the all-gather of the results), ``_rank_slice(mini, role)`` (this process's share of a
+mini-batch), ``_all_reduce(values)`` (sums over the processes), ``_release(model)`` (free gathered
+parameters), ``_clip_grad(role)`` (global-norm clipping), ``_forward_log_probs(...)`` /
+``_values(...)`` (one micro-batch's forward pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .batch import Batch
+from .config import config_get
+from .coordinator import SINGLE_PROCESS
+from .logprob import response_token_stats, trim_padding_columns
+from .losses import agg_normalizer
+from .objective import CRITIC_INPUT_FIELDS, SEQUENCE_FIELDS, actor_objective, critic_objective
+from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
+
+__all__ = [
+    "TrainingBackendBase",
+    "Role",
+    "TorchDistributedCoordinator",
+    "build_lr_lambda",
+    "resolve_device",
+    "unique_state",
+    "check_batch_fields",
+    "STATE_FILE",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The counters file a backend checkpoint holds (``consecutive_bad_steps`` per role, ...).
+STATE_FILE = "backend_state.json"
+
+
+# ============================================================================ helpers
+
+
+def resolve_device(trainer: Any, backend: str) -> str:
+    """``trainer.device`` as a torch device string: ``"auto"`` is ``"cuda"`` when torch sees a CUDA
+    device, else ``"cpu"``. Raises ``ValueError`` for anything but auto / cpu / cuda / cuda:N, or
+    for CUDA without a CUDA device (``backend`` names the backend in the message)."""
+    device = str(config_get(trainer, "device", "auto"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda' for the {backend} backend, got {device!r}.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda' but torch sees no CUDA device; use trainer.device=cpu or auto.")
+    return device
+
+
+def build_lr_lambda(warmup_steps: int, total_steps: int, style: str = "constant", min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """Learning-rate multiplier per optimizer step, for ``torch.optim.lr_scheduler.LambdaLR``.
+
+    ``step`` counts optimizer steps already taken (0 for the first step). Linear warmup:
+    ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, so the first step already moves
+    **(differs from verl, whose first warmup step has learning rate 0)**. Afterwards
+    ``"constant"``: 1.0; ``"cosine"``: ``min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + cos(pi *
+    progress))`` with ``progress = (step - warmup) / (total - warmup)`` capped at 1 (verl's
+    ``get_cosine_schedule_with_warmup`` with half a cycle).
+
+    Raises ``ValueError`` for an unknown style.
+    """
+    if style not in ("constant", "cosine"):
+        raise ValueError(f"Unknown optim.warmup_style {style!r}; expected 'constant' or 'cosine'.")
+    warmup_steps = max(0, int(warmup_steps))
+    total_steps = max(1, int(total_steps))
+
+    def lr_lambda(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lr_lambda
+
+
+def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without aliases of an earlier entry (tied embeddings keep the first
+    name, ``model.embed_tokens.weight``, as in Hugging Face checkpoints); detached, no copies."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...], str]] = set()
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), str(tensor.dtype))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach()
+    return out
+
+
+def check_batch_fields(batch: Batch, keys: tuple[str, ...], what: str, hint: str = "") -> None:
+    """Raise ``ValueError`` naming the missing ones when ``batch`` lacks any of the tensors ``keys``
+    (``what`` names the caller, ``hint`` says how to provide them)."""
+    missing = [k for k in keys if k not in batch.tensors]
+    if missing:
+        raise ValueError(
+            f"{what} needs batch tensors {list(keys)}; missing {missing}. Present: {sorted(batch.tensors)}.{hint}"
+        )
+
+
+class Role:
+    """One trained model (actor or critic) with its optimizer, schedule and update settings.
+
+    ``mini_batch``: responses per optimizer step (``ppo_mini_batch_size x rollout.n``);
+    ``micro_batch``: responses per forward/backward (``micro_batch_size_per_device``); ``epochs``:
+    ``ppo_epochs``; ``loss_agg_mode``; ``grad_clip`` (global-norm bound, ``None``/0: none). Builds
+    AdamW over ``model``'s trainable parameters from ``optim_cfg`` (``lr``, ``betas``, ``eps``,
+    ``weight_decay``) and a ``LambdaLR`` schedule (:func:`build_lr_lambda`) of
+    ``total_optimizer_steps`` steps, ``lr_warmup_steps`` (or ``lr_warmup_steps_ratio`` of the total)
+    of them warmup. ``consecutive_bad_steps`` counts optimizer steps skipped in a row.
+    Raises ``ValueError`` for non-positive sizes or epochs.
+    """
+
+    def __init__(self, name: str, model: torch.nn.Module, optim_cfg: Any, *, mini_batch: int, micro_batch: int,
+                 epochs: int, loss_agg_mode: str, grad_clip: float | None, total_optimizer_steps: int) -> None:
+        self.name = name
+        self.model = model
+        self.mini_batch = int(mini_batch)  # responses per optimizer step
+        self.micro_batch = int(micro_batch)
+        self.epochs = int(epochs)
+        self.loss_agg_mode = str(loss_agg_mode)
+        self.grad_clip = grad_clip
+        self.consecutive_bad_steps = 0
+        if self.mini_batch <= 0 or self.micro_batch <= 0 or self.epochs <= 0:
+            raise ValueError(
+                f"{name}: ppo_mini_batch_size x rollout.n ({self.mini_batch}), micro_batch_size_per_device "
+                f"({self.micro_batch}) and ppo_epochs ({self.epochs}) must all be positive."
+            )
+        betas = tuple(float(b) for b in config_get(optim_cfg, "betas", [0.9, 0.999]))
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=float(config_get(optim_cfg, "lr", 1e-6)),
+            betas=betas,  # type: ignore[arg-type]
+            eps=float(config_get(optim_cfg, "eps", 1e-8)),
+            weight_decay=float(config_get(optim_cfg, "weight_decay", 0.0)),
+        )
+        warmup = int(config_get(optim_cfg, "lr_warmup_steps", -1))
+        if warmup < 0:
+            warmup = int(float(config_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_optimizer_steps)
+        self.total_optimizer_steps = total_optimizer_steps
+        self.warmup_steps = warmup
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            build_lr_lambda(warmup, total_optimizer_steps, str(config_get(optim_cfg, "warmup_style", "constant")),
+                            float(config_get(optim_cfg, "min_lr_ratio", 0.0))),
+        )
+
+    @property
+    def lr(self) -> float:
+        """The current learning rate of the first parameter group."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+class TorchDistributedCoordinator:
+    """The :class:`rlplug.types.Coordinator` of a ``torch.distributed`` process group.
+
+    ``world_size`` and ``rank`` of the group; ``is_main``: rank 0. :meth:`broadcast` is a
+    collective: every rank must call it, in the same order.
+    """
+
+    def __init__(self, world_size: int, rank: int) -> None:
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.is_main = self.rank == 0
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (any picklable object) on every rank (``dist.broadcast_object_list``)."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def __repr__(self) -> str:
+        return f"TorchDistributedCoordinator(world_size={self.world_size}, rank={self.rank})"
+
+
+# ============================================================================ the base backend
+
+
+class TrainingBackendBase:
+    """A complete training backend for one process; subclass it for other placements.
+
+    Implements :class:`rlplug.types.TrainingBackend` (the ``local`` plugin registers it as it is).
+
+    Args:
+        config: the whole run config (``DictConfig`` of :class:`rlplug.config.RunConfig`).
+        model_path: local Hugging Face folder of the initial policy (``rlplug.models.resolve_model_path``).
+        use_critic: build and train a critic (:class:`rlplug.models.ValueModel` from the same folder).
+        use_ref: build the reference model (frozen copy of the initial actor) for KL terms.
+        total_steps: planned training steps; with ``ppo_epochs`` and the mini-batches per step it
+            fixes the length of the learning-rate schedule (in optimizer steps).
+
+    Class attributes:
+        backend_name: the name in messages (``"local"``, ``"fsdp2"``).
+        log: the logger warnings go to (each plugin passes its own module's logger).
+        coordinator: :data:`rlplug.coordinator.SINGLE_PROCESS` (multi-process subclasses set their own).
+        capabilities: ``{"reuses_on_policy_log_probs"}``: :meth:`update_actor` accepts an on-policy
+            batch without ``old_log_probs`` (the trainer then skips the old-log-prob pass).
+        reuses_on_policy_log_probs: ``True``; the older spelling of that capability.
+        per_token_outputs: ``{"entropy", "sum_pi_squared"}``: what :meth:`compute_log_probs` can return.
+
+    Attributes:
+        consecutive_bad_steps: optimizer steps skipped in a row because of a non-finite loss or
+            gradient norm (the larger of the actor's and the critic's count); reset by a good step.
+        actor, critic: :class:`Role` (``critic`` ``None`` without ``use_critic``); ``ref``: the
+            reference model or ``None``; ``policy_loss`` / ``kl_loss``: the resolved plugins.
+
+    Raises ``ValueError`` for settings this backend cannot honour (unknown ``compute_dtype`` or
+    device, ``rollout.temperature <= 0``).
+    """
+
+    backend_name: str = "local"
+    log: logging.Logger = logger
+    coordinator: Any = SINGLE_PROCESS
+    capabilities: frozenset[str] = frozenset({"reuses_on_policy_log_probs"})
+    reuses_on_policy_log_probs: bool = True
+    per_token_outputs: frozenset[str] = frozenset({"entropy", "sum_pi_squared"})
+
+    def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
+        from .models import load_causal_lm, load_value_model
+
+        self.config = config
+        self.model_path = str(model_path)
+        self.use_critic = bool(use_critic)
+        self.use_ref = bool(use_ref)
+        self.total_steps = int(total_steps)
+        trainer, model_cfg, actor_cfg, critic_cfg = config.trainer, config.model, config.actor, config.critic
+
+        # ---- device, threads, precision
+        self.device = self._training_device()
+        threads = config_get(trainer, "num_threads", None)
+        if threads:
+            torch.set_num_threads(int(threads))
+        compute_dtype = str(config_get(model_cfg, "compute_dtype", "bf16"))
+        if compute_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"model.compute_dtype must be 'bf16' or 'fp32', got {compute_dtype!r}.")
+        self.autocast_dtype: torch.dtype | None = None
+        if compute_dtype == "bf16":
+            if self._bf16_autocast_works():
+                self.autocast_dtype = torch.bfloat16
+            else:
+                self.log.warning("bf16 autocast is not available on %s; computing in fp32.", self.device)
+
+        self.temperature = float(config_get(config.rollout, "temperature", 1.0))
+        if not self.temperature > 0:
+            raise ValueError(
+                f"rollout.temperature={self.temperature}: training needs sampled responses (temperature > 0); "
+                "log-probs of greedy decoding are undefined."
+            )
+        self.chunk_size = int(config_get(actor_cfg, "logprob_chunk_size", 1024))
+        self.max_response_length = int(config_get(config.data, "max_response_length", 0)) or None
+        n = int(config_get(config.rollout, "n", 1))
+        minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // int(actor_cfg.ppo_mini_batch_size))
+        trust = bool(config_get(model_cfg, "trust_remote_code", False))
+        grad_ckpt = bool(config_get(model_cfg, "enable_gradient_checkpointing", False))
+
+        # ---- actor
+        actor: Any = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+        if getattr(actor.config, "use_cache", None) is not None:
+            actor.config.use_cache = False
+        if grad_ckpt:
+            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._warn_dropout(actor)
+        actor = self._prepare_model(actor, "actor")
+        actor_epochs = int(actor_cfg.ppo_epochs)
+        self.actor = Role(
+            "actor", actor, actor_cfg.optim,
+            mini_batch=int(actor_cfg.ppo_mini_batch_size) * n,
+            micro_batch=int(actor_cfg.micro_batch_size_per_device),
+            epochs=actor_epochs,
+            loss_agg_mode=str(actor_cfg.loss_agg_mode),
+            grad_clip=config_get(actor_cfg, "grad_clip", None),
+            total_optimizer_steps=max(1, self.total_steps * actor_epochs * minis_per_step),
+        )
+        from .registry import get_registry
+
+        registry = get_registry()
+        self.policy_loss = registry.get("policy_loss", str(actor_cfg.policy_loss))
+        self.kl_loss = registry.get("kl_penalty", str(actor_cfg.kl_loss_type)) if actor_cfg.use_kl_loss else None
+
+        # ---- reference model
+        self.ref: torch.nn.Module | None = None
+        if self.use_ref:
+            ref = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+            ref.requires_grad_(False)
+            self.ref = self._prepare_model(ref, "ref").eval()
+
+        # ---- critic
+        self.critic: Role | None = None
+        if self.use_critic:
+            critic: Any = load_value_model(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+            if grad_ckpt:
+                critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            critic = self._prepare_model(critic, "critic")
+            c_mini = int(config_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
+            c_epochs = int(config_get(critic_cfg, "ppo_epochs", actor_epochs))
+            c_minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // c_mini)
+            self.critic = Role(
+                "critic", critic, critic_cfg.optim,
+                mini_batch=c_mini * n,
+                micro_batch=int(config_get(critic_cfg, "micro_batch_size_per_device", actor_cfg.micro_batch_size_per_device)),
+                epochs=c_epochs,
+                loss_agg_mode=str(config_get(critic_cfg, "loss_agg_mode", actor_cfg.loss_agg_mode)),
+                grad_clip=config_get(critic_cfg, "grad_clip", None),
+                total_optimizer_steps=max(1, self.total_steps * c_epochs * c_minis_per_step),
+            )
+
+    # ------------------------------------------------------------------ hooks for subclasses
+    # Data-parallel backends (``fsdp2``) override these; everything else (the update loop,
+    # inference, metrics) is shared. Here: one process that holds every row.
+    def _training_device(self) -> torch.device:
+        """The device the models train on (from ``trainer.device``)."""
+        return torch.device(resolve_device(self.config.trainer, self.backend_name))
+
+    def _check_same_batch(self, batch: Batch, what: str) -> None:
+        """Fail when the processes were not given the same batch; nothing to check in one process."""
+
+    def _rank_rows(self, batch: Batch, keys: tuple[str, ...]) -> Batch:
+        """The rows of ``batch`` (tensors ``keys`` at least) this process computes at inference: all."""
+        return batch
+
+    def _gather_rows(self, local: torch.Tensor, size: int, out_device: torch.device) -> torch.Tensor:
+        """Every process's ``local`` rows together (the first ``size``), on ``out_device``."""
+        return local[:size].to(out_device)
+
+    def _rank_slice(self, mini: Batch, role: Role) -> Batch:
+        """This process's share of a training mini-batch: all of it."""
+        return mini
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        """Sums of ``values`` over the processes: the values themselves."""
+        return list(values)
+
+    def _release(self, model: torch.nn.Module) -> None:
+        """Free what a forward/backward of ``model`` gathered (sharded parameters); nothing here."""
+
+    # ------------------------------------------------------------------ small helpers
+    def _prepare_model(self, model: torch.nn.Module, role: str) -> torch.nn.Module:
+        """Place a freshly loaded model (``role``: ``"actor"``, ``"ref"`` or ``"critic"``) for
+        training; its optimizer is built on the returned module's parameters. Here: move it to
+        ``self.device``. Subclasses override it (the ``fsdp2`` backend shards the model)."""
+        return model.to(self.device)
+
+    def _bf16_autocast_works(self) -> bool:
+        try:
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+                a = torch.ones(2, 2, device=self.device)
+                return (a @ a).dtype == torch.bfloat16
+        except (RuntimeError, AssertionError, ValueError):
+            return False
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _warn_dropout(self, model: torch.nn.Module) -> None:
+        ps = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        ps += [float(v) for k, v in vars(model.config).items() if "dropout" in k and isinstance(v, (int, float)) and v > 0]
+        if ps:
+            self.log.warning(
+                "The actor has dropout (p up to %.3g): log-probs are computed in eval mode and the update in "
+                "train mode, so the PPO ratio starts away from 1. Set the model's dropout to 0 for RL.", max(ps)
+            )
+
+    @property
+    def consecutive_bad_steps(self) -> int:
+        """Optimizer steps skipped in a row (non-finite loss or gradient norm), the larger of the
+        actor's and the critic's count; a good step resets it."""
+        return max(self.actor.consecutive_bad_steps, self.critic.consecutive_bad_steps if self.critic else 0)
+
+    def _to_device(self, batch: Batch, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return {k: batch.tensors[k].to(self.device, non_blocking=True) for k in keys if k in batch.tensors}
+
+    @staticmethod
+    def _response_length(batch: Batch) -> int:
+        for key in ("responses", "response_mask"):
+            if key in batch.tensors:
+                return int(batch.tensors[key].shape[1])
+        raise ValueError(
+            f"the batch has neither 'responses' nor 'response_mask', so the response length is unknown. "
+            f"Present: {sorted(batch.tensors)}."
+        )
+
+    def _forward_log_probs(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int, with_entropy: bool,
+                           extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """``model``'s per-token outputs on one micro-batch already on the device:
+        :func:`rlplug.logprob.response_token_stats` (``log_probs``, ``entropy`` with
+        ``with_entropy``, the ``extras``; ``(B, T) float32``) under the backend's autocast."""
+        with self._autocast():
+            return response_token_stats(model, tensors, t, temperature=self.temperature, chunk_size=self.chunk_size,
+                                        with_entropy=with_entropy, extras=extras)
+
+    def _values(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int) -> torch.Tensor:
+        trimmed, kept = trim_padding_columns(tensors, t)  # columns that are padding in every row are skipped
+        with self._autocast():
+            values = model(trimmed["input_ids"], trimmed.get("attention_mask"), trimmed.get("position_ids"))  # (B, L')
+        length = values.shape[1]
+        # the value at position p is read after token p, i.e. where token p+1 is predicted (verl)
+        values = values[:, length - kept - 1 : length - 1].float()
+        if "attention_mask" in trimmed:  # 0.0 after the end of each response, as the log-probs
+            values = values * trimmed["attention_mask"][:, length - kept :].to(values.dtype)
+        return torch.nn.functional.pad(values, (0, t - kept)) if kept < t else values
+
+    @staticmethod
+    def _micro_batches(batch: Batch, size: int) -> tuple[list[Batch], torch.Tensor | None]:
+        """Micro-batches of ``size`` rows taken in order of sequence length, and that order.
+
+        Rows of similar length share a micro-batch, so each micro-batch's forward runs on fewer
+        padding columns (:func:`rlplug.logprob.trim_padding_columns`). Results do not depend on
+        the grouping (losses use the whole mini-batch's normaliser); ``order[i]`` is the batch row
+        at sorted position ``i`` (a stable sort, so the same batch always splits the same way), or
+        ``None`` when one micro-batch holds the whole batch (nothing is reordered or copied).
+        """
+        if len(batch) <= size:
+            return [batch], None
+        lengths = batch.tensors["attention_mask"].sum(dim=1)
+        order = torch.sort(lengths.cpu(), stable=True).indices
+        return list(batch.select(order).split(size)), order
+
+    @staticmethod
+    def _unsort(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+        """``rows`` computed in :meth:`_micro_batches` order, put back in the batch's row order."""
+        if order is None:
+            return rows
+        out = torch.empty_like(rows)
+        out[order.to(rows.device)] = rows
+        return out
+
+    # ------------------------------------------------------------------ inference
+    def _check_inference_batch(self, batch: Batch, what: str) -> tuple[int, torch.device]:
+        """Check a batch for ``what`` (sequence tensors present, not empty, the same in every
+        process); returns the response length ``T`` and the batch's device."""
+        check_batch_fields(batch, SEQUENCE_FIELDS, what)
+        if len(batch) == 0:
+            raise ValueError(f"{what}: the batch is empty.")
+        self._check_same_batch(batch, what)
+        return self._response_length(batch), batch.tensors["input_ids"].device
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, *, which: str = "actor", with_entropy: bool = False,
+                          extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """Log-probs of the response tokens under the actor or the reference model (no grad).
+
+        ``batch`` needs ``input_ids``, ``attention_mask``, ``position_ids`` ``(B, P+T)`` and
+        ``responses`` ``(B, T)``. Returns ``{"log_probs": (B, T) float32}`` (nats, of
+        ``logits / rollout.temperature``) plus ``"entropy"`` ``(B, T) float32`` (nats) when
+        ``with_entropy``, and ``(B, T) float32`` for each name in ``extras`` (of
+        :attr:`per_token_outputs`: ``"entropy"``, ``"sum_pi_squared"`` = ``sum_v p_v^2`` of
+        ``p = softmax(logits / rollout.temperature)``), on the batch's device, all from one chunked
+        pass (:func:`rlplug.logprob.response_token_stats`; the ``(B, T, V)`` logits never exist at
+        once). Positions after the end of a response hold 0.0 (not computed); multiply by
+        ``response_mask`` (or use masked statistics) downstream. Micro-batched by
+        ``actor.micro_batch_size_per_device``, rows grouped by length.
+
+        Raises ``ValueError`` for an unknown ``which`` or extra (the message lists the valid ones),
+        ``which="ref"`` without a reference model, a missing tensor or an empty batch.
+        """
+        if which == "actor":
+            model = self.actor.model
+        elif which == "ref":
+            if self.ref is None:
+                raise ValueError("compute_log_probs(which='ref') but this backend was built with use_ref=False.")
+            model = self.ref
+        else:
+            raise ValueError(f"compute_log_probs: which must be 'actor' or 'ref', got {which!r}.")
+        extras = self._check_extras(extras)
+        t, out_device = self._check_inference_batch(batch, "compute_log_probs")
+        names = tuple(dict.fromkeys((*(("entropy",) if with_entropy else ()), *extras)))
+        model.eval()
+        rows: dict[str, list[torch.Tensor]] = {"log_probs": [], **{name: [] for name in names}}
+        micros, order = self._micro_batches(self._rank_rows(batch, SEQUENCE_FIELDS), self.actor.micro_batch)
+        for micro in micros:
+            out = self._forward_log_probs(model, self._to_device(micro, SEQUENCE_FIELDS), t, "entropy" in names,
+                                          tuple(e for e in extras if e != "entropy"))
+            for name in rows:
+                rows[name].append(out[name].float())
+        self._release(model)
+        return {name: self._gather_rows(self._unsort(torch.cat(parts), order), len(batch), out_device)
+                for name, parts in rows.items()}
+
+    def _check_extras(self, extras: Any) -> tuple[str, ...]:
+        """``extras`` as a tuple; ``ValueError`` naming the valid names for an unknown one (a
+        string is taken as one name)."""
+        if isinstance(extras, str):
+            extras = (extras,)
+        valid = [q for q in PER_TOKEN_QUANTITIES if q in self.per_token_outputs]
+        extras = tuple(dict.fromkeys(str(e) for e in extras))
+        unknown = [e for e in extras if e not in valid]
+        if unknown:
+            raise ValueError(
+                f"compute_log_probs: unknown per-token quantit{'y' if len(unknown) == 1 else 'ies'} {unknown} in "
+                f"extras; the {self.backend_name} backend computes {valid}."
+            )
+        return extras
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Critic values ``(B, T) float32`` (no grad), on the batch's device.
+
+        ``values[:, j]`` is the critic's output at the hidden position that predicts response
+        token ``j`` (positions ``P - 1 .. P + T - 2``, as verl); 0.0 after the end of each
+        response (see :meth:`compute_log_probs`). Raises ``ValueError`` when the backend has no critic, for a
+        missing tensor or an empty batch.
+        """
+        if self.critic is None:
+            raise ValueError("compute_values called but this backend was built with use_critic=False.")
+        t, out_device = self._check_inference_batch(batch, "compute_values")
+        model = self.critic.model
+        model.eval()
+        micros, order = self._micro_batches(self._rank_rows(batch, SEQUENCE_FIELDS), self.critic.micro_batch)
+        vals = [self._values(model, self._to_device(m, SEQUENCE_FIELDS), t) for m in micros]
+        self._release(model)
+        return self._gather_rows(self._unsort(torch.cat(vals), order), len(batch), out_device)
+
+    # ------------------------------------------------------------------ updates
+    def _run_update(
+        self,
+        role: Role,
+        batch: Batch,
+        micro_loss: Callable[[dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]],
+    ) -> dict[str, float]:
+        """The shared epoch / mini-batch / micro-batch loop.
+
+        ``micro_loss(tensors, normalizer)`` returns this micro-batch's contribution to the
+        mini-batch loss (to backpropagate) and metrics already summed-compatible: loss terms as
+        contributions (their sum over micro-batches is the mini-batch value) and masked means of
+        the micro-batch (weighted here by its share of valid tokens).
+        Returns the mean of each metric over the good mini-batches of all epochs, plus
+        ``grad_norm``, ``lr`` and ``nonfinite_skipped`` (count), prefixed ``<role>/``.
+
+        Data-parallel subclasses run the same loop through the hooks: each process takes its
+        :meth:`_rank_slice` of every mini-batch, and the normaliser, the non-finite-loss flags
+        and the metric sums go through :meth:`_all_reduce`, so every process decides alike.
+        """
+        size = len(batch)
+        if size == 0:
+            raise ValueError(f"update_{role.name}: the batch is empty.")
+        if size % role.mini_batch:
+            raise ValueError(
+                f"update_{role.name}: the batch has {size} responses, which does not split into mini-batches of "
+                f"{role.mini_batch} responses ({role.name}.ppo_mini_batch_size x rollout.n). Choose "
+                f"data.train_batch_size as a multiple of {role.name}.ppo_mini_batch_size."
+            )
+        self._check_same_batch(batch, f"update_{role.name}")
+        role.model.train()
+        totals: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        skipped = 0
+        lrs: list[float] = []
+        for epoch in range(role.epochs):
+            for index, mini in enumerate(batch.split(role.mini_batch)):
+                local = self._rank_slice(mini, role)
+                local_mask = local.tensors["response_mask"]
+                # normaliser and token count of the WHOLE mini-batch (summed over the processes)
+                normalizer, valid_tokens = self._all_reduce(
+                    [agg_normalizer(local_mask, role.loss_agg_mode), float(local_mask.sum())]
+                )
+                lrs.append(role.lr)
+                if normalizer <= 0:
+                    self.log.warning("%s: mini-batch %d of epoch %d has no valid response token; no optimizer step.",
+                                   role.name, index, epoch)
+                    self._scheduler_step(role)
+                    continue
+                role.optimizer.zero_grad(set_to_none=True)
+                mini_metrics: dict[str, float] = defaultdict(float)
+                bad_stage: str | None = None
+                for micro in self._micro_batches(local, role.micro_batch)[0]:
+                    tensors = self._to_device(micro, tuple(micro.tensors))
+                    loss, parts = micro_loss(tensors, normalizer)
+                    loss_value = float(loss.detach())
+                    # decided together: a process that skipped backward alone would hang the others
+                    (n_bad,) = self._all_reduce([0.0 if math.isfinite(loss_value) else 1.0])
+                    if n_bad:
+                        here_only = n_bad == 1 and not math.isfinite(loss_value)
+                        bad_stage = f"{role.name} loss ({loss_value})" if here_only else (
+                            f"{role.name} loss (non-finite on {int(n_bad)} rank(s); here {loss_value})")
+                        break
+                    loss.backward()
+                    share = float(micro.tensors["response_mask"].sum()) / valid_tokens if valid_tokens else 0.0
+                    for key, value in parts.items():
+                        if key.startswith("mean:"):
+                            mini_metrics[key[5:]] += value * share
+                        else:
+                            mini_metrics[key] += value
+                grad_norm = float("nan")
+                if bad_stage is None:
+                    grad_norm = self._clip_grad(role)  # global norm: the same in every process
+                    if not math.isfinite(grad_norm):
+                        bad_stage = f"{role.name} gradient norm ({grad_norm})"
+                if bad_stage is not None:
+                    role.optimizer.zero_grad(set_to_none=True)
+                    self._release(role.model)
+                    skipped += 1
+                    role.consecutive_bad_steps += 1
+                    self.log.warning(
+                        "%s: non-finite %s in mini-batch %d of epoch %d; optimizer step skipped (%d in a row).",
+                        role.name, bad_stage, index, epoch, role.consecutive_bad_steps,
+                    )
+                else:
+                    role.optimizer.step()
+                    role.consecutive_bad_steps = 0
+                    keys = sorted(mini_metrics)  # the same keys in every process
+                    for key, value in zip(keys, self._all_reduce([mini_metrics[k] for k in keys])):
+                        totals[key] += value
+                        counts[key] += 1
+                    totals["grad_norm"] += grad_norm
+                    counts["grad_norm"] += 1
+                self._scheduler_step(role)
+        role.optimizer.zero_grad(set_to_none=True)
+        role.model.eval()
+        prefix = role.name + "/"
+        metrics = {prefix + k: (totals[k] / counts[k]) for k in totals}
+        if not counts.get("grad_norm"):
+            metrics[prefix + "grad_norm"] = float("nan")
+        metrics[prefix + "lr"] = sum(lrs) / len(lrs) if lrs else role.lr
+        metrics[prefix + "nonfinite_skipped"] = float(skipped)
+        return metrics
+
+    @staticmethod
+    def _scheduler_step(role: Role) -> None:
+        # The schedule advances once per planned optimizer step, taken or skipped, so its length
+        # stays what total_steps planned; silence torch's "scheduler before optimizer" warning
+        # for a skipped first step.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\).*optimizer\.step\(\).*")
+            role.scheduler.step()
+
+    @staticmethod
+    def _clip_grad(role: Role) -> float:
+        """Clip ``role``'s gradients to ``grad_clip`` by global norm; returns the norm before
+        clipping (non-finite when a gradient is)."""
+        params = [p for p in role.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = float(role.grad_clip) if role.grad_clip and role.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+        return float(norm)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO-style policy update on ``batch``; returns ``actor/*`` metrics.
+
+        Needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,
+        ``response_mask``, ``old_log_probs`` and ``advantages``; ``old_log_probs`` may be absent
+        when the call is on-policy (``actor.ppo_epochs == 1`` and the batch is one mini-batch):
+        then each micro-batch's own log-probs, detached, are the old ones (the weights have not
+        moved yet; verl's ``dp_actor`` ``on_policy`` shortcut); ``ref_log_probs`` with
+        ``actor.use_kl_loss``; ``rollout_log_probs`` with ``actor.rollout_is_threshold``; the
+        fields the policy loss ``requires``. Per micro-batch the loss is
+        :func:`rlplug.objective.actor_objective`: ``policy_loss + kl_loss_coef * agg(kl) -
+        entropy_coeff * agg(entropy)``, every term aggregated with the whole mini-batch's
+        normaliser; with ``actor.rollout_is_threshold`` the policy loss receives verl's truncated
+        importance weights ``min(exp(old_log_probs - rollout_log_probs), C)``.
+
+        Metrics (each the mean over the mini-batches and epochs of this call):
+        ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+        ``actor/entropy`` (aggregated like the loss), ``actor/kl_loss`` (with the KL loss; before
+        the coefficient) and ``actor/kl_coef``, ``actor/rollout_is_weight`` (with TIS),
+        ``actor/grad_norm`` (before clipping), ``actor/lr`` and ``actor/nonfinite_skipped``
+        (optimizer steps skipped this call).
+
+        Raises ``ValueError`` for a missing tensor or a batch that does not split into mini-batches.
+        """
+        cfg = self.config.actor
+        # on-policy (one optimizer step over the whole batch): without old_log_probs the update uses
+        # its own log-probs, detached (the same values, as the weights have not moved yet)
+        on_policy = self.actor.epochs == 1 and len(batch) == self.actor.mini_batch
+        reuse = on_policy and "old_log_probs" not in batch.tensors
+        keys = (*SEQUENCE_FIELDS, "response_mask", "advantages", *(() if reuse else ("old_log_probs",)))
+        check_batch_fields(batch, keys, "update_actor")
+        if self.kl_loss is not None:
+            check_batch_fields(batch, ("ref_log_probs",), "update_actor with actor.use_kl_loss",
+                               " The trainer fills ref_log_probs when a reference model is used (use_ref=True).")
+        if config_get(cfg, "rollout_is_threshold", None) is not None:
+            check_batch_fields(batch, ("rollout_log_probs",), "update_actor with actor.rollout_is_threshold",
+                               " Set rollout.calculate_log_probs=true so the rollout engine returns its log-probs.")
+        required = tuple(getattr(self.policy_loss, "requires", ()) or ())
+        if required:
+            check_batch_fields(batch, required, f"update_actor with actor.policy_loss={cfg.policy_loss}",
+                               " Producers: " + "; ".join(f"{k}: {BATCH_FIELD_PRODUCERS.get(k, 'unknown')}"
+                                                          for k in required) + ".")
+        t = self._response_length(batch)
+        mode = self.actor.loss_agg_mode
+        model = self.actor.model
+
+        def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+            out = self._forward_log_probs(model, tensors, t, True)
+            return actor_objective(
+                out["log_probs"], out["entropy"], tensors, policy_loss=self.policy_loss, config=cfg,
+                loss_agg_mode=mode, normalizer=normalizer, max_response_length=self.max_response_length,
+                kl_penalty=self.kl_loss, on_policy_reuse=reuse,
+            )
+
+        metrics = self._run_update(self.actor, batch, micro_loss)
+        if self.kl_loss is not None:
+            metrics["actor/kl_coef"] = float(config_get(cfg, "kl_loss_coef", 0.0))
+        return metrics
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss update on ``batch``; returns ``critic/*`` metrics.
+
+        Needs the sequence tensors, ``response_mask``, ``values`` (the critic's values before the
+        update, the clipping anchor) and ``returns``; the loss is
+        :func:`rlplug.objective.critic_objective` (clipped, ``critic.cliprange_value``). Metrics (means over mini-batches and epochs):
+        ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/grad_norm``, ``critic/lr``,
+        ``critic/nonfinite_skipped``. Raises ``ValueError`` without a critic or a tensor.
+        """
+        if self.critic is None:
+            raise ValueError("update_critic called but this backend was built with use_critic=False.")
+        check_batch_fields(batch, CRITIC_INPUT_FIELDS, "update_critic")
+        t = self._response_length(batch)
+        role = self.critic
+        cliprange = float(config_get(self.config.critic, "cliprange_value", 0.5))
+
+        def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+            values = self._values(role.model, tensors, t)
+            return critic_objective(values, tensors, cliprange_value=cliprange, loss_agg_mode=role.loss_agg_mode,
+                                    normalizer=normalizer, max_response_length=self.max_response_length)
+
+        return self._run_update(role, batch, micro_loss)
+
+    # ------------------------------------------------------------------ weights, checkpoints, export
+    def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every actor weight, as in a Hugging Face checkpoint: tied
+        weights once (under the embedding's name), detached views of the live fp32 parameters
+        on the training device (no copies). Consume before the next update."""
+        yield from unique_state(self.actor.model).items()
+
+    def _roles(self) -> list[Role]:
+        return [self.actor] + ([self.critic] if self.critic is not None else [])
+
+    def save(self, directory: str | Path) -> None:
+        """Write the training state into ``directory`` (created).
+
+        Layout: ``actor/model.safetensors`` (Hugging Face names, tied weights once),
+        ``actor/optimizer.pt``, ``actor/scheduler.pt``, the same under ``critic/`` when there is a
+        critic, and ``backend_state.json`` (counters). Reloaded by :meth:`load`, training continues
+        bitwise identically.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        for role in self._roles():
+            d = out / role.name
+            d.mkdir(parents=True, exist_ok=True)
+            state = {k: v.contiguous().cpu() for k, v in unique_state(role.model).items()}
+            save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+            torch.save(role.optimizer.state_dict(), d / "optimizer.pt")
+            torch.save(role.scheduler.state_dict(), d / "scheduler.pt")
+        counters = {r.name: {"consecutive_bad_steps": r.consecutive_bad_steps} for r in self._roles()}
+        (out / STATE_FILE).write_text(json.dumps(counters, indent=1))
+
+    def load(self, directory: str | Path) -> None:
+        """Restore what :meth:`save` wrote (weights, optimizer and scheduler states, counters).
+
+        Optimizer/scheduler files are read with ``torch.load(..., weights_only=True)``.
+        Raises ``FileNotFoundError`` for a missing file and ``ValueError`` when the weights do
+        not match the model (wrong model or a checkpoint without a critic).
+        """
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        for role in self._roles():
+            d = src / role.name
+            weights = d / "model.safetensors"
+            if not weights.is_file():
+                raise FileNotFoundError(
+                    f"{weights} is missing: {src} was not written by the {self.backend_name} backend's save() "
+                    f"(or without a {role.name})."
+                )
+            state = load_file(str(weights), device=str(self.device))
+            result = role.model.load_state_dict(state, strict=False)
+            expected_missing = set(role.model.state_dict()) - set(unique_state(role.model))
+            missing = set(result.missing_keys) - expected_missing
+            if missing or result.unexpected_keys:
+                raise ValueError(
+                    f"{weights} does not match the {role.name} model: missing {sorted(missing)[:5]}, unexpected "
+                    f"{sorted(result.unexpected_keys)[:5]}. Was it saved from a different model?"
+                )
+            role.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True, map_location=self.device))
+            role.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+        state_file = src / STATE_FILE
+        if state_file.is_file():
+            state = json.loads(state_file.read_text())
+            for role in self._roles():
+                role.consecutive_bad_steps = int(state.get(role.name, {}).get("consecutive_bad_steps", 0))
+
+    def export_hf(self, directory: str | Path, tokenizer: Any = None) -> Path:
+        """Write the actor as a normal Hugging Face folder (``save_pretrained``, safetensors, plus
+        the tokenizer when given) that ``AutoModelForCausalLM.from_pretrained`` and vLLM load."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        model: Any = self.actor.model
+        model.config.use_cache = True  # for generation from the exported folder
+        try:
+            model.save_pretrained(str(out), safe_serialization=True)
+        finally:
+            model.config.use_cache = False
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+        return out
+
+    def close(self) -> None:
+        """Free the models and optimizer states; idempotent."""
+        self.ref = None
+        for role in self._roles():
+            role.optimizer.state.clear()
+        self.critic = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
