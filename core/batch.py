@@ -45,8 +45,9 @@ that also carries the ``columns``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -79,8 +80,8 @@ class Batch:
     def __len__(self) -> int:
         for v in self.tensors.values():
             return int(v.shape[0])
-        for v in self.meta.values():
-            return len(v)
+        for values in self.meta.values():
+            return len(values)
         return 0
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -100,8 +101,10 @@ class Batch:
         """
         names = tuple(str(n) for n in names)
         if value.dim() != 2 or int(value.shape[1]) != len(names):
-            raise ValueError(f"set_columns('{key}'): a (B, {len(names)}) tensor for columns {list(names)}, "
-                             f"got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"set_columns('{key}'): a (B, {len(names)}) tensor for columns {list(names)}, "
+                f"got shape {tuple(value.shape)}"
+            )
         if len(set(names)) != len(names):
             raise ValueError(f"set_columns('{key}'): column names repeat: {list(names)}")
         self[key] = value
@@ -125,7 +128,7 @@ class Batch:
         """The tensor ``key``, else the metadata list ``key``, else ``default``."""
         return self.tensors.get(key, self.meta.get(key, default))
 
-    def select(self, idx: Sequence[int] | torch.Tensor) -> "Batch":
+    def select(self, idx: Sequence[int] | torch.Tensor) -> Batch:
         """Rows ``idx`` (in that order) as a new batch; tensors are indexed, not copied twice."""
         index = torch.as_tensor(idx, dtype=torch.long)
         ids = index.tolist()
@@ -135,24 +138,27 @@ class Batch:
             dict(self.columns),
         )
 
-    def slice(self, start: int, stop: int) -> "Batch":
+    def slice(self, start: int, stop: int) -> Batch:
         """Rows ``start:stop`` as a new batch; tensors are views (no copy), metadata lists are copied."""
-        return Batch({k: v[start:stop] for k, v in self.tensors.items()}, {k: v[start:stop] for k, v in self.meta.items()},
-                     dict(self.columns))
+        return Batch(
+            {k: v[start:stop] for k, v in self.tensors.items()},
+            {k: v[start:stop] for k, v in self.meta.items()},
+            dict(self.columns),
+        )
 
-    def split(self, size: int) -> Iterator["Batch"]:
+    def split(self, size: int) -> Iterator[Batch]:
         """Consecutive chunks of at most ``size`` rows."""
         if size <= 0:
             raise ValueError(f"split size must be positive, got {size}")
         for start in range(0, len(self), size):
             yield self.slice(start, start + size)
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         """Every tensor moved to ``device`` (a no-op for tensors already there); metadata shared."""
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta), dict(self.columns))
 
     @staticmethod
-    def concat(batches: Sequence["Batch"]) -> "Batch":
+    def concat(batches: Sequence[Batch]) -> Batch:
         """Row-wise concatenation; every batch must have the same keys and trailing shapes (column
         names are the first batch's)."""
         if not batches:
@@ -165,8 +171,9 @@ class Batch:
         )
 
 
-def build_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
-                pad_id: int) -> Batch:
+def build_batch(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], prompt_index: Sequence[int], pad_id: int
+) -> Batch:
     """Pack prompts (left-padded) and responses (right-padded) into the rollout's batch tensors:
     ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask`` and
     ``index`` (the table above). Response ``i`` answers ``prompt_ids[prompt_index[i]]``.
@@ -182,21 +189,23 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequ
     attention_mask = torch.zeros((B, P + T), dtype=torch.long)
     response_mask = torch.zeros((B, T), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompts, response_ids)):
-        input_ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, P - len(p):P] = 1
+        input_ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, P - len(p) : P] = 1
         if r:
-            input_ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, P:P + len(r)] = 1
-            response_mask[i, :len(r)] = 1.0
+            input_ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+            attention_mask[i, P : P + len(r)] = 1
+            response_mask[i, : len(r)] = 1.0
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return Batch({
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "responses": input_ids[:, P:].clone(),
-        "response_mask": response_mask,
-        "index": torch.tensor(list(prompt_index), dtype=torch.long),
-    })
+    return Batch(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "responses": input_ids[:, P:].clone(),
+            "response_mask": response_mask,
+            "index": torch.tensor(list(prompt_index), dtype=torch.long),
+        }
+    )
 
 
 def padded_rows(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:

@@ -43,13 +43,25 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "resume_checkpoint", "export_checkpoint",
-           "seed_everything", "rng_state", "set_rng_state", "atomic_write_text", "LATEST", "COMPLETE"]
+__all__ = [
+    "CheckpointManager",
+    "save_checkpoint",
+    "load_checkpoint",
+    "resume_checkpoint",
+    "export_checkpoint",
+    "seed_everything",
+    "rng_state",
+    "set_rng_state",
+    "atomic_write_text",
+    "LATEST",
+    "COMPLETE",
+]
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
@@ -178,7 +190,12 @@ class CheckpointManager:
             if step in steps and step == steps[-1]:
                 return self.step_dir(step)
             if steps:
-                log.warning("Checkpoint pointer %s says %s; using the latest complete checkpoint, step %d", pointer, step, steps[-1])
+                log.warning(
+                    "Checkpoint pointer %s says %s; using the latest complete checkpoint, step %d",
+                    pointer,
+                    step,
+                    steps[-1],
+                )
         return self.step_dir(steps[-1]) if steps else None
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
@@ -264,7 +281,7 @@ def rng_state() -> dict[str, Any]:
     import torch
 
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # the legacy tuple (MT19937, keys, pos, has_gauss, gauss)
     return {
         "python_version": py[0],
         "python_state": torch.tensor(py[1], dtype=torch.int64),
@@ -283,10 +300,22 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     import torch
 
     gauss = state["python_gauss"]
-    random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()),
-                     None if isinstance(gauss, float) and math.isnan(gauss) else gauss))
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
-                         state["numpy_has_gauss"], state["numpy_gauss"]))
+    random.setstate(
+        (
+            state["python_version"],
+            tuple(int(x) for x in state["python_state"].tolist()),
+            None if isinstance(gauss, float) and math.isnan(gauss) else gauss,
+        )
+    )
+    np.random.set_state(
+        (
+            "MT19937",
+            state["numpy_keys"].numpy().astype(np.uint32),
+            state["numpy_pos"],
+            state["numpy_has_gauss"],
+            state["numpy_gauss"],
+        )
+    )
     torch.set_rng_state(state["torch"])
 
 
@@ -294,11 +323,24 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 #: file names inside a ``global_step_N`` directory (see the module docstring)
 BACKEND_DIR, RNG_FILE, META_DIR, STATE_FILE, CONFIG_FILE = (
-    "backend", "rng_state.pt", "hf_meta", "trainer_state.json", "config.yaml")
+    "backend",
+    "rng_state.pt",
+    "hf_meta",
+    "trainer_state.json",
+    "config.yaml",
+)
 
 
-def write_checkpoint(directory: Path, *, step: int, backend: Any, stateful: Mapping[str, Any], tokenizer: Any,
-                     model_path: str | Path, config: Any) -> None:
+def write_checkpoint(
+    directory: Path,
+    *,
+    step: int,
+    backend: Any,
+    stateful: Mapping[str, Any],
+    tokenizer: Any,
+    model_path: str | Path,
+    config: Any,
+) -> None:
     """Fill ``directory`` (an empty partial dir) with one checkpoint, in the layout's order.
 
     ``backend`` writes ``backend/`` (:meth:`rlplug.types.TrainingBackend.save`); ``stateful``
@@ -326,8 +368,7 @@ def write_checkpoint(directory: Path, *, step: int, backend: Any, stateful: Mapp
     (directory / CONFIG_FILE).write_text(OmegaConf.to_yaml(config))
 
 
-def save_checkpoint(manager: CheckpointManager, step: int, *, backend: Any, coordinator: Any,
-                    **files: Any) -> Path:
+def save_checkpoint(manager: CheckpointManager, step: int, *, backend: Any, coordinator: Any, **files: Any) -> Path:
     """Save checkpoint ``step`` crash-safely (:meth:`CheckpointManager.save` around
     :func:`write_checkpoint`, which takes ``files``) and return its path, on every process.
 
@@ -426,7 +467,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     meta = ckpt / "hf_meta"
     weights = ckpt / "backend" / "actor" / "model.safetensors"
     if not weights.is_file():
-        raise FileNotFoundError(f"{weights} is missing: this checkpoint was not written by a backend that rlplug export understands.")
+        raise FileNotFoundError(
+            f"{weights} is missing: this checkpoint was not written by a backend that rlplug export understands."
+        )
     config = AutoConfig.from_pretrained(meta)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -20,10 +20,10 @@ import os
 # (shared/MACHINE_NOTES.md). Passive waiting costs a few percent on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
+import argparse
 import json
 import sys
-from typing import Sequence  # noqa: E402
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -65,7 +65,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if info["broken"]:
         console.print("[bold red]Plugins that failed to load[/bold red]")
         for b in info["broken"]:
-            console.print(escape(f"  {b['name']} ({b['distribution']} {b['version']}, entry point {b['entry_point']}): {b['error']}"))
+            console.print(
+                escape(
+                    f"  {b['name']} ({b['distribution']} {b['version']}, entry point {b['entry_point']}): {b['error']}"
+                )
+            )
     return 0
 
 
@@ -93,13 +97,20 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     try:
         kwargs = json.loads(args.task_kwargs) if args.task_kwargs else None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--task-kwargs is not valid JSON ({exc}); pass an object, e.g. '{{\"min_terms\": 2}}'.") from exc
+        raise ConfigError(
+            f"--task-kwargs is not valid JSON ({exc}); pass an object, e.g. '{{\"min_terms\": 2}}'."
+        ) from exc
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ConfigError(f"--task-kwargs must be a JSON object (keyword -> value), got {args.task_kwargs!r}.")
     try:
         result = prepare_dataset(
-            args.task, args.out, train_size=args.train_size, test_size=args.test_size, seed=args.seed,
-            task_kwargs=kwargs, instruction=args.instruction,
+            args.task,
+            args.out,
+            train_size=args.train_size,
+            test_size=args.test_size,
+            seed=args.seed,
+            task_kwargs=kwargs,
+            instruction=args.instruction,
         )
     except ValueError as exc:  # unknown task, bad sizes or task_kwargs: the message lists the valid choices
         raise ConfigError(str(exc)) from exc
@@ -137,8 +148,13 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from .evaluate import debug_rollout
 
     cfg, _ = _compose_and_validate(args.overrides)
-    for item in debug_rollout(cfg, prompts=args.prompt, ground_truth=args.ground_truth, data_source=args.data_source,
-                              checkpoint=args.checkpoint):
+    for item in debug_rollout(
+        cfg,
+        prompts=args.prompt,
+        ground_truth=args.ground_truth,
+        data_source=args.data_source,
+        checkpoint=args.checkpoint,
+    ):
         console.rule(f"[bold]{item['prompt'][:80]}")
         console.print(item["response"], markup=False, highlight=False)
         console.print(f"reward: {item['score']}  breakdown: {item['breakdown']}")
@@ -169,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--train-size", type=int, default=2000)
     dp.add_argument("--test-size", type=int, default=200)
     dp.add_argument("--seed", type=int, default=0)
-    dp.add_argument("--task-kwargs", default=None, help='JSON dict passed to the generator, e.g. \'{"min_terms": 2}\'')
+    dp.add_argument("--task-kwargs", default=None, help="JSON dict passed to the generator, e.g. '{\"min_terms\": 2}'")
     dp.add_argument("--instruction", default=None, help="answer-format sentence appended to each question")
     dp.set_defaults(func=cmd_data_prepare)
 
@@ -181,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("eval", help="mean@k and pass@k of a model or checkpoint on the validation files")
     sp.add_argument("--checkpoint", default=None)
     sp.add_argument("--k", type=int, default=1)
-    sp.add_argument("--temperature", type=float, default=None, help="default: greedy for k=1, rollout.temperature otherwise")
+    sp.add_argument(
+        "--temperature", type=float, default=None, help="default: greedy for k=1, rollout.temperature otherwise"
+    )
     sp.add_argument("overrides", nargs="*")
     sp.set_defaults(func=cmd_eval)
 

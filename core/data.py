@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["DatasetError", "RLDataset", "read_dataset", "read_run_datasets", "StatefulDataLoader", "ALLOWED_ROLES"]
 
@@ -103,7 +103,9 @@ def _check_text(text: str, path: str, row: int, column: str) -> None:
     if m:
         ch = m.group(0)
         raise _err(
-            path, row, column,
+            path,
+            row,
+            column,
             f"contains control character U+{ord(ch):04X} at position {m.start()}; expected printable UTF-8 "
             "text (tab, newline and carriage return are allowed). Remove the character and rewrite the file.",
         )
@@ -114,7 +116,9 @@ def _is_str_type(t) -> bool:
 
     if pa.types.is_dictionary(t):
         t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
+    return (
+        pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
+    )
 
 
 def _check_schema(path: str, schema, prompt_key: str) -> None:
@@ -124,7 +128,9 @@ def _check_schema(path: str, schema, prompt_key: str) -> None:
     for col in ("data_source", prompt_key, "reward_model", "ability", "extra_info"):
         if schema.names.count(col) > 1:
             raise _err(
-                path, None, col,
+                path,
+                None,
+                col,
                 f"appears {schema.names.count(col)} times; expected one column of that name. "
                 "Rename or drop the duplicates and rewrite the file.",
             )
@@ -136,7 +142,9 @@ def _check_schema(path: str, schema, prompt_key: str) -> None:
             elif col == prompt_key:
                 hint = " (set data.prompt_key if the prompt column has another name)"
             raise _err(
-                path, None, col,
+                path,
+                None,
+                col,
                 f"missing required column{hint}. Columns present: {', '.join(schema.names) or 'none'}. {_SCHEMA_HELP}",
             )
 
@@ -177,7 +185,9 @@ def _column_values(path: str, table, name: str) -> list:
                 col[i].as_py()
             except (UnicodeDecodeError, ValueError) as row_exc:
                 raise _err(
-                    path, i, name,
+                    path,
+                    i,
+                    name,
                     f"is not valid UTF-8 ({row_exc}); expected UTF-8 text. Re-encode the text as UTF-8 and rewrite the file.",
                 ) from row_exc
         raise _err(path, None, name, f"could not be read: {exc}") from exc
@@ -197,7 +207,9 @@ def _ground_truth(value: Any, path: str, row: int) -> str:
             raise _err(path, row, col, f"is {value}; expected a string answer (or a finite number).")
         return str(int(value)) if value.is_integer() else repr(value)
     raise _err(
-        path, row, col,
+        path,
+        row,
+        col,
         f"is {type(value).__name__} {value!r:.80}; expected a string (ints and floats are converted). "
         "Store the answer as text, e.g. JSON for structured answers.",
     )
@@ -209,13 +221,17 @@ def _messages(value: Any, path: str, row: int, column: str) -> list[dict]:
     if value is None or not isinstance(value, list):
         raise _err(path, row, column, f"is {value!r:.80}; expected a non-empty list of {{role, content}} messages.")
     if not value:
-        raise _err(path, row, column, "is an empty list; expected at least one message with text. Remove the row or fill it.")
+        raise _err(
+            path, row, column, "is an empty list; expected at least one message with text. Remove the row or fill it."
+        )
     msgs = []
     for j, m in enumerate(value):
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
         if role not in ALLOWED_ROLES:
             raise _err(
-                path, row, column,
+                path,
+                row,
+                column,
                 f"message {j} has role {role!r}; allowed roles: {', '.join(ALLOWED_ROLES)}.",
             )
         if not isinstance(content, str):
@@ -272,10 +288,8 @@ def read_dataset(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if isinstance(files, (str, Path)):
-        files = [files]
-    files = [str(Path(f).expanduser()) for f in files]
-    if not files:
+    paths: list[str] = [str(Path(f).expanduser()) for f in ([files] if isinstance(files, (str, Path)) else files)]
+    if not paths:
         raise DatasetError("No data files given; set data.train_files / data.val_files or data.task.")
     if max_prompt_length is not None and tokenizer is None:
         raise ValueError("max_prompt_length needs a tokenizer to count prompt tokens; pass tokenizer=.")
@@ -285,7 +299,7 @@ def read_dataset(
     rows: list[dict] = []
     filtered = 0
     total = 0
-    for path in files:
+    for path in paths:
         if not Path(path).is_file():
             raise DatasetError(f"{path}: file not found. Check data.train_files / data.val_files.")
         try:
@@ -318,7 +332,7 @@ def read_dataset(
             extra = values["extra_info"][i] if "extra_info" in values else None
             if isinstance(extra, list):  # map type -> list of (key, value) pairs
                 extra = dict(extra)
-            row = {
+            row: dict[str, Any] = {
                 "data_source": ds,
                 "messages": messages,
                 "ground_truth": gt,
@@ -331,7 +345,9 @@ def read_dataset(
                 if max_prompt_length is not None and len(ids) > max_prompt_length:
                     if not filter_overlong_prompts:
                         raise _err(
-                            path, i, prompt_key,
+                            path,
+                            i,
+                            prompt_key,
                             f"prompt is {len(ids)} tokens after the chat template, longer than max_prompt_length="
                             f"{max_prompt_length}. Raise data.max_prompt_length or set data.filter_overlong_prompts=true.",
                         )
@@ -343,14 +359,17 @@ def read_dataset(
     if filtered:
         logger.warning(
             "filtered %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
-            filtered, total, max_prompt_length, ", ".join(files),
+            filtered,
+            total,
+            max_prompt_length,
+            ", ".join(paths),
         )
     if not rows:
         raise DatasetError(
-            f"No rows left in {', '.join(files)}: all {total} prompts are longer than max_prompt_length="
+            f"No rows left in {', '.join(paths)}: all {total} prompts are longer than max_prompt_length="
             f"{max_prompt_length} tokens. Raise data.max_prompt_length."
         )
-    return RLDataset(rows, files, filtered)
+    return RLDataset(rows, paths, filtered)
 
 
 def read_run_datasets(cfg: Any, tokenizer: Any, check_data_sources: Any = None) -> tuple[RLDataset, RLDataset | None]:
@@ -369,8 +388,13 @@ def read_run_datasets(cfg: Any, tokenizer: Any, check_data_sources: Any = None) 
 
     d = cfg.data
     train_files, val_files = prepared_data_files(cfg)
-    kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
-                  filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key, system_prompt=d.system_prompt)
+    kwargs = dict(
+        tokenizer=tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+        prompt_key=d.prompt_key,
+        system_prompt=d.system_prompt,
+    )
     train = read_dataset(train_files, **kwargs)
     val = read_dataset(val_files, **kwargs) if val_files else None
     if check_data_sources is not None:
@@ -409,8 +433,9 @@ class StatefulDataLoader:
     Rows in a batch are shallow copies of the dataset's rows (adding keys does not change the dataset).
     """
 
-    def __init__(self, dataset: Sequence[dict], batch_size: int, shuffle: bool = True, seed: int = 1,
-                 drop_last: bool = True) -> None:
+    def __init__(
+        self, dataset: Sequence[dict], batch_size: int, shuffle: bool = True, seed: int = 1, drop_last: bool = True
+    ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer (prompts per batch), got {batch_size!r}.")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -462,7 +487,7 @@ class StatefulDataLoader:
             self.index = 0
         order = self.epoch_order(self.epoch)
         lo = self.index * self.batch_size
-        batch = [dict(self.dataset[j]) for j in order[lo: lo + self.batch_size]]
+        batch = [dict(self.dataset[j]) for j in order[lo : lo + self.batch_size]]
         epoch = self.epoch
         self.index += 1
         return batch, epoch
@@ -505,11 +530,15 @@ class StatefulDataLoader:
                 f"Loader state epoch={epoch}, index={index} is out of range (index 0..{self.steps_per_epoch})."
             )
         mine = self.state_dict()
-        diffs = [f"{k}: saved {state[k]!r}, now {mine[k]!r}" for k in ("batch_size", "num_rows", "seed", "shuffle", "drop_last")
-                 if k in state and state[k] != mine[k]]
+        diffs = [
+            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
+            for k in ("batch_size", "num_rows", "seed", "shuffle", "drop_last")
+            if k in state and state[k] != mine[k]
+        ]
         if diffs:
             raise ValueError(
-                "Cannot resume the data loader exactly: " + "; ".join(diffs)
+                "Cannot resume the data loader exactly: "
+                + "; ".join(diffs)
                 + ". Restore the data settings of the interrupted run (data.train_batch_size, data files, data.seed, "
                 "data.shuffle) or start a new run."
             )

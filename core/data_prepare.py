@@ -49,8 +49,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TASKS", "TASK_DEFAULTS", "GSM8K_INSTRUCTION", "DATA_FORMAT_VERSION", "prepare_dataset", "prepared_data_files",
-           "build_rows", "parquet_schema"]
+__all__ = [
+    "TASKS",
+    "TASK_DEFAULTS",
+    "GSM8K_INSTRUCTION",
+    "DATA_FORMAT_VERSION",
+    "prepare_dataset",
+    "prepared_data_files",
+    "build_rows",
+    "parquet_schema",
+]
 
 logger = logging.getLogger("rlplug.data")
 
@@ -307,7 +315,10 @@ def prepare_dataset(
     if len(train_items) < train_size:
         logger.warning(
             "task %s: only %d of %d train rows outside the test split after %d draws (few distinct questions)",
-            task, len(train_items), train_size, drawn,
+            task,
+            len(train_items),
+            train_size,
+            drawn,
         )
     if removed:
         logger.info("task %s: removed %d train items whose question is in the test split", task, removed)
@@ -356,17 +367,33 @@ def prepared_data_files(cfg: Any) -> tuple[list[str], list[str]]:
 
     d = cfg.data
     if d.train_files:
-        return [str(Path(f).expanduser()) for f in d.train_files], [str(Path(f).expanduser()) for f in (d.val_files or [])]
-    spec = {"task": d.task, "train": d.train_size, "test": d.test_size, "seed": d.data_seed,
-            "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True), "instruction": d.instruction,
-            "defaults": TASK_DEFAULTS.get(d.task), "format": DATA_FORMAT_VERSION}
+        return [str(Path(f).expanduser()) for f in d.train_files], [
+            str(Path(f).expanduser()) for f in (d.val_files or [])
+        ]
+    spec = {
+        "task": d.task,
+        "train": d.train_size,
+        "test": d.test_size,
+        "seed": d.data_seed,
+        "kwargs": OmegaConf.to_container(d.task_kwargs, resolve=True),
+        "instruction": d.instruction,
+        "defaults": TASK_DEFAULTS.get(d.task),
+        "format": DATA_FORMAT_VERSION,
+    }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     out = default_cache_dir() / "data" / f"{d.task}-{key}"
     train, test = out / "train.parquet", out / "test.parquet"
     if not (train.is_file() and test.is_file()):
         tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-        prepare_dataset(d.task, tmp, train_size=d.train_size, test_size=d.test_size, seed=d.data_seed,
-                        task_kwargs=spec["kwargs"] or None, instruction=d.instruction)
+        prepare_dataset(
+            d.task,
+            tmp,
+            train_size=d.train_size,
+            test_size=d.test_size,
+            seed=d.data_seed,
+            task_kwargs=spec["kwargs"] or None,
+            instruction=d.instruction,
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.replace(tmp, out)

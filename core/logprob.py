@@ -175,8 +175,14 @@ def token_stats_from_hidden(
             f"got min {int(labels.min())}, max {int(labels.max())}. Is the padding id outside the vocabulary?"
         )
     temperature = float(temperature)
-    needs_grad = n > chunk_size and torch.is_grad_enabled() and (
-        hidden.requires_grad or lm_head_weight.requires_grad or (lm_head_bias is not None and lm_head_bias.requires_grad)
+    needs_grad = (
+        n > chunk_size
+        and torch.is_grad_enabled()
+        and (
+            hidden.requires_grad
+            or lm_head_weight.requires_grad
+            or (lm_head_bias is not None and lm_head_bias.requires_grad)
+        )
     )
     out_lp: list[torch.Tensor] = []
     out_ent: list[torch.Tensor] = []
@@ -197,8 +203,9 @@ def token_stats_from_hidden(
                 use_reentrant=False,
             )
         else:
-            lp, ent, sps = _chunk_log_probs(h_chunk, lm_head_weight, lm_head_bias, y_chunk, temperature, with_entropy,
-                                            with_sps)
+            lp, ent, sps = _chunk_log_probs(
+                h_chunk, lm_head_weight, lm_head_bias, y_chunk, temperature, with_entropy, with_sps
+            )
         out_lp.append(lp)
         out_ent.append(ent)
         out_sps.append(sps)
@@ -234,8 +241,15 @@ def log_probs_from_hidden(
     when ``with_entropy`` is false. Arguments, memory behaviour and errors as
     :func:`token_stats_from_hidden`, of which this is the two-output form.
     """
-    out = token_stats_from_hidden(hidden, lm_head_weight, labels, temperature=temperature, chunk_size=chunk_size,
-                                  with_entropy=with_entropy, lm_head_bias=lm_head_bias)
+    out = token_stats_from_hidden(
+        hidden,
+        lm_head_weight,
+        labels,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        lm_head_bias=lm_head_bias,
+    )
     return out["log_probs"], out.get("entropy")
 
 
@@ -311,7 +325,10 @@ def trim_padding_columns(
     hi = max(int(cols[-1]) + 1 if cols.numel() else p + 1, p + 1)  # keep at least one response column
     if lo == 0 and hi == seq_len:
         return dict(batch_tensors), t
-    trimmed = {k: (v[:, lo:hi] if k in ("input_ids", "attention_mask", "position_ids") else v) for k, v in batch_tensors.items()}
+    trimmed = {
+        k: (v[:, lo:hi] if k in ("input_ids", "attention_mask", "position_ids") else v)
+        for k, v in batch_tensors.items()
+    }
     return trimmed, hi - p
 
 
@@ -384,14 +401,21 @@ def response_token_stats(
         head_bias = cast("torch.Tensor | None", head.bias)
         full_t = t
         trimmed, t = trim_padding_columns(batch_tensors, t)
-        input_ids, attention_mask, position_ids = trimmed["input_ids"], trimmed.get("attention_mask"), trimmed.get("position_ids")
+        input_ids, attention_mask, position_ids = (
+            trimmed["input_ids"],
+            trimmed.get("attention_mask"),
+            trimmed.get("position_ids"),
+        )
         seq_len = input_ids.shape[1]
         labels = input_ids[:, seq_len - t :]  # (B, t)
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden_all = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L', H)
         hidden = hidden_all[:, seq_len - t - 1 : seq_len - 1]  # (B, t, H)
-        valid = (attention_mask[:, seq_len - t :].bool() if attention_mask is not None
-                 else torch.ones_like(labels, dtype=torch.bool))  # (B, t): real response tokens
+        valid = (
+            attention_mask[:, seq_len - t :].bool()
+            if attention_mask is not None
+            else torch.ones_like(labels, dtype=torch.bool)
+        )  # (B, t): real response tokens
         rows = token_stats_from_hidden(
             hidden[valid],
             head_weight,
@@ -443,7 +467,7 @@ def response_log_probs(
     without ``with_entropy``; 0.0 after each response's end. The two-output form of
     :func:`response_token_stats` (see there for the arguments, the computation and the errors).
     """
-    out = response_token_stats(model, batch_tensors, response_length, temperature=temperature,
-                               chunk_size=chunk_size, with_entropy=with_entropy)
+    out = response_token_stats(
+        model, batch_tensors, response_length, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    )
     return out["log_probs"], out.get("entropy")
-

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -23,11 +24,18 @@ if TYPE_CHECKING:
     from .batch import Batch
     from .types import RolloutOutput
 
-__all__ = ["stats", "stage", "step_metrics", "progress_metrics", "throughput_metrics", "validation_metrics",
-           "validation_samples"]
+__all__ = [
+    "stats",
+    "stage",
+    "step_metrics",
+    "progress_metrics",
+    "throughput_metrics",
+    "validation_metrics",
+    "validation_samples",
+]
 
 
-def stats(prefix: str, x: "torch.Tensor", mask: "torch.Tensor | None" = None) -> dict[str, float]:
+def stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
     """``{<prefix>/mean, <prefix>/max, <prefix>/min}`` of ``x`` (any shape; in float32), over the
     entries where ``mask`` (same shape, nonzero = valid) is set; ``{}`` when none is."""
     if mask is not None:
@@ -56,8 +64,15 @@ def stage(metrics: dict[str, float], name: str, *, fault: str | bool | None = Tr
         _fault_point(name if fault is True else fault)
 
 
-def step_metrics(batch: "Batch", *, scores: Sequence[float], components: Mapping[str, Sequence[float | None]],
-                 rollout: "RolloutOutput", prompt_ids: Sequence[Sequence[int]], use_critic: bool) -> dict[str, float]:
+def step_metrics(
+    batch: Batch,
+    *,
+    scores: Sequence[float],
+    components: Mapping[str, Sequence[float | None]],
+    rollout: RolloutOutput,
+    prompt_ids: Sequence[Sequence[int]],
+    use_critic: bool,
+) -> dict[str, float]:
     """The batch statistics of one training step (verl's names).
 
     ``batch`` holds ``response_mask``, ``token_level_rewards``, ``advantages`` and ``returns``
@@ -110,7 +125,7 @@ def progress_metrics(step: int, epoch: int, kl_coef: float | None = None) -> dic
     return out
 
 
-def throughput_metrics(batch: "Batch", *, step_time: float, gen_time: float) -> dict[str, float]:
+def throughput_metrics(batch: Batch, *, step_time: float, gen_time: float) -> dict[str, float]:
     """``timing_s/step`` (``step_time``, seconds), ``perf/total_num_tokens`` (prompt + response
     tokens of the batch), ``perf/throughput`` (those tokens per second of the step) and
     ``perf/gen_tokens_per_s`` (response tokens per second of generation, ``gen_time``)."""
@@ -140,5 +155,75 @@ def validation_metrics(scored: Sequence[tuple[Mapping[str, Any], str, float, flo
 def validation_samples(scored: Sequence[tuple[Mapping[str, Any], str, float, float]]) -> list[dict[str, Any]]:
     """The scored validation responses as the rows trackers log: ``data_source``, ``prompt`` (the last
     message's text), ``response``, ``ground_truth`` and ``score``."""
-    return [{"data_source": row["data_source"], "prompt": row["messages"][-1]["content"], "response": response,
-             "ground_truth": str(row["ground_truth"]), "score": score} for row, response, score, _ in scored]
+    return [
+        {
+            "data_source": row["data_source"],
+            "prompt": row["messages"][-1]["content"],
+            "response": response,
+            "ground_truth": str(row["ground_truth"]),
+            "score": score,
+        }
+        for row, response, score, _ in scored
+    ]
+
+
+def progress_postfix(metrics: dict[str, float]) -> dict[str, float]:
+    """The few step metrics the progress bar shows (score, policy loss, response length), short-named."""
+    keys = ("critic/score/mean", "actor/pg_loss", "response_length/mean")
+    return {(k.split("/")[-2] if k.count("/") > 1 else k): round(v, 3) for k, v in metrics.items() if k in keys}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+class Trackers:
+    """The run's trackers (``trainer.logger``, kind ``tracker``) as one: every call goes to each.
+
+    :meth:`open` builds them (on the main process only; the others keep an empty group) and logs
+    the flattened, resolved config as params; :meth:`close` maps the run status ``finished`` /
+    ``interrupted`` / anything else to ``FINISHED`` / ``KILLED`` / ``FAILED`` and ignores errors,
+    so no MLflow run is left ``RUNNING``. If building one fails, those already open are closed.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def open(self, cfg: Any, registry: Any, *, model_path: str, is_main: bool) -> None:
+        if not is_main:
+            return
+        from omegaconf import OmegaConf
+
+        try:
+            for name in cfg.trainer.logger:
+                self.items.append(registry.get("tracker", name)(cfg))
+        except BaseException:
+            self.close("failed")
+            raise
+        flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+        flat["model.resolved_path"] = str(model_path)
+        self.log_params(flat)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        for t in self.items:
+            t.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for t in self.items:
+            t.log_metrics(metrics, step)
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        for t in self.items:
+            t.log_table(name, rows, step)
+
+    def close(self, status: str) -> None:
+        label = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
+        for t in self.items:
+            with contextlib.suppress(Exception):
+                t.close(status=label)

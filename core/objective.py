@@ -57,11 +57,24 @@ SEQUENCE_FIELDS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids
 CRITIC_INPUT_FIELDS: tuple[str, ...] = (*SEQUENCE_FIELDS, "response_mask", "values", "returns")
 
 #: Names the actor objective passes to the policy loss itself (a plugin cannot ``require`` them).
-_RESERVED = frozenset({"old_log_probs", "log_probs", "advantages", "response_mask", "config", "loss_agg_mode",
-                       "normalizer", "max_response_length", "rollout_is_weights"})
+_RESERVED = frozenset(
+    {
+        "old_log_probs",
+        "log_probs",
+        "advantages",
+        "response_mask",
+        "config",
+        "loss_agg_mode",
+        "normalizer",
+        "max_response_length",
+        "rollout_is_weights",
+    }
+)
 
 
-def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, threshold: float) -> torch.Tensor:
+def truncated_is_weights(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, threshold: float
+) -> torch.Tensor:
     """Truncated importance-sampling weights against the rollout engine (verl's TIS).
 
     ``min(exp(clamp(old_log_probs - rollout_log_probs, -20, 20)), threshold)`` per token, detached:
@@ -76,8 +89,9 @@ def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.T
         return torch.clamp(weight, max=float(threshold))
 
 
-def actor_input_fields(config: Any, policy_loss: Any = None, *, kl_penalty: Any = None,
-                       on_policy_reuse: bool = False) -> tuple[str, ...]:
+def actor_input_fields(
+    config: Any, policy_loss: Any = None, *, kl_penalty: Any = None, on_policy_reuse: bool = False
+) -> tuple[str, ...]:
     """The batch fields :func:`actor_objective` (and the actor's forward pass) need.
 
     The sequence tensors, ``response_mask``, ``advantages``, ``old_log_probs`` (unless
@@ -171,8 +185,11 @@ def actor_objective(
             (shapes, aggregation mode).
     """
     mask = _require(tensors, "response_mask", "the valid response tokens")
-    old_log_probs = log_probs.detach() if on_policy_reuse else _require(
-        tensors, "old_log_probs", "the actor's log-probs before the update")
+    old_log_probs = (
+        log_probs.detach()
+        if on_policy_reuse
+        else _require(tensors, "old_log_probs", "the actor's log-probs before the update")
+    )
     advantages = _require(tensors, "advantages", "the advantage estimator's output")
     entropy_coeff = float(config_get(config, "entropy_coeff", 0.0))
     if entropy is None and entropy_coeff:
@@ -184,8 +201,11 @@ def actor_objective(
     threshold = config_get(config, "rollout_is_threshold", None)
     weights = None
     if threshold is not None:
-        rollout_log_probs = _require(tensors, "rollout_log_probs", "truncated importance sampling, "
-                                     "actor.rollout_is_threshold; set rollout.calculate_log_probs=true")
+        rollout_log_probs = _require(
+            tensors,
+            "rollout_log_probs",
+            "truncated importance sampling, actor.rollout_is_threshold; set rollout.calculate_log_probs=true",
+        )
         weights = truncated_is_weights(old_log_probs, rollout_log_probs, float(threshold))
         parts["mean:rollout_is_weight"] = float(masked_mean(weights, mask))
     requires = tuple(getattr(policy_loss, "requires", ()) or ())
@@ -197,14 +217,23 @@ def actor_objective(
         )
     extra = {key: _require(tensors, key, "required by the policy loss") for key in requires}
     pg_loss, pg_metrics = policy_loss(
-        old_log_probs, log_probs, advantages, mask, config=config, loss_agg_mode=loss_agg_mode,
-        normalizer=normalizer, max_response_length=max_response_length, rollout_is_weights=weights, **extra,
+        old_log_probs,
+        log_probs,
+        advantages,
+        mask,
+        config=config,
+        loss_agg_mode=loss_agg_mode,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        rollout_is_weights=weights,
+        **extra,
     )
     loss = pg_loss
     entropy_agg = None
     if entropy is not None:
-        entropy_agg = agg_loss(entropy if entropy_coeff else entropy.detach(), mask, loss_agg_mode, normalizer,
-                               max_response_length)
+        entropy_agg = agg_loss(
+            entropy if entropy_coeff else entropy.detach(), mask, loss_agg_mode, normalizer, max_response_length
+        )
         if entropy_coeff:
             loss = pg_loss - entropy_coeff * entropy_agg
     parts["pg_loss"] = float(pg_loss.detach())
@@ -260,7 +289,13 @@ def critic_objective(
                 f"{BATCH_FIELD_PRODUCERS.get(key, 'the trainer (the advantage estimator)')}. Present: {sorted(tensors)}."
             )
     loss, m = value_loss(
-        values, tensors["values"], tensors["returns"], tensors["response_mask"], cliprange_value=cliprange_value,
-        loss_agg_mode=loss_agg_mode, normalizer=normalizer, max_response_length=max_response_length,
+        values,
+        tensors["values"],
+        tensors["returns"],
+        tensors["response_mask"],
+        cliprange_value=cliprange_value,
+        loss_agg_mode=loss_agg_mode,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
     )
     return loss, {"vf_loss": float(loss.detach()), "mean:vf_clipfrac": float(m["vf_clipfrac"])}

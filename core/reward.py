@@ -41,8 +41,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from .config import ConfigError
 
@@ -100,14 +100,14 @@ def _on_alarm(signum, frame):  # pragma: no cover - runs in worker processes
 
 def _run_chunk(calls: list[tuple[Callable, tuple, dict]], timeout_s: float | None) -> list[tuple[str, Any]]:
     """Worker process: run calls one by one, each under a ``SIGALRM`` interval timer."""
-    use_timer = bool(timeout_s) and timeout_s > 0 and threading.current_thread() is threading.main_thread()
+    use_timer = timeout_s is not None and timeout_s > 0 and threading.current_thread() is threading.main_thread()
     out = []
     for fn, args, kwargs in calls:
         if not use_timer:
             out.append(_call(fn, args, kwargs))
             continue
         previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, float(timeout_s))
+        signal.setitimer(signal.ITIMER_REAL, float(timeout_s or 0.0))
         try:
             status, value = _call(fn, args, kwargs)
         except _RewardTimeout as exc:  # fired between the call and the reset
@@ -124,7 +124,7 @@ def _run_chunk(calls: list[tuple[Callable, tuple, dict]], timeout_s: float | Non
 # ============================================================================ the manager
 
 
-def components_tensor(extra: Mapping[str, Sequence[float | None]], n: int) -> tuple["torch.Tensor", tuple[str, ...]]:
+def components_tensor(extra: Mapping[str, Sequence[float | None]], n: int) -> tuple[torch.Tensor, tuple[str, ...]]:
     """:meth:`RewardManager.score`'s named per-response values (``extra``, lists of ``n`` floats) as
     one ``(n, K) float32`` tensor and its ``K`` column names, in ``extra``'s order; NaN where a
     value is NaN or ``None`` (the response's reward did not report that name). This is the batch
@@ -136,7 +136,6 @@ def components_tensor(extra: Mapping[str, Sequence[float | None]], n: int) -> tu
     if any(len(c) != n for c in cols):
         raise ValueError(f"reward components need {n} values each; got {dict(zip(names, map(len, cols)))}")
     return torch.tensor(cols, dtype=torch.float32).reshape(len(cols), n).T.contiguous(), names
-
 
 
 def _section(config: Any) -> dict:
@@ -153,7 +152,7 @@ def _section(config: Any) -> dict:
         return dict(config)
     import dataclasses
 
-    if dataclasses.is_dataclass(config):
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)
     return dict(vars(config))
 
@@ -182,8 +181,9 @@ class RewardManager:
         RewardConfigError: a shaping function name is unknown, or bad ``num_workers``.
     """
 
-    def __init__(self, config: Any, registry: Any = None, *, start_method: str = "spawn",
-                 backstop_slack_s: float = 30.0) -> None:
+    def __init__(
+        self, config: Any, registry: Any = None, *, start_method: str = "spawn", backstop_slack_s: float = 30.0
+    ) -> None:
         cfg = _section(config)
         self.fn_map: dict[str, str] = dict(cfg.get("reward_fn_map") or {})
         self.default: str | None = cfg.get("default")
@@ -239,7 +239,9 @@ class RewardManager:
         except (TypeError, ValueError):
             sig = None
         if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-            params = [p for p in sig.parameters if p not in ("data_source", "solution_str", "ground_truth", "extra_info")]
+            params = [
+                p for p in sig.parameters if p not in ("data_source", "solution_str", "ground_truth", "extra_info")
+            ]
             unknown = sorted(set(kwargs) - set(params))
             if unknown:
                 raise RewardConfigError(
@@ -314,7 +316,9 @@ class RewardManager:
             )
         return ds, gts, extras
 
-    def score(self, rows_or_fields: Any, responses: Sequence[str]) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
+    def score(
+        self, rows_or_fields: Any, responses: Sequence[str]
+    ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         """Score ``responses`` (decoded text, special tokens removed) against their rows.
 
         Args:
@@ -343,16 +347,26 @@ class RewardManager:
             if not isinstance(r, str):
                 raise TypeError(f"responses[{i}] is {type(r).__name__}; expected decoded text (str).")
 
-        slots = [self.fn_name_for(d) for d in ds]
+        # every data source has a function (check_data_sources above raised otherwise)
+        slots = [cast(str, self.fn_name_for(d)) for d in ds]
         calls: list[tuple[str, int, str]] = []  # (function name, sample, slot: "main" or "shape")
         payload: list[tuple[Callable, tuple, dict]] = []
         for i in range(n):
-            extra = dict(extras[i]) if isinstance(extras[i], Mapping) else extras[i]
+            info = extras[i]
+            extra = dict(info) if isinstance(info, Mapping) else info
             calls.append((slots[i], i, "main"))  # type: ignore[arg-type]
-            payload.append((self._fns[slots[i]], (ds[i], responses[i], gts[i], extra), self.fn_kwargs.get(slots[i], {})))
+            payload.append(
+                (self._fns[slots[i]], (ds[i], responses[i], gts[i], extra), self.fn_kwargs.get(slots[i], {}))
+            )
             for label, name, _, kwargs in self.shaping:
                 calls.append((name, i, label))
-                payload.append((self._fns[name], (ds[i], responses[i], gts[i], dict(extra) if isinstance(extra, dict) else extra), kwargs))
+                payload.append(
+                    (
+                        self._fns[name],
+                        (ds[i], responses[i], gts[i], dict(extra) if isinstance(extra, dict) else extra),
+                        kwargs,
+                    )
+                )
         results = self._run(payload)
 
         correctness = [self.fallback_score] * n
@@ -375,20 +389,19 @@ class RewardManager:
                         other.setdefault(k, [math.nan] * n)[i] = v
             else:
                 shaping_vals[slot][i] = val
-        scores = [
-            correctness[i] + sum(w * shaping_vals[label][i] for label, _, w, _ in self.shaping) for i in range(n)
-        ]
+        scores = [correctness[i] + sum(w * shaping_vals[label][i] for label, _, w, _ in self.shaping) for i in range(n)]
         extra_out: dict[str, list[float]] = {"acc": acc, "correctness": correctness}
         for label, _, _, _ in self.shaping:
             extra_out[f"shaping/{label}"] = shaping_vals[label]
-        for k, v in other.items():
-            extra_out.setdefault(k, v)
+        for k, values in other.items():
+            extra_out.setdefault(k, values)
         self.total_failures += failures
         self.total_timeouts += timeouts
         return scores, extra_out, {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
 
-    def score_async(self, rows_or_fields: Any, responses: Sequence[str] | Callable[[], Sequence[str]], *,
-                    overlap: bool = True) -> "cf.Future[tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]]":
+    def score_async(
+        self, rows_or_fields: Any, responses: Sequence[str] | Callable[[], Sequence[str]], *, overlap: bool = True
+    ) -> cf.Future[tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]]:
         """Start :meth:`score` on a background thread and return its future, so scoring overlaps
         other work (the trainer's log-prob and value passes).
 
@@ -443,7 +456,12 @@ class RewardManager:
         logger.warning(
             "reward function '%s' failed on data_source=%s: %s; using fallback_score=%g "
             "(logged once per distinct message). Sample: response=%r ground_truth=%r",
-            name, data_source, error, self.fallback_score, response[:300], str(ground_truth)[:200],
+            name,
+            data_source,
+            error,
+            self.fallback_score,
+            response[:300],
+            str(ground_truth)[:200],
         )
 
     # ------------------------------------------------------------------ execution
@@ -487,7 +505,9 @@ class RewardManager:
             except Exception as exc:  # e.g. the function could not be pickled
                 msg = f"{type(exc).__name__}: {exc}"
                 if "pickle" in msg.lower() or "Can't get" in msg:
-                    msg += " (reward functions run in worker processes must be module-level; or set reward.num_workers=0)"
+                    msg += (
+                        " (reward functions run in worker processes must be module-level; or set reward.num_workers=0)"
+                    )
                 results[lo:hi] = [("error", msg)] * (hi - lo)
         if broken:
             self._kill_pool()
@@ -514,7 +534,7 @@ class RewardManager:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def __enter__(self) -> "RewardManager":
+    def __enter__(self) -> RewardManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:

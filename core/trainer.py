@@ -33,18 +33,36 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, cast
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .batch import build_batch, padded_rows
-from .checkpoint import (CheckpointManager, _fault_point, load_checkpoint, resume_checkpoint, rng_state,  # noqa: F401
-                         save_checkpoint, seed_everything, set_rng_state)
+from .checkpoint import (  # noqa: F401
+    CheckpointManager,
+    _fault_point,
+    load_checkpoint,
+    resume_checkpoint,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+)
 from .data_prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
 from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
-from .metrics import progress_metrics, stage, step_metrics, throughput_metrics, validation_metrics, validation_samples
+from .metrics import (
+    Trackers,
+    progress_metrics,
+    progress_postfix,
+    stage,
+    step_metrics,
+    throughput_metrics,
+    validation_metrics,
+    validation_samples,
+)
 from .registry import Registry, get_registry
 from .reward import components_tensor
 from .types import RolloutOutput, SamplingParams
@@ -82,10 +100,14 @@ def skips_old_log_probs(cfg: DictConfig, plan: BatchPlan, capabilities: frozense
     step over the whole batch, nothing reading ``old_log_probs`` or a per-token quantity before the
     update (the in-reward KL, a plugin's ``requires``), and a backend declaring
     ``"reuses_on_policy_log_probs"``: the actor update then uses its own detached log-probs."""
-    return bool(cfg.actor.skip_old_log_prob_on_policy and int(cfg.actor.ppo_epochs) == 1
-                and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
-                and not cfg.algorithm.use_kl_in_reward and not plan.needs_old_log_prob_pass
-                and "reuses_on_policy_log_probs" in capabilities)
+    return bool(
+        cfg.actor.skip_old_log_prob_on_policy
+        and int(cfg.actor.ppo_epochs) == 1
+        and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
+        and not cfg.algorithm.use_kl_in_reward
+        and not plan.needs_old_log_prob_pass
+        and "reuses_on_policy_log_probs" in capabilities
+    )
 
 
 def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0) -> SamplingParams:
@@ -94,11 +116,24 @@ def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0)
     r, max_tokens = cfg.rollout, cfg.data.max_response_length
     if validation:
         v = r.val_kwargs
-        return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
-                              max_tokens=max_tokens, seed=cfg.trainer.seed + 7919)
-    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=max_tokens,
-                          seed=cfg.trainer.seed * 1_000_003 + step, logprobs=r.calculate_log_probs,
-                          ignore_eos=bool(r.ignore_eos))
+        return SamplingParams(
+            n=v.n,
+            temperature=v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            max_tokens=max_tokens,
+            seed=cfg.trainer.seed + 7919,
+        )
+    return SamplingParams(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=max_tokens,
+        seed=cfg.trainer.seed * 1_000_003 + step,
+        logprobs=r.calculate_log_probs,
+        ignore_eos=bool(r.ignore_eos),
+    )
 
 
 def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path) -> None:
@@ -118,7 +153,7 @@ def on_main_then_broadcast(method: Callable) -> Callable:
     and return its result on every process, so all train on the same rollouts and rewards."""
 
     @functools.wraps(method)
-    def wrapper(self: "Trainer", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         if self.coordinator.world_size == 1:
             return method(self, *args, **kwargs)
         return self.coordinator.broadcast(method(self, *args, **kwargs) if self.is_main else None)
@@ -143,13 +178,12 @@ def signals_handled(handler: Callable[[int, Any], None]) -> Iterator[None]:
             signal.signal(sig, h)
 
 
-def close_trackers(trackers: list[Any], status: str) -> None:
-    """Close every tracker with ``FINISHED``/``KILLED``/``FAILED`` for ``status`` finished/interrupted/
-    other, ignoring errors (so no MLflow run is left RUNNING)."""
-    label = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
-    for t in trackers:
-        with contextlib.suppress(Exception):
-            t.close(status=label)
+def stopped_message(step: int, root: Any) -> str:
+    """What a run stopped by a signal prints (its checkpoint is saved)."""
+    return (
+        f"Stopped after step {step} (a signal); checkpoint saved in {root}. "
+        "Resume with the same command (trainer.resume_mode=auto)."
+    )
 
 
 # ============================================================================ trainer
@@ -174,22 +208,27 @@ class Trainer:
         self.plan = plan_batch(cfg, self.registry)  # which stages run, from the plugins' requires
         self.estimator = self.registry.get("advantage_estimator", cfg.algorithm.adv_estimator)
         self.use_critic, self.use_ref, self.needs_baseline = self.plan.use_critic, self.plan.use_ref, self.plan.baseline
-        self.kl_in_reward = (self.registry.get("kl_penalty", cfg.algorithm.kl_penalty)
-                             if cfg.algorithm.use_kl_in_reward else None)
+        self.kl_in_reward = (
+            self.registry.get("kl_penalty", cfg.algorithm.kl_penalty) if cfg.algorithm.use_kl_in_reward else None
+        )
         self.reward = RewardManager(cfg.reward, registry=self.registry)
         self.model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
         self.train_ds, self.val_ds = read_run_datasets(cfg, self.tokenizer, self.reward.check_data_sources)
-        self.loader = StatefulDataLoader(self.train_ds, batch_size=cfg.data.train_batch_size,
-                                         shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-        self.total_steps = int(cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs)
+        self.loader = StatefulDataLoader(
+            self.train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
+        )
+        self.total_steps = int(
+            cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
+        )
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.max_ckpt_to_keep)
 
         # ---- models and engines
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
-        self.backend = backend_factory(cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref,
-                                       total_steps=self.total_steps)
+        self.backend = backend_factory(
+            cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref, total_steps=self.total_steps
+        )
         self.skip_old_log_prob = skips_old_log_probs(cfg, self.plan, self.backend.capabilities)
         # A multi-process backend (trainer=fsdp2 under torchrun) runs this trainer on every process. The
         # main one alone owns the rollout engine, generates and scores (broadcast to the others by
@@ -198,14 +237,16 @@ class Trainer:
         self.distributed, self.is_main = self.coordinator.world_size > 1, bool(self.coordinator.is_main)
         rollout_factory = self.registry.get("rollout_backend", cfg.rollout.name)
         try:
-            self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer) if self.is_main else None
+            self.rollout: Any = rollout_factory(cfg, self.model_path, self.tokenizer) if self.is_main else None
         except BaseException:
             self.rollout = None
             self.close()  # the backend (and a process group) is already up: do not leak it
             raise
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        )
         self.global_step = 0
-        self.trackers: list[Any] = []
+        self.trackers = Trackers()
         self._stop_signal: int | None = None
         self._last_val_samples: list[dict] = []
         # Seed again now that everything is built: first-time imports and model loading above may
@@ -235,9 +276,16 @@ class Trainer:
             pass
 
     def save_checkpoint(self) -> Path:
-        path = save_checkpoint(self.ckpt, self.global_step, backend=self.backend, coordinator=self.coordinator,
-                               stateful=self._stateful(), tokenizer=self.tokenizer, model_path=self.model_path,
-                               config=self.cfg)
+        path = save_checkpoint(
+            self.ckpt,
+            self.global_step,
+            backend=self.backend,
+            coordinator=self.coordinator,
+            stateful=self._stateful(),
+            tokenizer=self.tokenizer,
+            model_path=self.model_path,
+            config=self.cfg,
+        )
         if self.is_main:
             self.registry.hook.on_checkpoint_saved(step=self.global_step, path=str(path))
         return path
@@ -273,8 +321,9 @@ class Trainer:
         thread with ``reward.overlap=false``); returns the future, joined by :meth:`_finish_scoring`."""
         if not self.is_main:
             return None
-        return self.reward.score_async([rows[i] for i in out.prompt_index], lambda: self._decode(out),
-                                       overlap=bool(self.cfg.reward.overlap))
+        return self.reward.score_async(
+            [rows[i] for i in out.prompt_index], lambda: self._decode(out), overlap=bool(self.cfg.reward.overlap)
+        )
 
     def _finish_scoring(self, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
         """The scores of :meth:`_start_scoring` on every process; ``timing_s/reward`` is the scoring time
@@ -286,7 +335,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        cfg, metrics, step = self.cfg, {}, self.global_step + 1
+        cfg, step, metrics = self.cfg, self.global_step + 1, cast(dict[str, float], {})
         t_step = time.perf_counter()
         _fault_point("step_start")
         rows, epoch = self.loader.next_batch()
@@ -312,8 +361,9 @@ class Trainer:
         with stage(metrics, "reward_wait", fault="reward"):
             scores, extra, reward_metrics = self._finish_scoring(scoring, metrics)
         metrics.update(reward_metrics)
-        batch["token_level_scores"] = compute_token_level_scores(torch.tensor(scores, dtype=torch.float32),
-                                                                 batch["response_mask"])
+        batch["token_level_scores"] = compute_token_level_scores(
+            torch.tensor(scores, dtype=torch.float32), batch["response_mask"]
+        )
         batch.set_columns("reward_components", *components_tensor(extra, len(scores)))
         with stage(metrics, "adv"):
             self._token_level_rewards(batch, metrics)
@@ -327,8 +377,11 @@ class Trainer:
             check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root)
             with stage(metrics, "update_weights"):
                 self._push_weights()
-        metrics.update(step_metrics(batch, scores=scores, components=extra, rollout=out, prompt_ids=prompt_ids,
-                                    use_critic=self.use_critic))
+        metrics.update(
+            step_metrics(
+                batch, scores=scores, components=extra, rollout=out, prompt_ids=prompt_ids, use_critic=self.use_critic
+            )
+        )
         kl_on = self.kl_in_reward is not None or cfg.algorithm.kl_ctrl.type == "adaptive"
         metrics.update(progress_metrics(step, epoch, kl_coef=self.kl_ctrl.value if kl_on else None))
         step_time = time.perf_counter() - t_step
@@ -350,9 +403,14 @@ class Trainer:
         if self.kl_in_reward is None:
             batch["token_level_rewards"] = batch["token_level_scores"]
             return
-        rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
-                                               batch["ref_log_probs"], batch["response_mask"], self.kl_ctrl.value,
-                                               self.kl_in_reward)
+        rewards, kl_metrics = apply_kl_penalty(
+            batch["token_level_scores"],
+            batch["old_log_probs"],
+            batch["ref_log_probs"],
+            batch["response_mask"],
+            self.kl_ctrl.value,
+            self.kl_in_reward,
+        )
         batch["token_level_rewards"] = rewards
         metrics.update(kl_metrics)
         self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
@@ -368,7 +426,7 @@ class Trainer:
         bs = self.cfg.data.val_batch_size or len(rows)
         scored: list[tuple[dict, str, float, float]] = []  # (row, response, score, acc) per response
         for start in range(0, len(rows), bs):
-            chunk = rows[start:start + bs]
+            chunk = rows[start : start + bs]
             out = self._generate([r["prompt_ids"] for r in chunk], params, label="validation")
             texts, answered = self._decode(out), [chunk[i] for i in out.prompt_index]
             scores, extra, _ = self.reward.score(answered, texts)
@@ -377,26 +435,15 @@ class Trainer:
         return validation_metrics(scored, n=params.n)
 
     # ------------------------------------------------------------------ main loop
-    def _open_trackers(self) -> None:
-        if not self.is_main:  # only the main process logs
-            return
-        for name in self.cfg.trainer.logger:
-            self.trackers.append(self.registry.get("tracker", name)(self.cfg))
-        flat = _flatten(OmegaConf.to_container(self.cfg, resolve=True))
-        flat["model.resolved_path"] = str(self.model_path)
-        for t in self.trackers:
-            t.log_params(flat)
-
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        for t in self.trackers:
-            t.log_metrics(metrics, step)
-
-    def _handle_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+    def _handle_signal(self, signum: int, frame: Any) -> None:
         if self._stop_signal is not None:  # second signal: stop now
             raise KeyboardInterrupt
         self._stop_signal = signum
-        print(f"\nReceived {signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
-              f"(send it again to stop at once).", flush=True)
+        print(
+            f"\nReceived {signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+            "(send it again to stop at once).",
+            flush=True,
+        )
 
     def fit(self) -> str:
         """Train until ``total_steps``; returns ``"finished"`` or ``"interrupted"``."""
@@ -404,11 +451,7 @@ class Trainer:
 
         cfg = self.cfg
         self._resume()
-        try:
-            self._open_trackers()
-        except BaseException:
-            close_trackers(self.trackers, "failed")  # those already open
-            raise
+        self.trackers.open(cfg, self.registry, model_path=self.model_path, is_main=self.is_main)
         status = "failed"
         t_start = time.time()
         try:
@@ -416,8 +459,9 @@ class Trainer:
                 self.registry.hook.on_train_start(config=cfg, run_dir=str(self.run_dir))
                 if cfg.trainer.val_before_train and self.global_step == 0:
                     self._run_validation()
-                bar = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
-                           disable=None)
+                bar = tqdm(
+                    total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True, disable=None
+                )
                 while self.global_step < self.total_steps:
                     metrics = self.train_step()
                     step = self.global_step
@@ -429,25 +473,24 @@ class Trainer:
                     # (validation, checkpoint, final model)
                     last = step >= self.total_steps or out_of_time
                     if out_of_time and step < self.total_steps:
-                        print(f"Reached trainer.max_wall_time_s={limit} after step {step}: "
-                              "validating, saving and exporting.", flush=True)
+                        print(
+                            f"Reached trainer.max_wall_time_s={limit} after step {step}: validating, saving and exporting.",
+                            flush=True,
+                        )
                     if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                         with stage(metrics, "testing", fault=None):
                             metrics.update(self._run_validation(log_now=False))
-                    self._log(metrics, step)
+                    self.trackers.log_metrics(metrics, step)
                     self.registry.hook.on_step_end(step=step, metrics=metrics)
                     _fault_point("step_end")
                     bar.update(1)
-                    bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k: round(v, 3)
-                                     for k, v in metrics.items()
-                                     if k in ("critic/score/mean", "actor/pg_loss", "response_length/mean")})
+                    bar.set_postfix(progress_postfix(metrics))
                     if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal:
                         with stage(metrics, "save_checkpoint", fault=None):
                             self.save_checkpoint()
                     if self._stop_signal is not None and not last:  # a stop in the last step just finishes
                         status = "interrupted"
-                        print(f"Stopped after step {step} (a signal); checkpoint saved in {self.ckpt.root}. "
-                              f"Resume with the same command (trainer.resume_mode=auto).", flush=True)
+                        print(stopped_message(step, self.ckpt.root), flush=True)
                         break
                     if out_of_time:
                         status = "finished"
@@ -460,27 +503,25 @@ class Trainer:
             return status
         finally:
             self.registry.hook.on_train_end(step=self.global_step, status=status)
-            close_trackers(self.trackers, status)
+            self.trackers.close(status)
 
     def _finish(self) -> None:
         final = self.run_dir / "final_model"
         self.backend.export_hf(final, self.tokenizer)
         _fault_point("export")
         # The model folder is referenced, not copied: a second 0.5 GB copy in the run dir buys nothing.
-        for t in self.trackers:
-            t.log_params({"final_model_path": str(final.resolve())})
+        self.trackers.log_params({"final_model_path": str(final.resolve())})
         print(f"Training finished at step {self.global_step}; final model in {final}.", flush=True)
 
     def _run_validation(self, log_now: bool = True) -> dict[str, float]:
         metrics = self.validate()
         if not metrics:
             return {}
-        samples = self._last_val_samples
-        for t in self.trackers:
-            t.log_table(f"val_generations/step_{self.global_step:06d}.json", samples, self.global_step)
+        samples, step = self._last_val_samples, self.global_step
+        self.trackers.log_table(f"val_generations/step_{step:06d}.json", samples, step)
         if log_now:
-            self._log(metrics, self.global_step)
-        print("validation @ step %d: %s" % (self.global_step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())), flush=True)
+            self.trackers.log_metrics(metrics, step)
+        print(f"validation @ step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
         self.registry.hook.on_validation_end(step=self.global_step, metrics=metrics, samples=samples)
         return metrics
 
@@ -491,16 +532,6 @@ class Trainer:
             if obj is not None:
                 with contextlib.suppress(Exception):
                     obj.close()
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-        out[prefix[:-1]] = d
-    return out
 
 
 def run(cfg: DictConfig) -> int:

@@ -98,7 +98,9 @@ def resolve_device(trainer: Any, backend: str) -> str:
     return device
 
 
-def build_lr_lambda(warmup_steps: int, total_steps: int, style: str = "constant", min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+def build_lr_lambda(
+    warmup_steps: int, total_steps: int, style: str = "constant", min_lr_ratio: float = 0.0
+) -> Callable[[int], float]:
     """Learning-rate multiplier per optimizer step, for ``torch.optim.lr_scheduler.LambdaLR``.
 
     ``step`` counts optimizer steps already taken (0 for the first step). Linear warmup:
@@ -163,8 +165,19 @@ class Role:
     Raises ``ValueError`` for non-positive sizes or epochs.
     """
 
-    def __init__(self, name: str, model: torch.nn.Module, optim_cfg: Any, *, mini_batch: int, micro_batch: int,
-                 epochs: int, loss_agg_mode: str, grad_clip: float | None, total_optimizer_steps: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optim_cfg: Any,
+        *,
+        mini_batch: int,
+        micro_batch: int,
+        epochs: int,
+        loss_agg_mode: str,
+        grad_clip: float | None,
+        total_optimizer_steps: int,
+    ) -> None:
         self.name = name
         self.model = model
         self.mini_batch = int(mini_batch)  # responses per optimizer step
@@ -193,8 +206,12 @@ class Role:
         self.warmup_steps = warmup
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            build_lr_lambda(warmup, total_optimizer_steps, str(config_get(optim_cfg, "warmup_style", "constant")),
-                            float(config_get(optim_cfg, "min_lr_ratio", 0.0))),
+            build_lr_lambda(
+                warmup,
+                total_optimizer_steps,
+                str(config_get(optim_cfg, "warmup_style", "constant")),
+                float(config_get(optim_cfg, "min_lr_ratio", 0.0)),
+            ),
         )
 
     @property
@@ -305,7 +322,9 @@ class TrainingBackendBase:
         self.chunk_size = int(config_get(actor_cfg, "logprob_chunk_size", 1024))
         self.max_response_length = int(config_get(config.data, "max_response_length", 0)) or None
         n = int(config_get(config.rollout, "n", 1))
-        minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // int(actor_cfg.ppo_mini_batch_size))
+        minis_per_step = max(
+            1, int(config_get(config.data, "train_batch_size", 1)) // int(actor_cfg.ppo_mini_batch_size)
+        )
         trust = bool(config_get(model_cfg, "trust_remote_code", False))
         grad_ckpt = bool(config_get(model_cfg, "enable_gradient_checkpointing", False))
 
@@ -319,7 +338,9 @@ class TrainingBackendBase:
         actor = self._prepare_model(actor, "actor")
         actor_epochs = int(actor_cfg.ppo_epochs)
         self.actor = Role(
-            "actor", actor, actor_cfg.optim,
+            "actor",
+            actor,
+            actor_cfg.optim,
             mini_batch=int(actor_cfg.ppo_mini_batch_size) * n,
             micro_batch=int(actor_cfg.micro_batch_size_per_device),
             epochs=actor_epochs,
@@ -351,9 +372,13 @@ class TrainingBackendBase:
             c_epochs = int(config_get(critic_cfg, "ppo_epochs", actor_epochs))
             c_minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // c_mini)
             self.critic = Role(
-                "critic", critic, critic_cfg.optim,
+                "critic",
+                critic,
+                critic_cfg.optim,
                 mini_batch=c_mini * n,
-                micro_batch=int(config_get(critic_cfg, "micro_batch_size_per_device", actor_cfg.micro_batch_size_per_device)),
+                micro_batch=int(
+                    config_get(critic_cfg, "micro_batch_size_per_device", actor_cfg.micro_batch_size_per_device)
+                ),
                 epochs=c_epochs,
                 loss_agg_mode=str(config_get(critic_cfg, "loss_agg_mode", actor_cfg.loss_agg_mode)),
                 grad_clip=config_get(critic_cfg, "grad_clip", None),
@@ -411,11 +436,14 @@ class TrainingBackendBase:
 
     def _warn_dropout(self, model: torch.nn.Module) -> None:
         ps = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        ps += [float(v) for k, v in vars(model.config).items() if "dropout" in k and isinstance(v, (int, float)) and v > 0]
+        ps += [
+            float(v) for k, v in vars(model.config).items() if "dropout" in k and isinstance(v, (int, float)) and v > 0
+        ]
         if ps:
             self.log.warning(
                 "The actor has dropout (p up to %.3g): log-probs are computed in eval mode and the update in "
-                "train mode, so the PPO ratio starts away from 1. Set the model's dropout to 0 for RL.", max(ps)
+                "train mode, so the PPO ratio starts away from 1. Set the model's dropout to 0 for RL.",
+                max(ps),
             )
 
     @property
@@ -437,14 +465,27 @@ class TrainingBackendBase:
             f"Present: {sorted(batch.tensors)}."
         )
 
-    def _forward_log_probs(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int, with_entropy: bool,
-                           extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    def _forward_log_probs(
+        self,
+        model: torch.nn.Module,
+        tensors: dict[str, torch.Tensor],
+        t: int,
+        with_entropy: bool,
+        extras: tuple[str, ...] = (),
+    ) -> dict[str, torch.Tensor]:
         """``model``'s per-token outputs on one micro-batch already on the device:
         :func:`rlplug.logprob.response_token_stats` (``log_probs``, ``entropy`` with
         ``with_entropy``, the ``extras``; ``(B, T) float32``) under the backend's autocast."""
         with self._autocast():
-            return response_token_stats(model, tensors, t, temperature=self.temperature, chunk_size=self.chunk_size,
-                                        with_entropy=with_entropy, extras=extras)
+            return response_token_stats(
+                model,
+                tensors,
+                t,
+                temperature=self.temperature,
+                chunk_size=self.chunk_size,
+                with_entropy=with_entropy,
+                extras=extras,
+            )
 
     def _values(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int) -> torch.Tensor:
         trimmed, kept = trim_padding_columns(tensors, t)  # columns that are padding in every row are skipped
@@ -493,8 +534,9 @@ class TrainingBackendBase:
         return self._response_length(batch), batch.tensors["input_ids"].device
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: Batch, *, which: str = "actor", with_entropy: bool = False,
-                          extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    def compute_log_probs(
+        self, batch: Batch, *, which: str = "actor", with_entropy: bool = False, extras: tuple[str, ...] = ()
+    ) -> dict[str, torch.Tensor]:
         """Log-probs of the response tokens under the actor or the reference model (no grad).
 
         ``batch`` needs ``input_ids``, ``attention_mask``, ``position_ids`` ``(B, P+T)`` and
@@ -526,13 +568,20 @@ class TrainingBackendBase:
         rows: dict[str, list[torch.Tensor]] = {"log_probs": [], **{name: [] for name in names}}
         micros, order = self._micro_batches(self._rank_rows(batch, SEQUENCE_FIELDS), self.actor.micro_batch)
         for micro in micros:
-            out = self._forward_log_probs(model, self._to_device(micro, SEQUENCE_FIELDS), t, "entropy" in names,
-                                          tuple(e for e in extras if e != "entropy"))
+            out = self._forward_log_probs(
+                model,
+                self._to_device(micro, SEQUENCE_FIELDS),
+                t,
+                "entropy" in names,
+                tuple(e for e in extras if e != "entropy"),
+            )
             for name in rows:
                 rows[name].append(out[name].float())
         self._release(model)
-        return {name: self._gather_rows(self._unsort(torch.cat(parts), order), len(batch), out_device)
-                for name, parts in rows.items()}
+        return {
+            name: self._gather_rows(self._unsort(torch.cat(parts), order), len(batch), out_device)
+            for name, parts in rows.items()
+        }
 
     def _check_extras(self, extras: Any) -> tuple[str, ...]:
         """``extras`` as a tuple; ``ValueError`` naming the valid names for an unknown one (a
@@ -613,8 +662,12 @@ class TrainingBackendBase:
                 )
                 lrs.append(role.lr)
                 if normalizer <= 0:
-                    self.log.warning("%s: mini-batch %d of epoch %d has no valid response token; no optimizer step.",
-                                   role.name, index, epoch)
+                    self.log.warning(
+                        "%s: mini-batch %d of epoch %d has no valid response token; no optimizer step.",
+                        role.name,
+                        index,
+                        epoch,
+                    )
                     self._scheduler_step(role)
                     continue
                 role.optimizer.zero_grad(set_to_none=True)
@@ -628,8 +681,11 @@ class TrainingBackendBase:
                     (n_bad,) = self._all_reduce([0.0 if math.isfinite(loss_value) else 1.0])
                     if n_bad:
                         here_only = n_bad == 1 and not math.isfinite(loss_value)
-                        bad_stage = f"{role.name} loss ({loss_value})" if here_only else (
-                            f"{role.name} loss (non-finite on {int(n_bad)} rank(s); here {loss_value})")
+                        bad_stage = (
+                            f"{role.name} loss ({loss_value})"
+                            if here_only
+                            else (f"{role.name} loss (non-finite on {int(n_bad)} rank(s); here {loss_value})")
+                        )
                         break
                     loss.backward()
                     share = float(micro.tensors["response_mask"].sum()) / valid_tokens if valid_tokens else 0.0
@@ -650,7 +706,11 @@ class TrainingBackendBase:
                     role.consecutive_bad_steps += 1
                     self.log.warning(
                         "%s: non-finite %s in mini-batch %d of epoch %d; optimizer step skipped (%d in a row).",
-                        role.name, bad_stage, index, epoch, role.consecutive_bad_steps,
+                        role.name,
+                        bad_stage,
+                        index,
+                        epoch,
+                        role.consecutive_bad_steps,
                     )
                 else:
                     role.optimizer.step()
@@ -724,16 +784,27 @@ class TrainingBackendBase:
         keys = (*SEQUENCE_FIELDS, "response_mask", "advantages", *(() if reuse else ("old_log_probs",)))
         check_batch_fields(batch, keys, "update_actor")
         if self.kl_loss is not None:
-            check_batch_fields(batch, ("ref_log_probs",), "update_actor with actor.use_kl_loss",
-                               " The trainer fills ref_log_probs when a reference model is used (use_ref=True).")
+            check_batch_fields(
+                batch,
+                ("ref_log_probs",),
+                "update_actor with actor.use_kl_loss",
+                " The trainer fills ref_log_probs when a reference model is used (use_ref=True).",
+            )
         if config_get(cfg, "rollout_is_threshold", None) is not None:
-            check_batch_fields(batch, ("rollout_log_probs",), "update_actor with actor.rollout_is_threshold",
-                               " Set rollout.calculate_log_probs=true so the rollout engine returns its log-probs.")
+            check_batch_fields(
+                batch,
+                ("rollout_log_probs",),
+                "update_actor with actor.rollout_is_threshold",
+                " Set rollout.calculate_log_probs=true so the rollout engine returns its log-probs.",
+            )
         required = tuple(getattr(self.policy_loss, "requires", ()) or ())
         if required:
-            check_batch_fields(batch, required, f"update_actor with actor.policy_loss={cfg.policy_loss}",
-                               " Producers: " + "; ".join(f"{k}: {BATCH_FIELD_PRODUCERS.get(k, 'unknown')}"
-                                                          for k in required) + ".")
+            check_batch_fields(
+                batch,
+                required,
+                f"update_actor with actor.policy_loss={cfg.policy_loss}",
+                " Producers: " + "; ".join(f"{k}: {BATCH_FIELD_PRODUCERS.get(k, 'unknown')}" for k in required) + ".",
+            )
         t = self._response_length(batch)
         mode = self.actor.loss_agg_mode
         model = self.actor.model
@@ -741,9 +812,16 @@ class TrainingBackendBase:
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
             out = self._forward_log_probs(model, tensors, t, True)
             return actor_objective(
-                out["log_probs"], out["entropy"], tensors, policy_loss=self.policy_loss, config=cfg,
-                loss_agg_mode=mode, normalizer=normalizer, max_response_length=self.max_response_length,
-                kl_penalty=self.kl_loss, on_policy_reuse=reuse,
+                out["log_probs"],
+                out["entropy"],
+                tensors,
+                policy_loss=self.policy_loss,
+                config=cfg,
+                loss_agg_mode=mode,
+                normalizer=normalizer,
+                max_response_length=self.max_response_length,
+                kl_penalty=self.kl_loss,
+                on_policy_reuse=reuse,
             )
 
         metrics = self._run_update(self.actor, batch, micro_loss)
@@ -769,8 +847,14 @@ class TrainingBackendBase:
 
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
             values = self._values(role.model, tensors, t)
-            return critic_objective(values, tensors, cliprange_value=cliprange, loss_agg_mode=role.loss_agg_mode,
-                                    normalizer=normalizer, max_response_length=self.max_response_length)
+            return critic_objective(
+                values,
+                tensors,
+                cliprange_value=cliprange,
+                loss_agg_mode=role.loss_agg_mode,
+                normalizer=normalizer,
+                max_response_length=self.max_response_length,
+            )
 
         return self._run_update(role, batch, micro_loss)
 

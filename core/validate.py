@@ -87,8 +87,10 @@ class BatchPlan:
 
 
 #: fields a policy loss may require that the advantage stage puts on the batch before the update
-_BEFORE_UPDATE = {"advantages": "the advantage estimator (algorithm.adv_estimator)",
-                  "returns": "the advantage estimator (algorithm.adv_estimator)"}
+_BEFORE_UPDATE = {
+    "advantages": "the advantage estimator (algorithm.adv_estimator)",
+    "returns": "the advantage estimator (algorithm.adv_estimator)",
+}
 
 
 def plan_batch(cfg: DictConfig, registry: Registry | None = None) -> BatchPlan:
@@ -107,10 +109,20 @@ def plan_batch(cfg: DictConfig, registry: Registry | None = None) -> BatchPlan:
     choices: list[PluginChoice] = []
     a = cfg.actor
     users = [
-        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, "advantage estimator", {},
-         _resolve(registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices)),
-        ("actor.policy_loss", a.policy_loss, "policy loss", _BEFORE_UPDATE,
-         _resolve(registry, "policy_loss", "actor.policy_loss", a.policy_loss, choices)),
+        (
+            "algorithm.adv_estimator",
+            cfg.algorithm.adv_estimator,
+            "advantage estimator",
+            {},
+            _resolve(registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices),
+        ),
+        (
+            "actor.policy_loss",
+            a.policy_loss,
+            "policy loss",
+            _BEFORE_UPDATE,
+            _resolve(registry, "policy_loss", "actor.policy_loss", a.policy_loss, choices),
+        ),
     ]
     requires: list[str] = []
     for key, name, what, later, plugin in users:
@@ -176,7 +188,9 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     choices: list[PluginChoice] = []
     a, d, r = cfg.actor, cfg.data, cfg.rollout
 
-    estimator = _resolve(registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices)
+    estimator = _resolve(
+        registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices
+    )
     loss = _resolve(registry, "policy_loss", "actor.policy_loss", a.policy_loss, choices)
     kl_keys = []
     if a.use_kl_loss:
@@ -217,7 +231,9 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
             f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type}: use one of {', '.join(KL_CONTROLLER_TYPES)}."
         )
     if cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.kl_ctrl.horizon <= 0:
-        raise ConfigError(f"algorithm.kl_ctrl.horizon={cfg.algorithm.kl_ctrl.horizon}: the adaptive controller needs horizon > 0.")
+        raise ConfigError(
+            f"algorithm.kl_ctrl.horizon={cfg.algorithm.kl_ctrl.horizon}: the adaptive controller needs horizon > 0."
+        )
 
     # ---- batch sizes (prompts, as verl)
     _positive(d.train_batch_size, "data.train_batch_size")
@@ -229,7 +245,11 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     if plan.use_critic:
         c = cfg.critic
         mini = c.ppo_mini_batch_size if c.ppo_mini_batch_size is not None else a.ppo_mini_batch_size
-        micro = c.micro_batch_size_per_device if c.micro_batch_size_per_device is not None else a.micro_batch_size_per_device
+        micro = (
+            c.micro_batch_size_per_device
+            if c.micro_batch_size_per_device is not None
+            else a.micro_batch_size_per_device
+        )
         _positive(mini, "critic.ppo_mini_batch_size")
         _positive(micro, "critic.micro_batch_size_per_device")
         _check_minibatch("critic", d.train_batch_size, mini, micro, r.n)
@@ -259,16 +279,22 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     if m.source not in ("default", "path", "tiny"):
         raise ConfigError(f"model.source={m.source}: use 'default', 'path' or 'tiny'.")
     if m.compute_dtype not in ("bf16", "fp32"):
-        raise ConfigError(f"model.compute_dtype={m.compute_dtype}: use 'bf16' (autocast, fp32 master weights) or 'fp32'.")
+        raise ConfigError(
+            f"model.compute_dtype={m.compute_dtype}: use 'bf16' (autocast, fp32 master weights) or 'fp32'."
+        )
     for key, optim in (("actor.optim", a.optim), ("critic.optim", cfg.critic.optim)):
         if optim.warmup_style not in ("constant", "cosine"):
             raise ConfigError(f"{key}.warmup_style={optim.warmup_style}: use 'constant' or 'cosine'.")
     device = str(cfg.trainer.device)
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise ConfigError(f"trainer.device={device}: use 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+        raise ConfigError(
+            f"trainer.device={device}: use 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."
+        )
     if m.source == "path" or (m.source == "default" and m.path):
         if not m.path:
-            raise ConfigError("model.source=path needs model.path: the folder of a Hugging Face model (config.json, weights, tokenizer).")
+            raise ConfigError(
+                "model.source=path needs model.path: the folder of a Hugging Face model (config.json, weights, tokenizer)."
+            )
         p = Path(str(m.path)).expanduser()
         if not (p / "config.json").is_file():
             raise ConfigError(
@@ -276,11 +302,15 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
                 "Pass the folder that holds config.json, the weights and the tokenizer."
             )
     if not d.train_files and not d.task:
-        raise ConfigError("No training data: set data.train_files=[...] (parquet in verl's schema) or data.task=<reasoning-gym task>.")
+        raise ConfigError(
+            "No training data: set data.train_files=[...] (parquet in verl's schema) or data.task=<reasoning-gym task>."
+        )
     for key in ("train_files", "val_files"):
         for f in d[key]:
             if not Path(str(f)).expanduser().is_file():
-                raise ConfigError(f"data.{key}: file {f} does not exist. Prepare one with 'rlplug data prepare TASK --out DIR'.")
+                raise ConfigError(
+                    f"data.{key}: file {f} does not exist. Prepare one with 'rlplug data prepare TASK --out DIR'."
+                )
     if cfg.trainer.max_ckpt_to_keep is not None and cfg.trainer.max_ckpt_to_keep < 1:
         raise ConfigError(
             f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep}: keep at least 1 checkpoint, "

@@ -58,10 +58,12 @@ def manual_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list
     with torch.no_grad():
         for _ in range(steps):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
-def reference_log_probs(model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+def reference_log_probs(
+    model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` of each response token, ``(len(response),) float32``
     (nats), from one teacher-forced forward over ``prompt + response``: the log-prob a sampler with
     ``top_p=1, top_k=-1`` reports."""

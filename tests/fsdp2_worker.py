@@ -70,11 +70,18 @@ def make_batch(seed: int = 0, vocab: int = 49152):
         attn[i, P - prompt_len[i] : P + resp_len[i]] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     mask = (torch.arange(T)[None] < resp_len[:, None]).float()
-    return Batch({
-        "input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, P:],
-        "response_mask": mask, "advantages": torch.randn(B, T, generator=g) * mask,
-        "returns": torch.randn(B, T, generator=g) * mask, "index": torch.arange(B) // N_SAMPLES,
-    })
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": pos,
+            "responses": ids[:, P:],
+            "response_mask": mask,
+            "advantages": torch.randn(B, T, generator=g) * mask,
+            "returns": torch.randn(B, T, generator=g) * mask,
+            "index": torch.arange(B) // N_SAMPLES,
+        }
+    )
 
 
 def prepare(backend, batch, seed: int = 0, noise: float = 0.3):
@@ -185,8 +192,9 @@ def run_errors(job: dict, model_path: str) -> dict:
     does not split over the ranks, and ranks that were given different batches."""
     res = {}
     try:
-        _backend({"overrides": {"rollout.n": 1, "actor.ppo_mini_batch_size": 1}}, model_path, use_critic=False,
-                 use_ref=False)
+        _backend(
+            {"overrides": {"rollout.n": 1, "actor.ppo_mini_batch_size": 1}}, model_path, use_critic=False, use_ref=False
+        )
     except ValueError as exc:
         res["split"] = str(exc)
     backend = _backend(job, model_path, use_critic=False, use_ref=False)

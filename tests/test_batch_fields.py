@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
-
 from _helpers import TINY_CPU_RUN, reference_log_probs, run_config
+
 from rlplug.batch import Batch
 from rlplug.config import ConfigError, compose
 from rlplug.coordinator import SINGLE_PROCESS
@@ -42,8 +42,10 @@ class Recorder:
         self.calls.append({"data": dict(data), "columns": dict(data.columns)})
         # the actor is still the one that computed old_log_probs (the update comes after the advantages)
         model = self.trainer.backend.actor.model
-        self.reference = [_reference_row(model, data, i, float(self.trainer.cfg.rollout.temperature))
-                          for i in range(data["responses"].shape[0])]
+        self.reference = [
+            _reference_row(model, data, i, float(self.trainer.cfg.rollout.temperature))
+            for i in range(data["responses"].shape[0])
+        ]
         return self.base(data, config)
 
 
@@ -55,7 +57,7 @@ def _reference_row(model, data, i: int, temperature: float) -> tuple[torch.Tenso
     n = int(data["response_mask"][i].sum())
     response = data["responses"][i, :n].tolist()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1].float() / temperature
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float() / temperature
     probs = torch.softmax(logits, dim=-1)
     return reference_log_probs(model, prompt, response, temperature), (probs * probs).sum(-1)
 
@@ -63,15 +65,29 @@ def _reference_row(model, data, i: int, temperature: float) -> tuple[torch.Tenso
 def test_an_estimator_gets_every_field_it_requires_with_real_values(tmp_path, rlplug_full_registry):
     registry = rlplug_full_registry
     rec = Recorder(registry)
-    registry.register("advantage_estimator", "test_fields", AdvantageEstimator(
-        fn=rec, requires=("index", "old_log_probs", "reward_components", "sum_pi_squared"), group_based=True))
+    registry.register(
+        "advantage_estimator",
+        "test_fields",
+        AdvantageEstimator(
+            fn=rec, requires=("index", "old_log_probs", "reward_components", "sum_pi_squared"), group_based=True
+        ),
+    )
     registry.register("reward_function", "test_parity", parity_reward)
     from rlplug.trainer import Trainer
 
     # one mini-batch, one epoch: on-policy, so without the requirement the old-log-prob pass would be skipped
-    cfg = run_config([*TINY_CPU_RUN, "algorithm=grpo", "algorithm.adv_estimator=test_fields", "trainer.logger=[]",
-                      "actor.ppo_mini_batch_size=2", "reward.reward_fn_map.basic_arithmetic=test_parity",
-                      "reward.shaping=[]"], tmp_path)  # no shaping: the score is parity_reward's
+    cfg = run_config(
+        [
+            *TINY_CPU_RUN,
+            "algorithm=grpo",
+            "algorithm.adv_estimator=test_fields",
+            "trainer.logger=[]",
+            "actor.ppo_mini_batch_size=2",
+            "reward.reward_fn_map.basic_arithmetic=test_parity",
+            "reward.shaping=[]",
+        ],
+        tmp_path,
+    )  # no shaping: the score is parity_reward's
     trainer = Trainer(cfg)
     rec.trainer = trainer
     try:
@@ -80,16 +96,27 @@ def test_an_estimator_gets_every_field_it_requires_with_real_values(tmp_path, rl
         (call,) = rec.calls
         data = call["data"]
         texts = trainer.tokenizer.batch_decode(
-            [data["responses"][i, :int(n)].tolist() for i, n in enumerate(data["response_mask"].sum(-1))],
-            skip_special_tokens=True)
+            [data["responses"][i, : int(n)].tolist() for i, n in enumerate(data["response_mask"].sum(-1))],
+            skip_special_tokens=True,
+        )
     finally:
         trainer.close()
     assert "timing_s/old_log_prob" in metrics
     B, T = data["response_mask"].shape
     assert B == 8  # 2 prompts x rollout.n=4
     # every tensor of the batch so far, not a fixed subset
-    assert {"input_ids", "responses", "response_mask", "index", "token_level_scores", "token_level_rewards",
-            "old_log_probs", "ref_log_probs", "sum_pi_squared", "reward_components"} <= set(data)
+    assert {
+        "input_ids",
+        "responses",
+        "response_mask",
+        "index",
+        "token_level_scores",
+        "token_level_rewards",
+        "old_log_probs",
+        "ref_log_probs",
+        "sum_pi_squared",
+        "reward_components",
+    } <= set(data)
     assert "entropy" not in data  # computed for the metrics, but nobody required it on the batch
 
     # old_log_probs and sum_pi_squared: the actor's, equal to a teacher-forced reference forward
@@ -112,7 +139,8 @@ def test_an_estimator_gets_every_field_it_requires_with_real_values(tmp_path, rl
             assert math.isnan(comp[i, 2].item())
     # the logged metrics are unchanged: the mean of what was reported
     assert metrics["critic/correctness/mean"] == pytest.approx(
-        sum(len(t) / 10.0 if len(t) % 2 == 0 else -len(t) / 10.0 for t in texts) / B)
+        sum(len(t) / 10.0 if len(t) % 2 == 0 else -len(t) / 10.0 for t in texts) / B
+    )
     if any(len(t) % 2 == 0 for t in texts):
         assert metrics["critic/format/mean"] == 1.0
     else:
@@ -131,21 +159,38 @@ def test_a_policy_loss_requirement_turns_its_producer_on(rlplug_full_registry):
     assert not plan.needs_old_log_prob_pass
 
 
-@pytest.mark.parametrize("requires, overrides, expected, fix", [
-    (("index", "made_up_field"), [],
-     "algorithm.adv_estimator=test_needy requires the batch field 'made_up_field', but no stage produces it. "
-     "The fields and what produces them: input_ids: the rollout (prompt + response tokens); ", None),
-    (("rollout_log_probs",), [],
-     "algorithm.adv_estimator=test_needy requires the batch field 'rollout_log_probs', produced by the rollout "
-     "engine (set rollout.calculate_log_probs=true), but rollout.calculate_log_probs=false. "
-     "Set rollout.calculate_log_probs=true.", "rollout.calculate_log_probs=true"),
-    (("values",), ["critic.enable=false"],
-     "algorithm.adv_estimator=test_needy requires the batch field 'values', produced by the critic (turned on by "
-     "an estimator that requires values, or critic.enable=true), but critic.enable=false.", "critic.enable=null"),
-], ids=["unknown-field", "rollout-log-probs", "critic-off"])
+@pytest.mark.parametrize(
+    "requires, overrides, expected, fix",
+    [
+        (
+            ("index", "made_up_field"),
+            [],
+            "algorithm.adv_estimator=test_needy requires the batch field 'made_up_field', but no stage produces it. "
+            "The fields and what produces them: input_ids: the rollout (prompt + response tokens); ",
+            None,
+        ),
+        (
+            ("rollout_log_probs",),
+            [],
+            "algorithm.adv_estimator=test_needy requires the batch field 'rollout_log_probs', produced by the rollout "
+            "engine (set rollout.calculate_log_probs=true), but rollout.calculate_log_probs=false. "
+            "Set rollout.calculate_log_probs=true.",
+            "rollout.calculate_log_probs=true",
+        ),
+        (
+            ("values",),
+            ["critic.enable=false"],
+            "algorithm.adv_estimator=test_needy requires the batch field 'values', produced by the critic (turned on by "
+            "an estimator that requires values, or critic.enable=true), but critic.enable=false.",
+            "critic.enable=null",
+        ),
+    ],
+    ids=["unknown-field", "rollout-log-probs", "critic-off"],
+)
 def test_a_requirement_nobody_produces_fails_at_config_time(rlplug_full_registry, requires, overrides, expected, fix):
-    rlplug_full_registry.register("advantage_estimator", "test_needy", AdvantageEstimator(fn=lambda d, c: None,
-                                                                                          requires=requires))
+    rlplug_full_registry.register(
+        "advantage_estimator", "test_needy", AdvantageEstimator(fn=lambda d, c: None, requires=requires)
+    )
     base = ["debug=tiny", "algorithm=grpo", "algorithm.adv_estimator=test_needy", *overrides]
     with pytest.raises(ConfigError) as info:
         validate_config(compose(base), registry=rlplug_full_registry)
@@ -178,19 +223,29 @@ class _EntropyOnlyBackend:
     def close(self): ...
 
 
-def test_a_per_token_quantity_the_backend_does_not_declare_fails_at_config_time(tmp_path, rlplug_full_registry,
-                                                                               monkeypatch):
+def test_a_per_token_quantity_the_backend_does_not_declare_fails_at_config_time(
+    tmp_path, rlplug_full_registry, monkeypatch
+):
     registry = rlplug_full_registry
     registry.register("training_backend", "test_entropy_only", _EntropyOnlyBackend, "rlplug-test", "1.0")
-    registry.register("policy_loss", "test_needs_sps", PolicyLoss(fn=registry.get("policy_loss", "vanilla").fn,
-                                                                 requires=("sum_pi_squared",)))
-    overrides = [*TINY_CPU_RUN, "algorithm=grpo", "trainer.backend=test_entropy_only",
-                 "actor.policy_loss=test_needs_sps"]
-    expected = ("actor.policy_loss=test_needs_sps requires the batch field 'sum_pi_squared', produced by the training "
-                "backend's old-log-prob pass (sum over the vocabulary of the squared token probabilities), but "
-                "trainer.backend=test_entropy_only (_EntropyOnlyBackend, rlplug-test 1.0) does not compute it: its "
-                "per_token_outputs lists ['entropy']. Choose a training backend that lists 'sum_pi_squared' in "
-                "per_token_outputs, or another policy loss.")
+    registry.register(
+        "policy_loss",
+        "test_needs_sps",
+        PolicyLoss(fn=registry.get("policy_loss", "vanilla").fn, requires=("sum_pi_squared",)),
+    )
+    overrides = [
+        *TINY_CPU_RUN,
+        "algorithm=grpo",
+        "trainer.backend=test_entropy_only",
+        "actor.policy_loss=test_needs_sps",
+    ]
+    expected = (
+        "actor.policy_loss=test_needs_sps requires the batch field 'sum_pi_squared', produced by the training "
+        "backend's old-log-prob pass (sum over the vocabulary of the squared token probabilities), but "
+        "trainer.backend=test_entropy_only (_EntropyOnlyBackend, rlplug-test 1.0) does not compute it: its "
+        "per_token_outputs lists ['entropy']. Choose a training backend that lists 'sum_pi_squared' in "
+        "per_token_outputs, or another policy loss."
+    )
     with pytest.raises(ConfigError) as info:
         validate_config(compose(overrides), registry=registry)
     assert str(info.value) == expected
@@ -206,8 +261,11 @@ def test_a_per_token_quantity_the_backend_does_not_declare_fails_at_config_time(
         Trainer(run_config(overrides, tmp_path, validate=False))
     assert str(info.value) == expected
     # entropy is declared: requiring it is fine, and the old-log-prob pass is then never skipped
-    registry.register("policy_loss", "test_needs_entropy", PolicyLoss(fn=registry.get("policy_loss", "vanilla").fn,
-                                                                     requires=("entropy",)))
+    registry.register(
+        "policy_loss",
+        "test_needs_entropy",
+        PolicyLoss(fn=registry.get("policy_loss", "vanilla").fn, requires=("entropy",)),
+    )
     plan = plan_batch(compose([*overrides[:-1], "actor.policy_loss=test_needs_entropy"]), registry)
     assert plan.per_token == ("entropy",) and plan.needs_old_log_prob_pass
 

@@ -330,21 +330,41 @@ def test_save_and_load_checkpoint_layout_state_and_rng(tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "llama"}')
-    backend, stateful = _Backend(), {"data_loader": _Stateful({"epoch": 1, "index": 2}), "kl_ctrl": _Stateful({"value": 0.1})}
+    backend, stateful = (
+        _Backend(),
+        {"data_loader": _Stateful({"epoch": 1, "index": 2}), "kl_ctrl": _Stateful({"value": 0.1})},
+    )
     manager = CheckpointManager(tmp_path / "run")
     checkpoint.seed_everything(3)
-    path = checkpoint.save_checkpoint(manager, 7, backend=backend, coordinator=SINGLE_PROCESS, stateful=stateful,
-                                      tokenizer=_Tokenizer(), model_path=model_dir, config=OmegaConf.create({"a": 1}))
+    path = checkpoint.save_checkpoint(
+        manager,
+        7,
+        backend=backend,
+        coordinator=SINGLE_PROCESS,
+        stateful=stateful,
+        tokenizer=_Tokenizer(),
+        model_path=model_dir,
+        config=OmegaConf.create({"a": 1}),
+    )
     draws = [random.random(), torch.rand(1).item()]  # what the run draws after the save
     assert path == manager.step_dir(7) and manager.latest() == path
-    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "backend", "config.yaml", "hf_meta", "rng_state.pt",
-                                                      "trainer_state.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMPLETE",
+        "backend",
+        "config.yaml",
+        "hf_meta",
+        "rng_state.pt",
+        "trainer_state.json",
+    ]
     assert (path / "hf_meta" / "config.json").read_text() == '{"model_type": "llama"}'
     assert (path / "config.yaml").read_text() == "a: 1\n"
     import json
 
     assert json.loads((path / "trainer_state.json").read_text()) == {
-        "global_step": 7, "data_loader": {"epoch": 1, "index": 2}, "kl_ctrl": {"value": 0.1}}
+        "global_step": 7,
+        "data_loader": {"epoch": 1, "index": 2},
+        "kl_ctrl": {"value": 0.1},
+    }
 
     class _Trainer:  # the trainer config section resume_checkpoint reads
         resume_mode, resume_from_path = "auto", None
@@ -381,14 +401,30 @@ def test_save_checkpoint_other_processes_write_their_shards_into_the_main_folder
         other.save(Path(_Coordinator(False, sent).broadcast(None)) / "backend")  # the other process's first step
 
     main.save = save_then_other_process
-    path = checkpoint.save_checkpoint(manager, 1, backend=main, coordinator=_Coordinator(True, sent), stateful={},
-                                      tokenizer=_Tokenizer(), model_path=tmp_path, config=OmegaConf.create({}))
+    path = checkpoint.save_checkpoint(
+        manager,
+        1,
+        backend=main,
+        coordinator=_Coordinator(True, sent),
+        stateful={},
+        tokenizer=_Tokenizer(),
+        model_path=tmp_path,
+        config=OmegaConf.create({}),
+    )
     assert len(sent) == 2 and ".partial-" in sent[0] and sent[1] == str(path)
     assert sorted(p.name for p in (path / "backend").iterdir()) == ["shard0.txt", "shard1.txt"]
     # the other process's whole call: save into the broadcast partial folder, return the final path
     other2 = _Backend(1)
-    got = checkpoint.save_checkpoint(manager, 1, backend=other2, coordinator=_Coordinator(False, list(sent)),
-                                     stateful={}, tokenizer=None, model_path=tmp_path, config=None)
+    got = checkpoint.save_checkpoint(
+        manager,
+        1,
+        backend=other2,
+        coordinator=_Coordinator(False, list(sent)),
+        stateful={},
+        tokenizer=None,
+        model_path=tmp_path,
+        config=None,
+    )
     assert got == path and other2.saved == [Path(sent[0]) / "backend"]
 
 

@@ -26,7 +26,9 @@ def run_cli(*args: str, pythonpath: list[Path] = (), env: dict | None = None, ti
     if pythonpath:
         e["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "rlplug", *args], capture_output=True, text=True, env=e, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlplug", *args], capture_output=True, text=True, env=e, timeout=timeout
+    )
     return proc, time.perf_counter() - start
 
 
@@ -40,20 +42,30 @@ def _plugin(**hooks):
 def small_registry(rlplug_registry):
     rlplug_registry.add_plugin(
         _plugin(register_trackers=lambda register: (register("console", dict), register("mlflow", dict))),
-        name="trackers", distribution="rlplug", version="0.1.0",
+        name="trackers",
+        distribution="rlplug",
+        version="0.1.0",
     )
     rlplug_registry.add_plugin(
         _plugin(register_reward_functions=lambda register: register("exact", len)),
-        name="ex", distribution="rlplug-ex", version="0.2.0",
+        name="ex",
+        distribution="rlplug-ex",
+        version="0.2.0",
     )
-    rlplug_registry.add_plugin(_plugin(register_reward_function=lambda register: None), name="typo",
-                               distribution="rlplug-typo", version="9.9")
+    rlplug_registry.add_plugin(
+        _plugin(register_reward_function=lambda register: None), name="typo", distribution="rlplug-typo", version="9.9"
+    )
 
     def needs_extra(register):
         raise ImportError("install the [gpu] extra: pip install 'rlplug-ex[gpu]'")
 
-    rlplug_registry.add_plugin(_plugin(register_rollout_backends=needs_extra), name="fast", distribution="rlplug-ex",
-                               version="0.2.0", value="rlplug_ex.fast")
+    rlplug_registry.add_plugin(
+        _plugin(register_rollout_backends=needs_extra),
+        name="fast",
+        distribution="rlplug-ex",
+        version="0.2.0",
+        value="rlplug_ex.fast",
+    )
     return rlplug_registry
 
 
@@ -67,9 +79,14 @@ def test_plugins_text(small_registry, capsys):
         "  reward_function: exact",
         "Plugins that failed to load",
     ]
-    assert out[5].startswith("  typo (rlplug-typo 9.9, entry point ): PluginValidationError: unknown hook 'register_reward_function'")
+    assert out[5].startswith(
+        "  typo (rlplug-typo 9.9, entry point ): PluginValidationError: unknown hook 'register_reward_function'"
+    )
     # error text is printed verbatim (square brackets are not taken as rich markup)
-    assert out[6] == "  fast (rlplug-ex 0.2.0, entry point rlplug_ex.fast): ImportError: install the [gpu] extra: pip install 'rlplug-ex[gpu]'"
+    assert (
+        out[6]
+        == "  fast (rlplug-ex 0.2.0, entry point rlplug_ex.fast): ImportError: install the [gpu] extra: pip install 'rlplug-ex[gpu]'"
+    )
     assert len(out) == 7
 
 
@@ -89,8 +106,9 @@ def test_plugins_json(small_registry, capsys):
 
 def test_plugins_shows_conflicts(rlplug_registry, capsys):
     for dist in ("dist-a", "dist-b"):
-        rlplug_registry.add_plugin(_plugin(register_trackers=lambda register: register("same", dict)), name=dist,
-                                   distribution=dist)
+        rlplug_registry.add_plugin(
+            _plugin(register_trackers=lambda register: register("same", dict)), name=dist, distribution=dist
+        )
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "Conflicts\n  The tracker name 'same' is registered twice: by dist-a and by dist-b." in out
@@ -99,21 +117,28 @@ def test_plugins_shows_conflicts(rlplug_registry, capsys):
 def test_config_error_exit_code_and_message(capsys):
     assert cli.main(["config", "actor.ppo_mini_batchsize=4"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("Config error: Unknown config key 'actor.ppo_mini_batchsize'. Did you mean 'actor.ppo_mini_batch_size'?")
+    assert err.startswith(
+        "Config error: Unknown config key 'actor.ppo_mini_batchsize'. Did you mean 'actor.ppo_mini_batch_size'?"
+    )
 
 
 def test_config_unknown_plugin_in_process(small_registry, capsys):
     assert cli.main(["config", "trainer.logger=[consol]"]) == 2
     err = capsys.readouterr().err
     # plugins are resolved in a fixed order: the advantage estimator (default gae) first
-    assert "algorithm.adv_estimator=gae: Unknown advantage estimator 'gae'" in err and "No advantage estimator is registered" in err
+    assert (
+        "algorithm.adv_estimator=gae: Unknown advantage estimator 'gae'" in err
+        and "No advantage estimator is registered" in err
+    )
     assert "rlplug-typo" in err  # broken plugins are listed: one of them may have provided it
 
 
 def test_data_prepare_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
     out = tmp_path / "d"
     assert cli.main(["data", "prepare", "basic_arithmetc", "--out", str(out)]) == 2
-    assert capsys.readouterr().err.startswith("Config error: Unknown task 'basic_arithmetc'. Did you mean 'basic_arithmetic'?")
+    assert capsys.readouterr().err.startswith(
+        "Config error: Unknown task 'basic_arithmetc'. Did you mean 'basic_arithmetic'?"
+    )
     assert cli.main(["data", "prepare", "basic_arithmetic", "--out", str(out), "--task-kwargs", "{min_terms: 2}"]) == 2
     assert capsys.readouterr().err.startswith("Config error: --task-kwargs is not valid JSON")
     assert not out.exists()
@@ -165,8 +190,10 @@ def test_broken_plugin_does_not_take_the_cli_down():
         "broken_estimator (rlplug-broken-plugin 0.0.1, entry point rlplug_broken_plugin): ImportError: "
         "rlplug_broken_plugin needs the package 'nonexistent-dependency'" in proc.stdout
     )
-    assert "misspelled (rlplug-misspelled-plugin 0.0.2, entry point rlplug_misspelled_plugin): " \
-           "PluginValidationError: unknown hook 'register_reward_function'" in proc.stdout
+    assert (
+        "misspelled (rlplug-misspelled-plugin 0.0.2, entry point rlplug_misspelled_plugin): "
+        "PluginValidationError: unknown hook 'register_reward_function'" in proc.stdout
+    )
     assert "tracker: console, mlflow" in proc.stdout  # the healthy plugins are still listed
 
     proc, _ = run_cli("plugins", "--json", pythonpath=path)
@@ -176,8 +203,10 @@ def test_broken_plugin_does_not_take_the_cli_down():
     # selecting a name from the broken plugin fails with its import error (exit 2: config error)
     proc, _ = run_cli("config", "algorithm.adv_estimator=broken_estimator", pythonpath=path)
     assert proc.returncode == 2
-    assert "algorithm.adv_estimator=broken_estimator: The advantage estimator 'broken_estimator' comes from plugin " \
-           "'broken_estimator' (rlplug-broken-plugin 0.0.1), which failed to load: ImportError:" in proc.stderr
+    assert (
+        "algorithm.adv_estimator=broken_estimator: The advantage estimator 'broken_estimator' comes from plugin "
+        "'broken_estimator' (rlplug-broken-plugin 0.0.1), which failed to load: ImportError:" in proc.stderr
+    )
 
     # and disabling it by distribution name removes it from the report
     proc, _ = run_cli("plugins", pythonpath=path, env={"RLPLUG_DISABLE_PLUGINS": "rlplug-broken-plugin,misspelled"})

@@ -74,7 +74,9 @@ def stub_registry() -> Registry:
     r = Registry(load_entry_points=False)
     r.register("advantage_estimator", "gae", AdvantageEstimator(_noop, requires=("values",)), "rlplug", "0.1.0")
     for name in ("grpo", "rloo"):
-        r.register("advantage_estimator", name, AdvantageEstimator(_noop, ("index",), group_based=True), "rlplug", "0.1.0")
+        r.register(
+            "advantage_estimator", name, AdvantageEstimator(_noop, ("index",), group_based=True), "rlplug", "0.1.0"
+        )
     r.register("advantage_estimator", "reinforce_plus_plus", AdvantageEstimator(_noop), "rlplug", "0.1.0")
     r.register("advantage_estimator", "remax", AdvantageEstimator(_noop, ("reward_baselines",)), "rlplug", "0.1.0")
     for name in ("vanilla", "dual_clip"):
@@ -134,7 +136,12 @@ def test_every_group_option_composes_validates_and_applies(group, option, tmp_pa
     overrides = [f"{group}={option}", *extra]
     cfg = compose(overrides)
     choices = validate_config(cfg, registry=stub_registry)
-    assert {c.key for c in choices} >= {"algorithm.adv_estimator", "actor.policy_loss", "rollout.name", "trainer.backend"}
+    assert {c.key for c in choices} >= {
+        "algorithm.adv_estimator",
+        "actor.policy_loss",
+        "rollout.name",
+        "trainer.backend",
+    }
     # every value the option file sets is in the composed config (later groups do not undo it)
     explicit = {o.split("=", 1)[0] for o in extra}
     option_cfg = OmegaConf.load(CONFIGS / group / f"{option}.yaml")
@@ -183,12 +190,17 @@ def test_unknown_key_lists_valid_keys():
 
 
 def test_unknown_nested_and_top_level_keys():
-    with pytest.raises(ConfigError, match=r"Unknown config key 'actor\.optim\.learning_rate'.*Valid keys in 'actor\.optim': betas, eps, lr,"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Unknown config key 'actor\.optim\.learning_rate'.*Valid keys in 'actor\.optim': betas, eps, lr,",
+    ):
         compose(["actor.optim.learning_rate=1e-5"])
     with pytest.raises(ConfigError) as info:
         compose(["trainr.seed=1"])
     assert "Unknown config key 'trainr'" in str(info.value)
-    assert "Valid keys in the top level: actor, algorithm, critic, data, model, reward, rollout, trainer." in str(info.value)
+    assert "Valid keys in the top level: actor, algorithm, critic, data, model, reward, rollout, trainer." in str(
+        info.value
+    )
 
 
 def test_unknown_group_option_lists_available_options():
@@ -235,8 +247,12 @@ def test_bad_value_type_is_a_config_error():
         ),
         (
             # grpo: 8 prompts x 4 responses = 32; 5 does not divide 32
-            ["algorithm=grpo", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
-             "actor.micro_batch_size_per_device=5"],
+            [
+                "algorithm=grpo",
+                "data.train_batch_size=8",
+                "actor.ppo_mini_batch_size=8",
+                "actor.micro_batch_size_per_device=5",
+            ],
             "actor.micro_batch_size_per_device=5 does not divide the mini-batch of 32 responses "
             "(actor.ppo_mini_batch_size=8 x rollout.n=4). Choose a divisor of 32.",
         ),
@@ -260,8 +276,17 @@ def test_bad_value_type_is_a_config_error():
             "mlflow (rlplug 0.1.0). Run 'rlplug plugins' to see what is installed (the plugin may not be installed).",
         ),
     ],
-    ids=["unknown-plugin", "mini>train", "mini-not-divisor", "micro-not-divisor", "micro-grpo", "model-path",
-         "group-n1", "agg-mode", "unknown-tracker"],
+    ids=[
+        "unknown-plugin",
+        "mini>train",
+        "mini-not-divisor",
+        "micro-not-divisor",
+        "micro-grpo",
+        "model-path",
+        "group-n1",
+        "agg-mode",
+        "unknown-tracker",
+    ],
 )
 def test_bad_config_messages(stub_registry, overrides, expected):
     cfg = compose(overrides)
@@ -303,8 +328,10 @@ def test_validate_reports_providers(stub_registry):
 def test_full_kl_is_not_offered(stub_registry, key):
     # the trainer and the backends hand KL estimators log-probs only, never (B, T, V) logits, so
     # verl's 'full' estimator is not registered: choosing it fails like any unknown name
-    overrides = {"actor.kl_loss_type": ["algorithm=grpo", "actor.kl_loss_type=full"],
-                 "algorithm.kl_penalty": ["algorithm=rloo", "algorithm.kl_penalty=full"]}[key]
+    overrides = {
+        "actor.kl_loss_type": ["algorithm=grpo", "actor.kl_loss_type=full"],
+        "algorithm.kl_penalty": ["algorithm=rloo", "algorithm.kl_penalty=full"],
+    }[key]
     with pytest.raises(ConfigError, match=rf"^{key}=full: Unknown kl penalty 'full'"):
         validate_config(compose(overrides), registry=stub_registry)
 
@@ -319,16 +346,22 @@ def test_rollout_is_threshold_needs_engine_log_probs(stub_registry):
     with pytest.raises(ConfigError, match=r"rollout\.calculate_log_probs=false"):
         validate_config(compose(["actor.rollout_is_threshold=2.0"]), registry=stub_registry)
     with pytest.raises(ConfigError, match=r"^actor\.rollout_is_threshold=0\.0 must be > 0"):
-        validate_config(compose(["actor.rollout_is_threshold=0", "rollout.calculate_log_probs=true"]),
-                        registry=stub_registry)
-    validate_config(compose(["actor.rollout_is_threshold=2.0", "rollout.calculate_log_probs=true"]), registry=stub_registry)
+        validate_config(
+            compose(["actor.rollout_is_threshold=0", "rollout.calculate_log_probs=true"]), registry=stub_registry
+        )
+    validate_config(
+        compose(["actor.rollout_is_threshold=2.0", "rollout.calculate_log_probs=true"]), registry=stub_registry
+    )
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("model.compute_dtype=fp16", "model.compute_dtype=fp16: use 'bf16'"),
-    ("critic.optim.warmup_style=linear", "critic.optim.warmup_style=linear: use 'constant' or 'cosine'."),
-    ("trainer.device=gpu", "trainer.device=gpu: use 'auto'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.compute_dtype=fp16", "model.compute_dtype=fp16: use 'bf16'"),
+        ("critic.optim.warmup_style=linear", "critic.optim.warmup_style=linear: use 'constant' or 'cosine'."),
+        ("trainer.device=gpu", "trainer.device=gpu: use 'auto'"),
+    ],
+)
 def test_enumerated_values_fail_before_any_model_loads(stub_registry, override, expected):
     with pytest.raises(ConfigError) as info:
         validate_config(compose([override]), registry=stub_registry)

@@ -35,8 +35,13 @@ def char_tokenizer():
         vocab.setdefault(c, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    t = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    t = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     t.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -69,35 +74,49 @@ def simple_rows(n=3, contents=None):
 # ---------------------------------------------------------------------------- verl's GSM8K file
 
 GSM8K_ROWS = [
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-     "How many clips did Natalia sell altogether in April and May?",
-     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
-     "72"),
-    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
-     "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10",
-     "10"),
-    ("A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
-     "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is 2+1=<<2+1=3>>3 bolts of fabric\n#### 3",
-     "3"),
+    (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+        "72",
+    ),
+    (
+        "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+        "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10",
+        "10",
+    ),
+    (
+        "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+        "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is 2+1=<<2+1=3>>3 bolts of fabric\n#### 3",
+        "3",
+    ),
 ]
 
 
 def write_verl_gsm8k(path, split="test"):
     """A parquet file exactly as verl's examples/data_preprocess/gsm8k.py writes it (field order included)."""
-    schema = pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("extra_info", pa.struct([("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()),
-                                  ("split", pa.string())])),
-    ])
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())]
+                ),
+            ),
+        ]
+    )
     rows = [
-        {"data_source": "openai/gsm8k",
-         "prompt": [{"content": f"{q} {GSM8K_INSTRUCTION}", "role": "user"}],
-         "ability": "math",
-         "reward_model": {"ground_truth": gt, "style": "rule"},
-         "extra_info": {"answer": a, "index": i, "question": q, "split": split}}
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"content": f"{q} {GSM8K_INSTRUCTION}", "role": "user"}],
+            "ability": "math",
+            "reward_model": {"ground_truth": gt, "style": "rule"},
+            "extra_info": {"answer": a, "index": i, "question": q, "split": split},
+        }
         for i, (q, a, gt) in enumerate(GSM8K_ROWS)
     ]
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
@@ -113,7 +132,10 @@ def test_verl_gsm8k_file_reads_unchanged_and_scores_end_to_end(tmp_path):
     assert row["messages"] == [{"role": "user", "content": f"{GSM8K_ROWS[0][0]} {GSM8K_INSTRUCTION}"}]
     assert row["ground_truth"] == "72" and row["ability"] == "math"
     assert row["extra_info"] == {"answer": GSM8K_ROWS[0][1], "index": 0, "question": GSM8K_ROWS[0][0], "split": "test"}
-    assert row["prompt_ids"] == tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert (
+        row["prompt_ids"]
+        == tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
     assert len(row["prompt_ids"]) == 19 + len(row["messages"][0]["content"])  # see char_tokenizer
     # scored by the default reward map (openai/gsm8k -> gsm8k, strict)
     responses = ["48/2 = 24, 48 + 24 = 72\n#### 72", "She earned $10.\n#### $10.00", "The answer is 3."]
@@ -152,7 +174,12 @@ def test_prompt_key_selects_the_column(tmp_path):
     "column, values, typ, expected",
     [
         ("data_source", [1, 2, 3], pa.int64(), "expected string"),
-        ("prompt", [["a"], ["b"], ["c"]], pa.list_(pa.string()), "expected list<struct<role: string, content: string>>"),
+        (
+            "prompt",
+            [["a"], ["b"], ["c"]],
+            pa.list_(pa.string()),
+            "expected list<struct<role: string, content: string>>",
+        ),
         ("reward_model", ["1", "2", "3"], pa.string(), "expected struct<style: string, ground_truth: string>"),
         ("ability", [1, 2, 3], pa.int64(), "expected string"),
     ],
@@ -187,21 +214,36 @@ def test_bad_prompt_rows_name_the_row(tmp_path, contents_row1, expected):
 def test_ground_truth_numbers_are_converted_other_types_rejected(tmp_path):
     cols = simple_rows()
     cols["reward_model"] = [{"style": "rule", "ground_truth": v} for v in (72, 3, -5)]
-    p = write(tmp_path / "int.parquet", cols, {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.int64())])})
+    p = write(
+        tmp_path / "int.parquet",
+        cols,
+        {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.int64())])},
+    )
     assert [r["ground_truth"] for r in read_dataset(p)] == ["72", "3", "-5"]
     cols["reward_model"] = [{"style": "rule", "ground_truth": v} for v in (72.0, 0.5, 1e20)]
-    p = write(tmp_path / "float.parquet", cols, {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.float64())])})
+    p = write(
+        tmp_path / "float.parquet",
+        cols,
+        {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.float64())])},
+    )
     assert [r["ground_truth"] for r in read_dataset(p)] == ["72", "0.5", "100000000000000000000"]
     cols["reward_model"] = [{"style": "rule", "ground_truth": v} for v in ([1], [2], [3])]
-    p = write(tmp_path / "list.parquet", cols,
-              {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.list_(pa.int64()))])})
+    p = write(
+        tmp_path / "list.parquet",
+        cols,
+        {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.list_(pa.int64()))])},
+    )
     msg = _error(p)
     assert f"{p}, row 0, column 'reward_model.ground_truth'" in msg and "expected a string" in msg
     cols["reward_model"] = [{"style": "rule", "ground_truth": v} for v in ("1", None, "3")]
     p = write(tmp_path / "null.parquet", cols)
     assert "row 1, column 'reward_model.ground_truth'" in _error(p)
     cols["reward_model"] = [{"style": "rule", "ground_truth": v} for v in (1.0, 2.0, float("nan"))]
-    p = write(tmp_path / "nan.parquet", cols, {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.float64())])})
+    p = write(
+        tmp_path / "nan.parquet",
+        cols,
+        {"reward_model": pa.struct([("style", pa.string()), ("ground_truth", pa.float64())])},
+    )
     assert "row 2" in _error(p)
 
 
@@ -210,8 +252,19 @@ def test_invalid_utf8_names_the_row(tmp_path):
     # .view() reinterprets bytes as string without validating: how a broken writer produces such a file
     cols["data_source"] = pa.array([b"ok", b"\xff\xfebad", b"ok"], pa.binary()).view(pa.string())
     p = str(tmp_path / "a.parquet")
-    pq.write_table(pa.table({k: (v if isinstance(v, pa.Array) else pa.array(v, type={"prompt": PROMPT_T, "reward_model": RM_T}.get(k)))
-                             for k, v in cols.items()}), p)
+    pq.write_table(
+        pa.table(
+            {
+                k: (
+                    v
+                    if isinstance(v, pa.Array)
+                    else pa.array(v, type={"prompt": PROMPT_T, "reward_model": RM_T}.get(k))
+                )
+                for k, v in cols.items()
+            }
+        ),
+        p,
+    )
     msg = _error(p)
     assert f"{p}, row 1, column 'data_source'" in msg and "not valid UTF-8" in msg
 
@@ -250,7 +303,10 @@ def test_rows_from_several_files_system_prompt_and_plain_string_prompts(tmp_path
     ds = read_dataset([a, b, c], system_prompt="Be brief.")
     assert len(ds) == 5 and ds.data_sources == {"toy", "other"}
     assert [r["index"] for r in ds] == [0, 1, 2, 3, 4]
-    assert ds[2]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "plain question one"}]
+    assert ds[2]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "plain question one"},
+    ]
     assert ds[4]["messages"][0] == {"role": "system", "content": "own"}  # a row's own system message is kept
     assert ds[0]["extra_info"] == {} and ds[3]["source"] == f"{b}#1"
     assert "prompt_ids" not in ds[0]

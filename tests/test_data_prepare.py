@@ -97,8 +97,14 @@ def test_basic_arithmetic_defaults_are_easy(prepared):
 
 
 def test_task_kwargs_change_difficulty_and_instruction(tmp_path):
-    info = prepare_dataset("basic_arithmetic", tmp_path, train_size=60, test_size=10,
-                           task_kwargs={"min_terms": 3, "max_terms": 3, "operators": ["*"]}, instruction="Answer after ####.")
+    info = prepare_dataset(
+        "basic_arithmetic",
+        tmp_path,
+        train_size=60,
+        test_size=10,
+        task_kwargs={"min_terms": 3, "max_terms": 3, "operators": ["*"]},
+        instruction="Answer after ####.",
+    )
     row = _rows(info["train_path"])[0]
     q = row["extra_info"]["question"]
     assert re.fullmatch(r"Calculate \d+ \* \d+ \* \d+\.", q), q
@@ -154,5 +160,10 @@ def test_bad_task_kwargs_and_sizes(tmp_path):
 def test_too_few_distinct_questions_is_a_clear_error(tmp_path):
     # one term, one digit: only "Calculate 0." .. "Calculate 10." -> the test split takes them all
     with pytest.raises(ValueError, match="too few distinct questions"):
-        prepare_dataset("basic_arithmetic", tmp_path, train_size=10, test_size=200,
-                        task_kwargs={"min_terms": 1, "max_terms": 1, "min_digits": 1, "max_digits": 1})
+        prepare_dataset(
+            "basic_arithmetic",
+            tmp_path,
+            train_size=10,
+            test_size=200,
+            task_kwargs={"min_terms": 1, "max_terms": 1, "min_digits": 1, "max_digits": 1},
+        )

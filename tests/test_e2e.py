@@ -52,12 +52,30 @@ PRESETS = ["ppo", "ppo_dual_clip", "grpo", "dr_grpo", "rloo", "reinforce_pp", "r
 
 # Every preset; values must be finite (the losses among them).
 COMMON = [
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
-    "critic/score/mean", "critic/advantages/mean", "critic/returns/mean", "response_length/mean",
-    "timing_s/gen", "timing_s/step", "perf/throughput", "training/global_step", "training/epoch",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "response_length/mean",
+    "timing_s/gen",
+    "timing_s/step",
+    "perf/throughput",
+    "training/global_step",
+    "training/epoch",
 ]
-CRITIC = ["critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr", "critic/values/mean",
-          "critic/vf_explained_var"]
+CRITIC = [
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/grad_norm",
+    "critic/lr",
+    "critic/values/mean",
+    "critic/vf_explained_var",
+]
 PER_PRESET = {
     "ppo": CRITIC,
     "ppo_dual_clip": CRITIC,
@@ -162,8 +180,17 @@ def test_rlplug_train_cli_debug_tiny_runs(tmp_path):
     """The documented smoke command, in-process through the CLI entry point (exit code 0)."""
     from rlplug.cli import main
 
-    rc = main(["train", "debug=tiny", "model.tiny.num_hidden_layers=1", "data.max_response_length=8",
-               "trainer.logger=[console]", "trainer.num_threads=1", f"trainer.default_local_dir={tmp_path}"])
+    rc = main(
+        [
+            "train",
+            "debug=tiny",
+            "model.tiny.num_hidden_layers=1",
+            "data.max_response_length=8",
+            "trainer.logger=[console]",
+            "trainer.num_threads=1",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
     assert rc == 0
     assert CheckpointManager(tmp_path).complete_steps() == [2]  # debug=tiny: 2 steps, save_freq=2
     assert (tmp_path / "final_model" / "config.json").is_file()

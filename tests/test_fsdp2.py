@@ -41,7 +41,15 @@ def launch(spec: dict, tmp: Path, nproc: int, timeout: int = 240) -> None:
     path = tmp / f"spec-{len(list(tmp.glob('spec-*.json')))}.json"
     path.write_text(json.dumps(spec))
     if nproc:
-        cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(HERE / "fsdp2_worker.py"), str(path)]
+        cmd = [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(HERE / "fsdp2_worker.py"),
+            str(path),
+        ]
     else:
         cmd = [PY, str(HERE / "fsdp2_worker.py"), str(path)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
@@ -85,11 +93,21 @@ def test_bad_backend_kwargs_fail_clearly(model_path):
     from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
 
     with pytest.raises(ValueError, match="unknown keys \\['param_dtyp'\\]"):
-        FSDP2TrainingBackend(W.make_cfg(**{"trainer.backend_kwargs": {"param_dtyp": "bf16"}}), model_path,
-                             use_critic=False, use_ref=False, total_steps=1)
+        FSDP2TrainingBackend(
+            W.make_cfg(**{"trainer.backend_kwargs": {"param_dtyp": "bf16"}}),
+            model_path,
+            use_critic=False,
+            use_ref=False,
+            total_steps=1,
+        )
     with pytest.raises(ValueError, match="nccl needs CUDA"):
-        FSDP2TrainingBackend(W.make_cfg(**{"trainer.backend_kwargs": {"dist_backend": "nccl"}}), model_path,
-                             use_critic=False, use_ref=False, total_steps=1)
+        FSDP2TrainingBackend(
+            W.make_cfg(**{"trainer.backend_kwargs": {"dist_backend": "nccl"}}),
+            model_path,
+            use_critic=False,
+            use_ref=False,
+            total_steps=1,
+        )
 
 
 # --------------------------------------------------------------------------- (a), (b): one step vs local
@@ -98,15 +116,28 @@ def test_bad_backend_kwargs_fail_clearly(model_path):
 # checkpointing, micro-batches of 2; "nan" = "kl" with a NaN advantage in a row that only rank 1
 # holds (mini-batch 1), so only rank 1's loss is non-finite.
 SETTINGS = {
-    "kl": {"actor.use_kl_loss": True, "actor.kl_loss_type": "low_var_kl", "actor.kl_loss_coef": 0.5,
-           "actor.entropy_coeff": 0.01},
-    "seq": {"actor.loss_agg_mode": "seq-mean-token-mean", "critic.loss_agg_mode": "seq-mean-token-mean",
-            "actor.ppo_epochs": 2, "critic.ppo_epochs": 2, "model.enable_gradient_checkpointing": True},
+    "kl": {
+        "actor.use_kl_loss": True,
+        "actor.kl_loss_type": "low_var_kl",
+        "actor.kl_loss_coef": 0.5,
+        "actor.entropy_coeff": 0.01,
+    },
+    "seq": {
+        "actor.loss_agg_mode": "seq-mean-token-mean",
+        "critic.loss_agg_mode": "seq-mean-token-mean",
+        "actor.ppo_epochs": 2,
+        "critic.ppo_epochs": 2,
+        "model.enable_gradient_checkpointing": True,
+    },
 }
 SETTINGS["nan"] = dict(SETTINGS["kl"])
 DIST_MICRO = {"kl": 1, "seq": 2, "nan": 1}
-BF16 = {**SETTINGS["kl"], "actor.micro_batch_size_per_device": 1, "model.compute_dtype": "bf16",
-        "trainer.backend_kwargs": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+BF16 = {
+    **SETTINGS["kl"],
+    "actor.micro_batch_size_per_device": 1,
+    "model.compute_dtype": "bf16",
+    "trainer.backend_kwargs": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
+}
 
 
 def assert_update_close_to_fp32(res: dict, loc: dict) -> None:
@@ -132,24 +163,37 @@ def step_results(model_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2_step")
     local, jobs = {}, []
     for name, overrides in SETTINGS.items():
-        backend = LocalTrainingBackend(W.make_cfg(**overrides), model_path, use_critic=True, use_ref=True, total_steps=4)
+        backend = LocalTrainingBackend(
+            W.make_cfg(**overrides), model_path, use_critic=True, use_ref=True, total_steps=4
+        )
         initial = W.full_params(backend, "actor")
         batch = W.prepare(backend, W.make_batch())
         if name == "nan":
             batch["advantages"][2, 0] = float("nan")  # row 2: rank 1's half of mini-batch 1
         torch.save(dict(batch.tensors), tmp / f"batch-{name}.pt")
-        res = {"log_probs": backend.compute_log_probs(batch, with_entropy=True),
-               "sum_pi_squared": backend.compute_log_probs(batch, extras=("sum_pi_squared",))["sum_pi_squared"],
-               "ref_log_probs": backend.compute_log_probs(batch, which="ref")["log_probs"],
-               "values": backend.compute_values(batch),
-               "critic_metrics": backend.update_critic(batch), "actor_metrics": backend.update_actor(batch),
-               "bad_steps": backend.consecutive_bad_steps,
-               "actor": W.full_params(backend, "actor"), "critic": W.full_params(backend, "critic"),
-               "pushed": {n: t.clone() for n, t in backend.actor_weights()}, "initial": initial}
+        res = {
+            "log_probs": backend.compute_log_probs(batch, with_entropy=True),
+            "sum_pi_squared": backend.compute_log_probs(batch, extras=("sum_pi_squared",))["sum_pi_squared"],
+            "ref_log_probs": backend.compute_log_probs(batch, which="ref")["log_probs"],
+            "values": backend.compute_values(batch),
+            "critic_metrics": backend.update_critic(batch),
+            "actor_metrics": backend.update_actor(batch),
+            "bad_steps": backend.consecutive_bad_steps,
+            "actor": W.full_params(backend, "actor"),
+            "critic": W.full_params(backend, "critic"),
+            "pushed": {n: t.clone() for n, t in backend.actor_weights()},
+            "initial": initial,
+        }
         backend.close()
         local[name] = res
-        jobs.append({"kind": "step", "name": name, "batch": str(tmp / f"batch-{name}.pt"),
-                     "overrides": {**overrides, "actor.micro_batch_size_per_device": DIST_MICRO[name]}})
+        jobs.append(
+            {
+                "kind": "step",
+                "name": name,
+                "batch": str(tmp / f"batch-{name}.pt"),
+                "overrides": {**overrides, "actor.micro_batch_size_per_device": DIST_MICRO[name]},
+            }
+        )
     # bf16 parameters (FSDP mixed precision) on the "kl" batch; compared with the fp32 "kl" result
     jobs.append({"kind": "step", "name": "bf16", "batch": str(tmp / "batch-kl.pt"), "overrides": BF16})
     jobs.append({"kind": "errors", "name": "errors"})
@@ -229,20 +273,34 @@ def test_bf16_parameters_close_to_fp32(step_results):
 def test_save_on_two_ranks_resume_on_two_and_one(model_path, tmp_path):
     # Warmup (lr 1/3, 2/3, 1 of the peak) and betas 0.5 make the scheduler and the AdamW moments
     # matter for the second update, so a resume that lost either would not match.
-    overrides = {"actor.optim.lr_warmup_steps": 3, "critic.optim.lr_warmup_steps": 3,
-                 "actor.optim.betas": [0.5, 0.5], "critic.optim.betas": [0.5, 0.5],
-                 "actor.micro_batch_size_per_device": 1}
+    overrides = {
+        "actor.optim.lr_warmup_steps": 3,
+        "critic.optim.lr_warmup_steps": 3,
+        "actor.optim.betas": [0.5, 0.5],
+        "critic.optim.betas": [0.5, 0.5],
+        "actor.micro_batch_size_per_device": 1,
+    }
     backend = LocalTrainingBackend(W.make_cfg(), model_path, use_critic=True, use_ref=False, total_steps=4)
     b1, b2 = W.prepare(backend, W.make_batch(0)), W.prepare(backend, W.make_batch(1), seed=1)
     backend.close()
     torch.save(dict(b1.tensors), tmp_path / "b1.pt")
     torch.save(dict(b2.tensors), tmp_path / "b2.pt")
-    job = {"overrides": overrides, "batch": str(tmp_path / "b1.pt"), "batch2": str(tmp_path / "b2.pt"),
-           "ckpt": str(tmp_path / "ckpt")}
-    launch({"model_path": model_path, "out": str(tmp_path), "jobs": [{**job, "kind": "ckpt", "name": "two"}]},
-           tmp_path, nproc=2)
-    launch({"model_path": model_path, "out": str(tmp_path), "jobs": [{**job, "kind": "resume", "name": "one"}]},
-           tmp_path, nproc=0)  # no torchrun: a one-rank group
+    job = {
+        "overrides": overrides,
+        "batch": str(tmp_path / "b1.pt"),
+        "batch2": str(tmp_path / "b2.pt"),
+        "ckpt": str(tmp_path / "ckpt"),
+    }
+    launch(
+        {"model_path": model_path, "out": str(tmp_path), "jobs": [{**job, "kind": "ckpt", "name": "two"}]},
+        tmp_path,
+        nproc=2,
+    )
+    launch(
+        {"model_path": model_path, "out": str(tmp_path), "jobs": [{**job, "kind": "resume", "name": "one"}]},
+        tmp_path,
+        nproc=0,
+    )  # no torchrun: a one-rank group
     two = torch.load(tmp_path / "two.pt", weights_only=False)
     one = torch.load(tmp_path / "one.pt", weights_only=False)
     ckpt = Path(job["ckpt"])
@@ -271,7 +329,17 @@ def test_save_on_two_ranks_resume_on_two_and_one(model_path, tmp_path):
 # --------------------------------------------------------------------------- (d) the CLI under torchrun
 def _run_cli(args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
     if nproc:
-        cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "rlplug", "train", *args]
+        cmd = [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "rlplug",
+            "train",
+            *args,
+        ]
     else:
         cmd = [PY, "-m", "rlplug", "train", *args]
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
@@ -283,13 +351,21 @@ def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
     from rlplug.checkpoint import export_checkpoint
 
     run_dir = tmp_path / "run"
-    common = ["trainer=fsdp2", "debug=tiny", f"trainer.default_local_dir={run_dir}", "actor.use_kl_loss=true",
-              "model.enable_gradient_checkpointing=true"]
+    common = [
+        "trainer=fsdp2",
+        "debug=tiny",
+        f"trainer.default_local_dir={run_dir}",
+        "actor.use_kl_loss=true",
+        "model.enable_gradient_checkpointing=true",
+    ]
     proc = _run_cli(common, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     # only rank 0 logs: one console line per step
-    assert [line.split("|")[0].strip() for line in proc.stdout.splitlines() if line.startswith("step ")] == \
-        ["step 0", "step 1", "step 2"]
+    assert [line.split("|")[0].strip() for line in proc.stdout.splitlines() if line.startswith("step ")] == [
+        "step 0",
+        "step 1",
+        "step 2",
+    ]
     ckpt = run_dir / "global_step_2"
     assert (ckpt / "COMPLETE").is_file() and (ckpt / "backend" / "actor" / "model.safetensors").is_file()
     assert not list(run_dir.glob("*.partial-*"))
@@ -297,8 +373,12 @@ def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
     saved = load_file(str(ckpt / "backend" / "actor" / "model.safetensors"))
     assert_params_close({k: final[k] for k in saved}, saved, atol=0, what="final_model vs checkpoint")
     exported = export_checkpoint(run_dir, tmp_path / "export")
-    assert_params_close({k: v for k, v in load_file(str(exported / "model.safetensors")).items() if k in saved},
-                        saved, atol=0, what="rlplug export")
+    assert_params_close(
+        {k: v for k, v in load_file(str(exported / "model.safetensors")).items() if k in saved},
+        saved,
+        atol=0,
+        what="rlplug export",
+    )
     # resume the 2-rank checkpoint in a plain process (one rank) for one more step
     proc = _run_cli(common + ["trainer.total_training_steps=3", "trainer.val_before_train=false"], nproc=0)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -314,14 +394,25 @@ def test_gpu_nccl_bf16_offload_step_close_to_local(step_results, tmp_path, model
     # there are 2 GPUs) against the fp32 CPU single-process result on the same batch.
     nproc = min(2, torch.cuda.device_count())
     loc, _ = step_results["kl"]
-    overrides = {**BF16, "trainer.device": "cuda",
-                 "trainer.backend_kwargs": {**BF16["trainer.backend_kwargs"], "cpu_offload": True}}
+    overrides = {
+        **BF16,
+        "trainer.device": "cuda",
+        "trainer.backend_kwargs": {**BF16["trainer.backend_kwargs"], "cpu_offload": True},
+    }
     # the same batch as step_results["kl"] (deterministic: same model, same inputs)
-    backend = LocalTrainingBackend(W.make_cfg(**SETTINGS["kl"]), model_path, use_critic=True, use_ref=True, total_steps=4)
+    backend = LocalTrainingBackend(
+        W.make_cfg(**SETTINGS["kl"]), model_path, use_critic=True, use_ref=True, total_steps=4
+    )
     batch = W.prepare(backend, W.make_batch())
     backend.close()
     torch.save(dict(batch.tensors), tmp_path / "batch.pt")
-    launch({"model_path": model_path, "out": str(tmp_path),
-            "jobs": [{"kind": "step", "name": "gpu", "batch": str(tmp_path / "batch.pt"), "overrides": overrides}]},
-           tmp_path, nproc=nproc)
+    launch(
+        {
+            "model_path": model_path,
+            "out": str(tmp_path),
+            "jobs": [{"kind": "step", "name": "gpu", "batch": str(tmp_path / "batch.pt"), "overrides": overrides}],
+        },
+        tmp_path,
+        nproc=nproc,
+    )
     assert_update_close_to_fp32(torch.load(tmp_path / "gpu.pt", weights_only=False), loc)

@@ -46,7 +46,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
 import torch
 
 from rlplug.checkpoint import CheckpointManager
@@ -156,8 +155,14 @@ class Zygote:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(log_dir / "zygote.err", "w"), text=True, env={**os.environ, **ENV})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(log_dir / "zygote.err", "w"),
+            text=True,
+            env={**os.environ, **ENV},
+        )
         ready = self.proc.stdout.readline()
         assert ready.strip() == "READY", (ready, (log_dir / "zygote.err").read_text()[-3000:])
         self.count = 0
@@ -167,8 +172,10 @@ class Zygote:
         out, err = self.log_dir / f"{self.count}.out", self.log_dir / f"{self.count}.err"
         env = dict(ENV, **({"RLPLUG_TEST_KILL_AT": kill_at} if kill_at else {}))
         args = [*OVERRIDES, f"trainer.default_local_dir={run_dir}"]
-        self.proc.stdin.write(json.dumps({"args": args, "env": env, "stdout": str(out), "stderr": str(err),
-                                         "timeout": RUN_TIMEOUT_S}) + "\n")
+        self.proc.stdin.write(
+            json.dumps({"args": args, "env": env, "stdout": str(out), "stderr": str(err), "timeout": RUN_TIMEOUT_S})
+            + "\n"
+        )
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
         assert reply, "the zygote died: " + (self.log_dir / "zygote.err").read_text()[-3000:]
@@ -192,8 +199,10 @@ def _train_fresh(run_dir: Path) -> subprocess.CompletedProcess:
 
 def _describe(proc, run_dir: Path) -> str:
     listing = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    return (f"rc={proc.returncode}\n--- dir: {listing}\n--- stdout (tail):\n{proc.stdout[-3000:]}\n"
-            f"--- stderr (tail):\n{proc.stderr[-3000:]}")
+    return (
+        f"rc={proc.returncode}\n--- dir: {listing}\n--- stdout (tail):\n{proc.stdout[-3000:]}\n"
+        f"--- stderr (tail):\n{proc.stderr[-3000:]}"
+    )
 
 
 def _resumed_step(proc, run_dir: Path) -> int | None:
@@ -229,7 +238,9 @@ def _run_chain_in(zygote: Zygote, run_dir: Path, chain: list[tuple[str, int | No
         if had_partials:  # interrupted saves are reported when the next run looks for a checkpoint
             assert "Ignoring incomplete checkpoint" in proc.stderr, where + _describe(proc, run_dir)
         latest = manager.latest()
-        assert (None if latest is None else int(latest.name.rsplit("_", 1)[1])) == latest_after, where + _describe(proc, run_dir)
+        assert (None if latest is None else int(latest.name.rsplit("_", 1)[1])) == latest_after, where + _describe(
+            proc, run_dir
+        )
         if latest is not None:
             assert (latest / "COMPLETE").is_file() and (latest / "trainer_state.json").is_file()
             assert (latest / "backend" / "actor" / "model.safetensors").is_file()
@@ -264,8 +275,8 @@ def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_sigkill_at_26_points_then_resume_matches_uninterrupted(tmp_path):
     from rlplug.config import compose
-    from rlplug.models import resolve_model_path
     from rlplug.data_prepare import prepared_data_files
+    from rlplug.models import resolve_model_path
 
     # build the tiny model and the data once, before the processes run in parallel
     cfg = compose(OVERRIDES)
@@ -294,7 +305,9 @@ def test_sigkill_at_26_points_then_resume_matches_uninterrupted(tmp_path):
         got = _final_state(run_dir)
         assert got.keys() == reference.keys()
         differing = [k for k in reference if not torch.equal(reference[k], got[k])]
-        assert differing == [], f"{run_dir.name}: {len(differing)} tensors differ from the uninterrupted run, e.g. {differing[:5]}"
+        assert differing == [], (
+            f"{run_dir.name}: {len(differing)} tensors differ from the uninterrupted run, e.g. {differing[:5]}"
+        )
     print(f"26 kills + resumes in {time.perf_counter() - t0:.1f} s")
 
 

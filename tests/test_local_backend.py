@@ -65,11 +65,18 @@ def make_batch(seed: int = 0, vocab: int = 49152) -> Batch:
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     mask = (torch.arange(T)[None] < resp_len[:, None]).float()
     adv = torch.randn(B, T, generator=g) * mask
-    return Batch({
-        "input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, P:],
-        "response_mask": mask, "advantages": adv, "returns": torch.randn(B, T, generator=g) * mask,
-        "index": torch.arange(B) // N_SAMPLES,
-    })
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": pos,
+            "responses": ids[:, P:],
+            "response_mask": mask,
+            "advantages": adv,
+            "returns": torch.randn(B, T, generator=g) * mask,
+            "index": torch.arange(B) // N_SAMPLES,
+        }
+    )
 
 
 def prepared_batch(backend: LocalTrainingBackend, seed: int = 0, noise: float = 0.3) -> Batch:
@@ -112,14 +119,19 @@ def test_lr_schedule_hand_values():
 
 # --------------------------------------------------------------------------- inference
 def test_compute_log_probs_match_full_logits_and_ref(model_path):
-    backend = LocalTrainingBackend(make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path,
-                                   use_critic=False, use_ref=True, total_steps=2)
+    backend = LocalTrainingBackend(
+        make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path, use_critic=False, use_ref=True, total_steps=2
+    )
     batch = make_batch()
     out = backend.compute_log_probs(batch, with_entropy=True)
     assert out["log_probs"].shape == (B, T) and out["entropy"].shape == (B, T)
     with torch.no_grad():
-        logits = backend.actor.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     position_ids=batch["position_ids"]).logits / 0.8
+        logits = (
+            backend.actor.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+            ).logits
+            / 0.8
+        )
     # position p predicts token p + 1: positions P-1 .. P+T-2 predict the response
     logp = torch.log_softmax(logits[:, P - 1 : P + T - 1], -1)
     ref_lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
@@ -139,17 +151,24 @@ def test_compute_log_probs_sum_pi_squared_matches_full_logits(model_path):
     # extras=("sum_pi_squared",): per response token sum_v p_v^2 with p = softmax(logits / 0.8),
     # computed in the chunked pass; against the model's full (B, L, V) logits. Micro-batches of 3
     # rows (grouped by length, then put back in batch order); 0.0 after each response's end.
-    backend = LocalTrainingBackend(make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path,
-                                   use_critic=False, use_ref=True, total_steps=1)
+    backend = LocalTrainingBackend(
+        make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path, use_critic=False, use_ref=True, total_steps=1
+    )
     batch = make_batch()
     out = backend.compute_log_probs(batch, extras=("sum_pi_squared",))
     assert set(out) == {"log_probs", "sum_pi_squared"} and out["sum_pi_squared"].dtype == torch.float32
     with torch.no_grad():
-        logits = backend.actor.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     position_ids=batch["position_ids"]).logits / 0.8
+        logits = (
+            backend.actor.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+            ).logits
+            / 0.8
+        )
     probs = torch.softmax(logits[:, P - 1 : P + T - 1].double(), -1)
     real = batch["response_mask"].bool()
-    torch.testing.assert_close(out["sum_pi_squared"][real].double(), (probs * probs).sum(-1)[real], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        out["sum_pi_squared"][real].double(), (probs * probs).sum(-1)[real], rtol=1e-5, atol=1e-7
+    )
     assert torch.all(out["sum_pi_squared"][~real] == 0)
     # the other outputs are what they are without the extra, bit for bit; "entropy" as an extra
     # is with_entropy; the reference model takes extras too
@@ -161,7 +180,9 @@ def test_compute_log_probs_sum_pi_squared_matches_full_logits(model_path):
     assert set(as_extra) == {"log_probs", "entropy"} and torch.equal(as_extra["entropy"], plain["entropy"])
     ref = backend.compute_log_probs(batch, which="ref", extras=("sum_pi_squared",))
     assert torch.equal(ref["sum_pi_squared"], out["sum_pi_squared"])  # the reference is the initial actor
-    with pytest.raises(ValueError, match=r"unknown per-token quantity \['pi_squared'\].*\['entropy', 'sum_pi_squared'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown per-token quantity \['pi_squared'\].*\['entropy', 'sum_pi_squared'\]"
+    ):
         backend.compute_log_probs(batch, extras=("pi_squared",))
     backend.close()
 
@@ -191,16 +212,35 @@ def test_policy_loss_requires_reaches_the_loss_row_aligned(model_path):
 
     calls = []
 
-    def checking_loss(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
-                      max_response_length=None, rollout_is_weights=None, sum_pi_squared):
+    def checking_loss(
+        old_log_probs,
+        log_probs,
+        advantages,
+        response_mask,
+        *,
+        config,
+        loss_agg_mode,
+        normalizer,
+        max_response_length=None,
+        rollout_is_weights=None,
+        sum_pi_squared,
+    ):
         calls.append(len(advantages))
         assert torch.equal(sum_pi_squared, 2 * advantages)
         return rlplug.get_plugin("policy_loss", "vanilla")(
-            old_log_probs, log_probs, advantages, response_mask, config=config, loss_agg_mode=loss_agg_mode,
-            normalizer=normalizer, max_response_length=max_response_length)
+            old_log_probs,
+            log_probs,
+            advantages,
+            response_mask,
+            config=config,
+            loss_agg_mode=loss_agg_mode,
+            normalizer=normalizer,
+            max_response_length=max_response_length,
+        )
 
-    backend = LocalTrainingBackend(make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path,
-                                   use_critic=False, use_ref=False, total_steps=1)
+    backend = LocalTrainingBackend(
+        make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path, use_critic=False, use_ref=False, total_steps=1
+    )
     backend.policy_loss = PolicyLoss(checking_loss, requires=("sum_pi_squared",))
     batch = prepared_batch(backend)
     with pytest.raises(ValueError, match=r"missing \['sum_pi_squared'\].*old-log-prob pass"):
@@ -219,9 +259,16 @@ def test_update_actor_micro_batch_invariance(model_path, mode):
     # memory only). The loss includes the KL loss and an entropy bonus so all terms are covered.
     results = []
     for micro in (4, 1, 3):
-        cfg = make_cfg(**{"actor.loss_agg_mode": mode, "actor.micro_batch_size_per_device": micro,
-                          "actor.use_kl_loss": True, "actor.kl_loss_type": "low_var_kl", "actor.kl_loss_coef": 0.5,
-                          "actor.entropy_coeff": 0.01})
+        cfg = make_cfg(
+            **{
+                "actor.loss_agg_mode": mode,
+                "actor.micro_batch_size_per_device": micro,
+                "actor.use_kl_loss": True,
+                "actor.kl_loss_type": "low_var_kl",
+                "actor.kl_loss_coef": 0.5,
+                "actor.entropy_coeff": 0.01,
+            }
+        )
         backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=2)
         batch = prepared_batch(backend)
         metrics = backend.update_actor(batch)
@@ -232,9 +279,15 @@ def test_update_actor_micro_batch_invariance(model_path, mode):
     for p, m in results[1:]:
         for name in p_ref:
             torch.testing.assert_close(p[name], p_ref[name], rtol=1e-5, atol=1e-6, msg=name)
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+        for key in (
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/entropy",
+            "actor/grad_norm",
+            "actor/pg_clipfrac",
+            "actor/ppo_kl",
+        ):
             assert m[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-6), key
-
 
 
 def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model_path):
@@ -243,8 +296,15 @@ def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model
     nothing is clipped. Off-policy (two mini-batches) it still refuses to guess them."""
     results = []
     for reuse in (False, True):
-        cfg = make_cfg(**{"actor.ppo_mini_batch_size": B // N_SAMPLES, "actor.micro_batch_size_per_device": 3,
-                          "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.5, "actor.entropy_coeff": 0.01})
+        cfg = make_cfg(
+            **{
+                "actor.ppo_mini_batch_size": B // N_SAMPLES,
+                "actor.micro_batch_size_per_device": 3,
+                "actor.use_kl_loss": True,
+                "actor.kl_loss_coef": 0.5,
+                "actor.entropy_coeff": 0.01,
+            }
+        )
         backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=2)
         assert backend.reuses_on_policy_log_probs
         batch = make_batch(0)
@@ -291,6 +351,7 @@ def test_micro_batch_of_empty_responses_trains_like_one_big_micro_batch(model_pa
         backend.close()
     for name in results[0]:
         torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
 
 def test_metrics_are_means_over_mini_batches(model_path):
     # With lr = 0 the parameters never move, so each mini-batch's loss is what an update on that
@@ -342,12 +403,23 @@ def test_one_step_against_hand_computed_adamw(model_path):
     #   m = (1 - b1) g, v = (1 - b2) g^2, m_hat = m / (1 - b1), v_hat = v / (1 - b2)
     #   p <- p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps)
     lr, wd, eps, b1, b2, clip, max_norm, kl_coef, ent_coef = 2e-3, 0.1, 1e-3, 0.8, 0.9, 0.15, 0.05, 0.3, 0.01
-    cfg = make_cfg(**{"actor.ppo_mini_batch_size": 4, "actor.micro_batch_size_per_device": 8,
-                      "actor.optim.lr": lr, "actor.optim.weight_decay": wd, "actor.optim.eps": eps,
-                      "actor.optim.betas": [b1, b2], "actor.optim.lr_warmup_steps": 2,
-                      "actor.clip_ratio": clip, "actor.grad_clip": max_norm, "actor.use_kl_loss": True,
-                      "actor.kl_loss_type": "low_var_kl", "actor.kl_loss_coef": kl_coef,
-                      "actor.entropy_coeff": ent_coef})
+    cfg = make_cfg(
+        **{
+            "actor.ppo_mini_batch_size": 4,
+            "actor.micro_batch_size_per_device": 8,
+            "actor.optim.lr": lr,
+            "actor.optim.weight_decay": wd,
+            "actor.optim.eps": eps,
+            "actor.optim.betas": [b1, b2],
+            "actor.optim.lr_warmup_steps": 2,
+            "actor.clip_ratio": clip,
+            "actor.grad_clip": max_norm,
+            "actor.use_kl_loss": True,
+            "actor.kl_loss_type": "low_var_kl",
+            "actor.kl_loss_coef": kl_coef,
+            "actor.entropy_coeff": ent_coef,
+        }
+    )
     backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=3)
     batch = prepared_batch(backend)
     g = torch.Generator().manual_seed(7)
@@ -356,8 +428,12 @@ def test_one_step_against_hand_computed_adamw(model_path):
     from rlplug.models import load_causal_lm
 
     model = load_causal_lm(model_path)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits.float() / 0.8
+    logits = (
+        model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits.float()
+        / 0.8
+    )
     logp = torch.log_softmax(logits[:, P - 1 : P + T - 1], -1)
     lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
@@ -367,8 +443,11 @@ def test_one_step_against_hand_computed_adamw(model_path):
     x = ref - lp
     kl = torch.exp(x) - x - 1
     n_tokens = mask.sum()
-    pg_loss, kl_loss, ent = ((pg * mask).sum() / n_tokens, (kl * mask).sum() / n_tokens,
-                             (entropy * mask).sum() / n_tokens)
+    pg_loss, kl_loss, ent = (
+        (pg * mask).sum() / n_tokens,
+        (kl * mask).sum() / n_tokens,
+        (entropy * mask).sum() / n_tokens,
+    )
     (pg_loss + kl_coef * kl_loss - ent_coef * ent).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
@@ -458,8 +537,13 @@ def test_critic_values_and_update(model_path):
         # value of response token j is read at position P - 1 + j
         torch.testing.assert_close(batch["values"], full[:, P - 1 : P + T - 1] * batch["response_mask"])
         metrics = backend.update_critic(batch)
-        assert set(metrics) == {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr",
-                                "critic/nonfinite_skipped"}
+        assert set(metrics) == {
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "critic/grad_norm",
+            "critic/lr",
+            "critic/nonfinite_skipped",
+        }
         results.append((params(backend, "critic"), metrics))
         backend.close()
     (p0, m0), (p1, m1) = results
@@ -481,8 +565,7 @@ def test_actor_weights_are_hf_names_without_tied_duplicate(model_path):
 
 
 def test_save_load_continues_bitwise(model_path, tmp_path):
-    cfg = make_cfg(**{"actor.optim.eps": 1e-8, "actor.optim.lr_warmup_steps": 3,
-                      "actor.optim.warmup_style": "cosine"})
+    cfg = make_cfg(**{"actor.optim.eps": 1e-8, "actor.optim.lr_warmup_steps": 3, "actor.optim.warmup_style": "cosine"})
     batches = [make_batch(seed) for seed in range(3)]
     a = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=3)
 
@@ -523,7 +606,9 @@ def test_export_hf_loads_with_identical_logits(model_path, tmp_path):
     assert (out / "tokenizer_config.json").is_file() and (out / "config.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     batch = make_batch(5)
-    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    kwargs = dict(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )
     with torch.no_grad():
         assert torch.equal(loaded(**kwargs).logits, backend.actor.model(**kwargs).logits)
     backend.close()
@@ -550,7 +635,9 @@ def test_saved_actor_is_what_rlplug_export_reads(model_path, tmp_path):
     out = export_checkpoint(ckpt, tmp_path / "exported")
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     batch = make_batch(6)
-    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    kwargs = dict(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )
     with torch.no_grad():
         assert torch.equal(loaded(**kwargs).logits, backend.actor.model(**kwargs).logits)
     backend.close()
@@ -576,8 +663,9 @@ def test_gradient_checkpointing_gives_the_same_update(model_path):
 
 def test_bf16_autocast_keeps_fp32_master_weights(model_path):
     fp32 = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
-    bf16 = LocalTrainingBackend(make_cfg(**{"model.compute_dtype": "bf16"}), model_path, use_critic=False,
-                                use_ref=False, total_steps=1)
+    bf16 = LocalTrainingBackend(
+        make_cfg(**{"model.compute_dtype": "bf16"}), model_path, use_critic=False, use_ref=False, total_steps=1
+    )
     assert bf16.autocast_dtype == torch.bfloat16  # CPU supports bf16 autocast
     batch = make_batch()
     lp32 = fp32.compute_log_probs(batch)["log_probs"]

@@ -64,8 +64,13 @@ def test_values_match_naive(chunk_size, temperature):
     bias = torch.randn(weight.shape[0], dtype=torch.float64)
     for b in (None, bias):
         lp, ent = log_probs_from_hidden(
-            hidden.float(), weight.float(), labels, temperature=temperature, chunk_size=chunk_size,
-            with_entropy=True, lm_head_bias=None if b is None else b.float(),
+            hidden.float(),
+            weight.float(),
+            labels,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=True,
+            lm_head_bias=None if b is None else b.float(),
         )
         ref_lp, ref_ent = naive(hidden, weight, labels, temperature, b)
         torch.testing.assert_close(lp, ref_lp.float(), rtol=1e-5, atol=1e-5)
@@ -151,8 +156,14 @@ def tiny_lm():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     return LlamaForCausalLM(cfg).eval()
 
@@ -191,8 +202,10 @@ def test_all_padding_columns_are_trimmed_and_outputs_unchanged(tiny_lm):
     """Widen the batch with a prompt column and a response column that are padding in every
     row: the forward runs on the original 7 columns and every real position gets the same values."""
     batch = _prompt_response_batch()
-    wide = {k: torch.cat([torch.zeros(3, 1, dtype=v.dtype), v, torch.zeros(3, 1, dtype=v.dtype)], dim=1)
-            for k, v in batch.items()}
+    wide = {
+        k: torch.cat([torch.zeros(3, 1, dtype=v.dtype), v, torch.zeros(3, 1, dtype=v.dtype)], dim=1)
+        for k, v in batch.items()
+    }
     trimmed, t = trim_padding_columns(wide, 4)
     assert t == 3 and all(torch.equal(trimmed[k], batch[k]) for k in batch)
     with torch.no_grad():
@@ -205,7 +218,9 @@ def test_all_padding_columns_are_trimmed_and_outputs_unchanged(tiny_lm):
     # without position_ids the model numbers positions by column: only trailing columns may go
     no_pos = {k: v for k, v in wide.items() if k != "position_ids"}
     trimmed, t = trim_padding_columns(no_pos, 4)
-    assert t == 3 and trimmed["input_ids"].shape == (3, 8) and torch.equal(trimmed["input_ids"], wide["input_ids"][:, :8])
+    assert (
+        t == 3 and trimmed["input_ids"].shape == (3, 8) and torch.equal(trimmed["input_ids"], wide["input_ids"][:, :8])
+    )
     # a response region that is all padding keeps one column (it is what the last prompt token predicts)
     empty = {k: v.clone() for k, v in batch.items()}
     empty["attention_mask"][:, 4:] = 0
@@ -253,15 +268,26 @@ def test_sum_pi_squared_hand_values():
     # Zero weights: V = 8 equal logits, p = 1/8 each, sum p^2 = 8 / 64 = 1/8 (the minimum).
     # V = 2 with logits (2, 0) at temperature 2 -> (1, 0): p0 = e / (e + 1) = 0.73106, p1 = 1 - p0,
     # sum p^2 = p0^2 + p1^2 = 0.60669...
-    out = token_stats_from_hidden(torch.randn(5, 3), torch.zeros(8, 3), torch.tensor([0, 7, 3, 3, 1]),
-                                  temperature=0.7, chunk_size=2, extras=("sum_pi_squared",))
+    out = token_stats_from_hidden(
+        torch.randn(5, 3),
+        torch.zeros(8, 3),
+        torch.tensor([0, 7, 3, 3, 1]),
+        temperature=0.7,
+        chunk_size=2,
+        extras=("sum_pi_squared",),
+    )
     assert set(out) == {"log_probs", "sum_pi_squared"}
     assert out["sum_pi_squared"].dtype == torch.float32
     torch.testing.assert_close(out["sum_pi_squared"], torch.full((5,), 1 / 8))
     p0 = math.e / (math.e + 1)
-    out = token_stats_from_hidden(torch.tensor([[1.0]]), torch.tensor([[2.0], [0.0]]), torch.tensor([1]),
-                                  temperature=2.0, extras=("sum_pi_squared", "entropy"))
-    torch.testing.assert_close(out["sum_pi_squared"], torch.tensor([p0 ** 2 + (1 - p0) ** 2]))
+    out = token_stats_from_hidden(
+        torch.tensor([[1.0]]),
+        torch.tensor([[2.0], [0.0]]),
+        torch.tensor([1]),
+        temperature=2.0,
+        extras=("sum_pi_squared", "entropy"),
+    )
+    torch.testing.assert_close(out["sum_pi_squared"], torch.tensor([p0**2 + (1 - p0) ** 2]))
     torch.testing.assert_close(out["entropy"], torch.tensor([-(p0 * math.log(p0) + (1 - p0) * math.log(1 - p0))]))
 
 
@@ -269,8 +295,9 @@ def test_sum_pi_squared_hand_values():
 def test_sum_pi_squared_matches_naive_and_leaves_log_probs_unchanged(chunk_size):
     hidden, weight, labels = _inputs()
     hidden, weight = hidden.float(), weight.float()
-    out = token_stats_from_hidden(hidden, weight, labels, temperature=0.6, chunk_size=chunk_size,
-                                  with_entropy=True, extras=("sum_pi_squared",))
+    out = token_stats_from_hidden(
+        hidden, weight, labels, temperature=0.6, chunk_size=chunk_size, with_entropy=True, extras=("sum_pi_squared",)
+    )
     p = torch.softmax(torch.nn.functional.linear(hidden.double(), weight.double()) / 0.6, dim=-1)
     torch.testing.assert_close(out["sum_pi_squared"].double(), (p * p).sum(-1), rtol=1e-5, atol=1e-6)
     # the extra does not change what the two-output form computes, bit for bit
@@ -280,7 +307,9 @@ def test_sum_pi_squared_matches_naive_and_leaves_log_probs_unchanged(chunk_size)
 
 def test_unknown_extra_names_the_valid_ones():
     hidden, weight, labels = _inputs(n=4)
-    with pytest.raises(ValueError, match=r"unknown per-token quantity \['sum_pi_sq'\].*valid: \['entropy', 'sum_pi_squared'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown per-token quantity \['sum_pi_sq'\].*valid: \['entropy', 'sum_pi_squared'\]"
+    ):
         token_stats_from_hidden(hidden, weight, labels, extras=("sum_pi_sq",))
 
 

@@ -145,8 +145,14 @@ def test_value_loss_micro_batch_invariance(mode):
         for rows in split:
             idx = torch.tensor(rows)
             loss, _ = value_loss(
-                v[idx], old_values[idx], returns[idx], mask[idx],
-                cliprange_value=0.5, loss_agg_mode=mode, normalizer=norm, max_response_length=T,
+                v[idx],
+                old_values[idx],
+                returns[idx],
+                mask[idx],
+                cliprange_value=0.5,
+                loss_agg_mode=mode,
+                normalizer=norm,
+                max_response_length=T,
             )
             total = total + loss
         total.backward()
@@ -173,7 +179,9 @@ def test_value_loss_hand_values():
     assert m == {"vf_clipfrac": pytest.approx(1 / 3)}
     assert isinstance(m["vf_clipfrac"], float)
     # seq-mean-token-mean: row means (0.5+1.125)/2 and 0.5 -> (0.8125 + 0.5) / 2
-    loss, _ = value_loss(values, old, ret, mask, cliprange_value=0.5, loss_agg_mode="seq-mean-token-mean", normalizer=2.0)
+    loss, _ = value_loss(
+        values, old, ret, mask, cliprange_value=0.5, loss_agg_mode="seq-mean-token-mean", normalizer=2.0
+    )
     assert loss.item() == pytest.approx((0.8125 + 0.5) / 2)
     with pytest.raises(ValueError, match="returns"):
         value_loss(values, old, ret[:, :1], mask, cliprange_value=0.5, loss_agg_mode="token-mean", normalizer=3.0)

@@ -16,9 +16,9 @@ import math
 
 import pytest
 import torch
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 
 import rlplug
-from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 from rlplug.checkpoint import CheckpointManager
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer, run
@@ -57,8 +57,11 @@ def poison():
     def install(base: str, steps: set[int] | None, value: float) -> Poison:
         p = Poison(base, steps, value)
         registry.entries["advantage_estimator"].pop(NAME, None)
-        registry.register("advantage_estimator", NAME, AdvantageEstimator(fn=p, requires=p.base.requires,
-                                                                          group_based=p.base.group_based))
+        registry.register(
+            "advantage_estimator",
+            NAME,
+            AdvantageEstimator(fn=p, requires=p.base.requires, group_based=p.base.group_based),
+        )
         return p
 
     yield install
@@ -79,7 +82,9 @@ class _Snapshots:
         self.metrics[step] = dict(metrics)
         backend = self.trainer.backend
         roles = [backend.actor] + ([backend.critic] if backend.critic is not None else [])
-        self.weights[step] = {f"{r.name}/{k}": v.detach().clone() for r in roles for k, v in r.model.state_dict().items()}
+        self.weights[step] = {
+            f"{r.name}/{k}": v.detach().clone() for r in roles for k, v in r.model.state_dict().items()
+        }
         self.adam_steps[step] = [float(s["step"]) for r in roles for s in r.optimizer.state.values()]
 
 
@@ -112,8 +117,15 @@ def test_bad_step_is_skipped_counted_and_logged(tmp_path, poison, caplog, preset
     base = "gae" if preset == "ppo" else "grpo"
     poison(base, steps={2}, value=value)
     extra = ["rollout.n=2"] if preset == "grpo" else []
-    cfg = _cfg(tmp_path, f"algorithm={preset}", f"algorithm.adv_estimator={NAME}", "actor.use_kl_loss=false",
-               "trainer.total_training_steps=3", "trainer.save_freq=0", *extra)
+    cfg = _cfg(
+        tmp_path,
+        f"algorithm={preset}",
+        f"algorithm.adv_estimator={NAME}",
+        "actor.use_kl_loss=false",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=0",
+        *extra,
+    )
     with caplog.at_level(logging.WARNING):
         status, snaps = _train_with_snapshots(cfg)
     assert status == "finished"
@@ -136,23 +148,47 @@ def test_consecutive_bad_steps_stop_with_exit_code_3_and_intact_checkpoints(tmp_
     from safetensors.torch import load_file
 
     poison("grpo", steps=set(range(3, 100)), value=math.nan)
-    cfg = _cfg(tmp_path, "algorithm=grpo", "rollout.n=2", f"algorithm.adv_estimator={NAME}", "actor.use_kl_loss=false",
-               "trainer.total_training_steps=6", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null",
-               "trainer.max_consecutive_bad_steps=3")
+    cfg = _cfg(
+        tmp_path,
+        "algorithm=grpo",
+        "rollout.n=2",
+        f"algorithm.adv_estimator={NAME}",
+        "actor.use_kl_loss=false",
+        "trainer.total_training_steps=6",
+        "trainer.save_freq=1",
+        "trainer.max_ckpt_to_keep=null",
+        "trainer.max_consecutive_bad_steps=3",
+    )
     assert run(cfg) == 3
     out = capsys.readouterr().out
-    assert ("Training stopped: 4 consecutive optimizer steps had a non-finite loss or gradient (limit "
-            "trainer.max_consecutive_bad_steps=3); stopping. The last good checkpoint is intact under") in out
+    assert (
+        "Training stopped: 4 consecutive optimizer steps had a non-finite loss or gradient (limit "
+        "trainer.max_consecutive_bad_steps=3); stopping. The last good checkpoint is intact under"
+    ) in out
     manager = CheckpointManager(tmp_path)
     assert manager.complete_steps() == [1, 2, 3] and manager.partial_dirs() == []
     assert not (tmp_path / "final_model").exists()
-    actor = {s: load_file(str(tmp_path / f"global_step_{s}" / "backend" / "actor" / "model.safetensors")) for s in (1, 2, 3)}
+    actor = {
+        s: load_file(str(tmp_path / f"global_step_{s}" / "backend" / "actor" / "model.safetensors")) for s in (1, 2, 3)
+    }
     assert all(torch.isfinite(t).all() for t in actor[3].values())
     assert any(not torch.equal(actor[1][k], actor[2][k]) for k in actor[1])  # step 2 trained
     assert all(torch.equal(actor[2][k], actor[3][k]) for k in actor[2])  # step 3 was all skipped
 
     # the last checkpoint is usable: with a healthy estimator the run resumes and finishes
-    assert run(_cfg(tmp_path, "algorithm=grpo", "rollout.n=2", "actor.use_kl_loss=false",
-                    "trainer.total_training_steps=5", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null",
-                    "trainer.max_consecutive_bad_steps=3")) == 0
+    assert (
+        run(
+            _cfg(
+                tmp_path,
+                "algorithm=grpo",
+                "rollout.n=2",
+                "actor.use_kl_loss=false",
+                "trainer.total_training_steps=5",
+                "trainer.save_freq=1",
+                "trainer.max_ckpt_to_keep=null",
+                "trainer.max_consecutive_bad_steps=3",
+            )
+        )
+        == 0
+    )
     assert "Resumed from" in capsys.readouterr().out and manager.complete_steps() == [1, 2, 3, 4, 5]

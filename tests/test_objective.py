@@ -51,8 +51,16 @@ def test_actor_objective_hand_values_with_kl_and_entropy():
     # loss = 0.15 - 0.25 + 0.2 = 0.1
     kl = rlplug.get_plugin("kl_penalty", "abs")
     cfg = {"clip_ratio": 0.2, "entropy_coeff": 0.1, "kl_loss_coef": 0.4}
-    loss, parts = actor_objective(NEW, ENT, _tensors(ref_log_probs=REF), policy_loss=_vanilla(), config=cfg,
-                                  loss_agg_mode="token-mean", normalizer=4.0, kl_penalty=kl)
+    loss, parts = actor_objective(
+        NEW,
+        ENT,
+        _tensors(ref_log_probs=REF),
+        policy_loss=_vanilla(),
+        config=cfg,
+        loss_agg_mode="token-mean",
+        normalizer=4.0,
+        kl_penalty=kl,
+    )
     assert loss.item() == pytest.approx(0.1, abs=1e-6)
     assert parts["pg_loss"] == pytest.approx(0.15, abs=1e-6)
     assert parts["entropy"] == pytest.approx(2.5, abs=1e-6)
@@ -72,8 +80,15 @@ def test_actor_objective_gradient_and_half_normalizer():
     # d loss / d new for token 2 (ratio 0.5, A = +1, unclipped: L1 = -A r): -A * r / 8 = -0.0625;
     # token 1 is clipped (L2 is constant in new): gradient 0; padding: 0.
     new = NEW.clone().requires_grad_(True)
-    loss, parts = actor_objective(new, None, _tensors(), policy_loss=_vanilla(), config={"clip_ratio": 0.2},
-                                  loss_agg_mode="token-mean", normalizer=8.0)
+    loss, parts = actor_objective(
+        new,
+        None,
+        _tensors(),
+        policy_loss=_vanilla(),
+        config={"clip_ratio": 0.2},
+        loss_agg_mode="token-mean",
+        normalizer=8.0,
+    )
     assert loss.item() == pytest.approx(0.075, abs=1e-6) and "entropy" not in parts
     loss.backward()
     assert new.grad[0, 1].item() == pytest.approx(-0.0625, abs=1e-7)
@@ -85,33 +100,58 @@ def test_on_policy_reuse_uses_the_detached_log_probs():
     # ppo_kl = 0 and pg_loss = mean(-A) = -(1 + 1 - 1 - 1) / 4 = 0; d loss / d new = -A / 4.
     new = NEW.clone().requires_grad_(True)
     tensors = {"advantages": ADV, "response_mask": MASK}
-    loss, parts = actor_objective(new, None, tensors, policy_loss=_vanilla(), config={}, loss_agg_mode="token-mean",
-                                  normalizer=4.0, on_policy_reuse=True)
+    loss, parts = actor_objective(
+        new,
+        None,
+        tensors,
+        policy_loss=_vanilla(),
+        config={},
+        loss_agg_mode="token-mean",
+        normalizer=4.0,
+        on_policy_reuse=True,
+    )
     assert parts["pg_loss"] == 0.0 and parts["mean:ppo_kl"] == 0.0 and parts["mean:pg_clipfrac"] == 0.0
     loss.backward()
     torch.testing.assert_close(new.grad, -ADV * MASK / 4)
     with pytest.raises(MissingInputError, match="'old_log_probs'.*old-log-prob pass"):
-        actor_objective(NEW, None, tensors, policy_loss=_vanilla(), config={}, loss_agg_mode="token-mean", normalizer=4.0)
+        actor_objective(
+            NEW, None, tensors, policy_loss=_vanilla(), config={}, loss_agg_mode="token-mean", normalizer=4.0
+        )
 
 
 def test_entropy_coeff_without_entropy_is_an_error():
     with pytest.raises(ValueError, match="entropy_coeff = 0.01 but no entropy"):
-        actor_objective(NEW, None, _tensors(), policy_loss=_vanilla(), config={"entropy_coeff": 0.01},
-                        loss_agg_mode="token-mean", normalizer=4.0)
+        actor_objective(
+            NEW,
+            None,
+            _tensors(),
+            policy_loss=_vanilla(),
+            config={"entropy_coeff": 0.01},
+            loss_agg_mode="token-mean",
+            normalizer=4.0,
+        )
 
 
 def test_critic_objective_hand_values():
     # the tokens of test_losses.test_value_loss_hand_values: per-token losses 0.5, 1.125 (clipped),
     # 0.5 -> token-mean (0.5 + 1.125 + 0.5) / 3; clipfrac 1/3
     values = torch.tensor([[1.0, 1.0], [2.0, 99.0]])
-    tensors = {"values": torch.tensor([[0.0, 0.0], [2.0, -50.0]]), "returns": torch.tensor([[0.0, 2.0], [3.0, 7.0]]),
-               "response_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]])}
+    tensors = {
+        "values": torch.tensor([[0.0, 0.0], [2.0, -50.0]]),
+        "returns": torch.tensor([[0.0, 2.0], [3.0, 7.0]]),
+        "response_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+    }
     loss, parts = critic_objective(values, tensors, cliprange_value=0.5, loss_agg_mode="token-mean", normalizer=3.0)
     assert loss.item() == pytest.approx((0.5 + 1.125 + 0.5) / 3)
     assert parts == {"vf_loss": pytest.approx((0.5 + 1.125 + 0.5) / 3), "mean:vf_clipfrac": pytest.approx(1 / 3)}
     with pytest.raises(MissingInputError, match="'returns'"):
-        critic_objective(values, {k: v for k, v in tensors.items() if k != "returns"}, cliprange_value=0.5,
-                         loss_agg_mode="token-mean", normalizer=3.0)
+        critic_objective(
+            values,
+            {k: v for k, v in tensors.items() if k != "returns"},
+            cliprange_value=0.5,
+            loss_agg_mode="token-mean",
+            normalizer=3.0,
+        )
 
 
 # --------------------------------------------------------------------------- truncated IS
@@ -128,26 +168,57 @@ def test_truncated_is_weights_hand_values():
 def test_the_objective_passes_tis_weights_to_the_loss_and_does_not_scale_advantages():
     seen = {}
 
-    def recording_loss(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
-                       max_response_length=None, rollout_is_weights=None):
+    def recording_loss(
+        old_log_probs,
+        log_probs,
+        advantages,
+        response_mask,
+        *,
+        config,
+        loss_agg_mode,
+        normalizer,
+        max_response_length=None,
+        rollout_is_weights=None,
+    ):
         seen.update(advantages=advantages, weights=rollout_is_weights)
         return (log_probs * response_mask).sum() * 0.0, {"ppo_kl": 0.0}
 
     # rollout = old - ln 0.5 on row 0 (weight 0.5) and old - ln 4 on row 1 (weight 4, capped at 3)
     rollout = OLD - torch.tensor([[LN(0.5)], [LN(4.0)]])
-    _, parts = actor_objective(NEW, None, _tensors(rollout_log_probs=rollout), policy_loss=PolicyLoss(recording_loss),
-                               config={"rollout_is_threshold": 3.0}, loss_agg_mode="token-mean", normalizer=4.0)
+    _, parts = actor_objective(
+        NEW,
+        None,
+        _tensors(rollout_log_probs=rollout),
+        policy_loss=PolicyLoss(recording_loss),
+        config={"rollout_is_threshold": 3.0},
+        loss_agg_mode="token-mean",
+        normalizer=4.0,
+    )
     assert seen["advantages"] is ADV  # untouched: the loss applies the weights
     torch.testing.assert_close(seen["weights"], torch.tensor([[0.5, 0.5, 0.5], [3.0, 3.0, 3.0]]))
     # masked mean over the 4 valid tokens: (0.5 + 0.5 + 3 + 3) / 4
     assert parts["mean:rollout_is_weight"] == pytest.approx(1.75)
     seen.clear()
-    actor_objective(NEW, None, _tensors(rollout_log_probs=rollout), policy_loss=PolicyLoss(recording_loss), config={},
-                    loss_agg_mode="token-mean", normalizer=4.0)
+    actor_objective(
+        NEW,
+        None,
+        _tensors(rollout_log_probs=rollout),
+        policy_loss=PolicyLoss(recording_loss),
+        config={},
+        loss_agg_mode="token-mean",
+        normalizer=4.0,
+    )
     assert seen["weights"] is None  # no threshold: no weights, whatever the batch holds
     with pytest.raises(MissingInputError, match="'rollout_log_probs'.*rollout.calculate_log_probs=true"):
-        actor_objective(NEW, None, _tensors(), policy_loss=_vanilla(), config={"rollout_is_threshold": 2.0},
-                        loss_agg_mode="token-mean", normalizer=4.0)
+        actor_objective(
+            NEW,
+            None,
+            _tensors(),
+            policy_loss=_vanilla(),
+            config={"rollout_is_threshold": 2.0},
+            loss_agg_mode="token-mean",
+            normalizer=4.0,
+        )
 
 
 @pytest.mark.parametrize("name", ["vanilla", "dual_clip"])
@@ -168,9 +239,15 @@ def test_tis_in_the_loss_equals_the_old_advantage_scaling(name):
     for mode in ("token-mean", "seq-mean-token-mean"):
         norm = agg_normalizer(mask, mode)
         new = new0.clone().requires_grad_(True)
-        loss, parts = actor_objective(new, None, {"old_log_probs": old, "advantages": adv, "response_mask": mask,
-                                                  "rollout_log_probs": rollout},
-                                      policy_loss=loss_obj, config=cfg, loss_agg_mode=mode, normalizer=norm)
+        loss, parts = actor_objective(
+            new,
+            None,
+            {"old_log_probs": old, "advantages": adv, "response_mask": mask, "rollout_log_probs": rollout},
+            policy_loss=loss_obj,
+            config=cfg,
+            loss_agg_mode=mode,
+            normalizer=norm,
+        )
         loss.backward()
         ref_new = new0.clone().requires_grad_(True)
         ref_loss, ref_m = loss_obj(old, ref_new, adv * w, mask, config=cfg, loss_agg_mode=mode, normalizer=norm)
@@ -185,8 +262,9 @@ def test_tis_in_the_loss_equals_the_old_advantage_scaling(name):
 def test_vanilla_and_dual_clip_weights_hand_values():
     # vanilla, weights 2, 0.5, 1, 1 on the four tokens: (2 * -1.2 + 0.5 * -0.5 + 1.5 + 0.8) / 4 = -0.0875
     w = torch.tensor([[2.0, 0.5, 7.0], [1.0, 1.0, 7.0]])
-    loss, m = _vanilla()(OLD, NEW, ADV, MASK, config=None, loss_agg_mode="token-mean", normalizer=4.0,
-                         rollout_is_weights=w)
+    loss, m = _vanilla()(
+        OLD, NEW, ADV, MASK, config=None, loss_agg_mode="token-mean", normalizer=4.0, rollout_is_weights=w
+    )
     assert loss.item() == pytest.approx(-0.0875, abs=1e-6)
     assert m["pg_clipfrac"] == pytest.approx(0.5)  # the metrics use the unweighted terms
     # dual clip (c = 3): per-token losses 3 (capped), -1.2, 2 (tests/test_policy_loss.py), weights
@@ -194,21 +272,41 @@ def test_vanilla_and_dual_clip_weights_hand_values():
     old, new = torch.zeros(1, 4), torch.tensor([[LN(5.0), LN(5.0), LN(2.0), 0.0]])
     adv, mask = torch.tensor([[-1.0, 1.0, -1.0, -100.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     dual = rlplug.get_plugin("policy_loss", "dual_clip")
-    loss, m = dual(old, new, adv, mask, config={"clip_ratio_c": 3.0}, loss_agg_mode="token-mean", normalizer=3.0,
-                   rollout_is_weights=torch.tensor([[0.5, 2.0, 1.0, 9.0]]))
+    loss, m = dual(
+        old,
+        new,
+        adv,
+        mask,
+        config={"clip_ratio_c": 3.0},
+        loss_agg_mode="token-mean",
+        normalizer=3.0,
+        rollout_is_weights=torch.tensor([[0.5, 2.0, 1.0, 9.0]]),
+    )
     assert loss.item() == pytest.approx(1.1 / 3, abs=1e-6)
     assert m["pg_clipfrac_lower"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="rollout_is_weights has shape"):
-        _vanilla()(OLD, NEW, ADV, MASK, config=None, loss_agg_mode="token-mean", normalizer=4.0,
-                   rollout_is_weights=w[:, :2])
+        _vanilla()(
+            OLD, NEW, ADV, MASK, config=None, loss_agg_mode="token-mean", normalizer=4.0, rollout_is_weights=w[:, :2]
+        )
 
 
 # --------------------------------------------------------------------------- PolicyLoss.requires
 def test_required_fields_reach_the_loss_as_keywords():
     seen = {}
 
-    def entropy_loss(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
-                     max_response_length=None, rollout_is_weights=None, entropy):
+    def entropy_loss(
+        old_log_probs,
+        log_probs,
+        advantages,
+        response_mask,
+        *,
+        config,
+        loss_agg_mode,
+        normalizer,
+        max_response_length=None,
+        rollout_is_weights=None,
+        entropy,
+    ):
         seen["entropy"] = entropy
         return agg_loss(-advantages * entropy, response_mask, loss_agg_mode, normalizer), {}
 
@@ -216,8 +314,9 @@ def test_required_fields_reach_the_loss_as_keywords():
     batch_entropy = torch.tensor([[1.0, 3.0, 0.0], [2.0, 2.0, 0.0]])
     # A = 1 on the valid tokens, whose batch entropies are 1, 3, 2, 2: token-mean of -A * H = -8 / 4 = -2
     tensors = {"old_log_probs": OLD, "advantages": MASK.clone(), "response_mask": MASK, "entropy": batch_entropy}
-    loss, parts = actor_objective(NEW, ENT, tensors, policy_loss=obj, config={}, loss_agg_mode="token-mean",
-                                  normalizer=4.0)
+    loss, parts = actor_objective(
+        NEW, ENT, tensors, policy_loss=obj, config={}, loss_agg_mode="token-mean", normalizer=4.0
+    )
     assert seen["entropy"] is batch_entropy  # the batch field, not the current entropy (ENT)
     assert parts["pg_loss"] == pytest.approx(-2.0)
     assert not any(k.startswith("mean:pg") for k in parts)  # the loss reported no clip metrics
@@ -231,12 +330,25 @@ def test_required_fields_reach_the_loss_as_keywords():
 
 def test_actor_input_fields():
     obj = PolicyLoss(lambda *a, **k: None, requires=("sum_pi_squared", "advantages"))
-    assert actor_input_fields({}, obj) == ("input_ids", "attention_mask", "position_ids", "response_mask", "advantages",
-                                           "old_log_probs", "sum_pi_squared")
+    assert actor_input_fields({}, obj) == (
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "response_mask",
+        "advantages",
+        "old_log_probs",
+        "sum_pi_squared",
+    )
     kl = rlplug.get_plugin("kl_penalty", "kl")
     assert actor_input_fields({"rollout_is_threshold": 2.0}, _vanilla(), kl_penalty=kl, on_policy_reuse=True) == (
-        "input_ids", "attention_mask", "position_ids", "response_mask", "advantages", "ref_log_probs",
-        "rollout_log_probs")
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "response_mask",
+        "advantages",
+        "ref_log_probs",
+        "rollout_log_probs",
+    )
 
 
 # --------------------------------------------------------------------------- the old closure, bitwise
@@ -250,8 +362,16 @@ def _old_local_micro_loss(log_probs, entropy, tensors, *, policy_loss, kl_loss, 
     old_log_probs = log_probs.detach() if reuse else tensors["old_log_probs"]
     advantages = tensors["advantages"]
     parts = {}
-    pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, advantages, mask, config=cfg, loss_agg_mode=mode,
-                                      normalizer=normalizer, max_response_length=mrl)
+    pg_loss, pg_metrics = policy_loss(
+        old_log_probs,
+        log_probs,
+        advantages,
+        mask,
+        config=cfg,
+        loss_agg_mode=mode,
+        normalizer=normalizer,
+        max_response_length=mrl,
+    )
     entropy_agg = agg_loss(entropy if entropy_coeff else entropy.detach(), mask, mode, normalizer, mrl)
     loss = pg_loss - entropy_coeff * entropy_agg if entropy_coeff else pg_loss
     parts["pg_loss"] = float(pg_loss.detach())
@@ -277,8 +397,12 @@ def test_no_tis_path_is_bitwise_the_old_backend_closure(mode, variant, name):
     old = torch.randn(B, T, generator=g) * 0.5 - 2
     new0 = old + torch.randn(B, T, generator=g) * 0.4
     ent0 = torch.rand(B, T, generator=g) * 3
-    tensors = {"old_log_probs": old, "advantages": torch.randn(B, T, generator=g) * mask, "response_mask": mask,
-               "ref_log_probs": old + torch.randn(B, T, generator=g) * 0.2}
+    tensors = {
+        "old_log_probs": old,
+        "advantages": torch.randn(B, T, generator=g) * mask,
+        "response_mask": mask,
+        "ref_log_probs": old + torch.randn(B, T, generator=g) * 0.2,
+    }
     cfg = {"clip_ratio": 0.2, "clip_ratio_c": 2.5}
     kl = None
     if variant == "kl+entropy":
@@ -290,12 +414,31 @@ def test_no_tis_path_is_bitwise_the_old_backend_closure(mode, variant, name):
     for fn in ("new", "old"):
         new, ent = new0.clone().requires_grad_(True), ent0.clone().requires_grad_(True)
         if fn == "new":
-            loss, parts = actor_objective(new, ent, tensors, policy_loss=loss_obj, config=cfg, loss_agg_mode=mode,
-                                          normalizer=norm, max_response_length=T, kl_penalty=kl,
-                                          on_policy_reuse=variant == "reuse")
+            loss, parts = actor_objective(
+                new,
+                ent,
+                tensors,
+                policy_loss=loss_obj,
+                config=cfg,
+                loss_agg_mode=mode,
+                normalizer=norm,
+                max_response_length=T,
+                kl_penalty=kl,
+                on_policy_reuse=variant == "reuse",
+            )
         else:
-            loss, parts = _old_local_micro_loss(new, ent, tensors, policy_loss=loss_obj, kl_loss=kl, cfg=cfg, mode=mode,
-                                                normalizer=norm, mrl=T, reuse=variant == "reuse")
+            loss, parts = _old_local_micro_loss(
+                new,
+                ent,
+                tensors,
+                policy_loss=loss_obj,
+                kl_loss=kl,
+                cfg=cfg,
+                mode=mode,
+                normalizer=norm,
+                mrl=T,
+                reuse=variant == "reuse",
+            )
         loss.backward()
         results.append((loss.detach(), parts, new.grad, ent.grad))
     (l_new, p_new, g_new, e_new), (l_old, p_old, g_old, e_old) = results
@@ -310,7 +453,14 @@ def test_critic_objective_is_value_loss():
     g = torch.Generator().manual_seed(2)
     mask = (torch.arange(4)[None] < torch.tensor([4, 1, 3])[:, None]).float()
     values, old, ret = (torch.randn(3, 4, generator=g) for _ in range(3))
-    loss, parts = critic_objective(values, {"values": old, "returns": ret, "response_mask": mask}, cliprange_value=0.2,
-                                   loss_agg_mode="seq-mean-token-mean", normalizer=3.0)
-    ref, m = value_loss(values, old, ret, mask, cliprange_value=0.2, loss_agg_mode="seq-mean-token-mean", normalizer=3.0)
+    loss, parts = critic_objective(
+        values,
+        {"values": old, "returns": ret, "response_mask": mask},
+        cliprange_value=0.2,
+        loss_agg_mode="seq-mean-token-mean",
+        normalizer=3.0,
+    )
+    ref, m = value_loss(
+        values, old, ret, mask, cliprange_value=0.2, loss_agg_mode="seq-mean-token-mean", normalizer=3.0
+    )
     assert torch.equal(loss, ref) and parts == {"vf_loss": float(ref), "mean:vf_clipfrac": m["vf_clipfrac"]}

@@ -6,15 +6,23 @@ import threading
 import time
 
 import pytest
-
 from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
+
 from rlplug.trainer import Trainer
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_reward_scoring_overlaps_the_log_prob_and_value_passes(algorithm, tmp_path) -> None:
-    cfg = run_config([*TINY_CPU_RUN, *LENGTH_SHAPING, f"algorithm={algorithm}", "trainer.logger=[]",
-                      "actor.skip_old_log_prob_on_policy=false"], tmp_path)  # keep the old-log-prob pass
+    cfg = run_config(
+        [
+            *TINY_CPU_RUN,
+            *LENGTH_SHAPING,
+            f"algorithm={algorithm}",
+            "trainer.logger=[]",
+            "actor.skip_old_log_prob_on_policy=false",
+        ],
+        tmp_path,
+    )  # keep the old-log-prob pass
     trainer = Trainer(cfg)
     spans: dict[str, list] = {"score": [], "passes": []}
     try:
@@ -38,7 +46,7 @@ def test_reward_scoring_overlaps_the_log_prob_and_value_passes(algorithm, tmp_pa
         m = trainer.train_step()
     finally:
         trainer.close()
-    (s0, s1, on_main), = spans["score"]
+    ((s0, s1, on_main),) = spans["score"]
     first_pass_start = min(p[0] for p in spans["passes"])
     last_pass_end = max(p[1] for p in spans["passes"])
     assert not on_main  # scored on the background thread
@@ -57,8 +65,14 @@ def test_on_policy_steps_skip_the_old_log_prob_pass_and_train_the_same(tmp_path)
     weights after two steps equal those of a run that makes the pass (fp32, so bitwise-close)."""
     import torch
 
-    base = [*TINY_CPU_RUN, *LENGTH_SHAPING, "algorithm=grpo", "trainer.logger=[]", "model.compute_dtype=fp32",
-            "actor.ppo_mini_batch_size=2"]
+    base = [
+        *TINY_CPU_RUN,
+        *LENGTH_SHAPING,
+        "algorithm=grpo",
+        "trainer.logger=[]",
+        "model.compute_dtype=fp32",
+        "actor.ppo_mini_batch_size=2",
+    ]
     weights, timings = [], []
     for skip in (True, False):
         trainer = Trainer(run_config(base, tmp_path / str(skip), f"actor.skip_old_log_prob_on_policy={skip}"))
@@ -81,11 +95,11 @@ def test_on_policy_steps_skip_the_old_log_prob_pass_and_train_the_same(tmp_path)
         trainer.close()
 
 
-
 def test_scoring_errors_reach_the_step_and_overlap_can_be_turned_off(tmp_path) -> None:
     base = [*TINY_CPU_RUN, *LENGTH_SHAPING, "algorithm=grpo", "trainer.logger=[]"]
     trainer = Trainer(run_config(base, tmp_path / "err"))
     try:
+
         def broken(*args, **kwargs):
             raise RuntimeError("reward manager broke")
 

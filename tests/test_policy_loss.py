@@ -3,7 +3,6 @@ bound, validation, micro-batch invariance for every aggregation mode, the regist
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 import torch
@@ -32,8 +31,8 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
 @dataclass
 class ActorCfg:
     clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
 
 
@@ -48,9 +47,7 @@ CONFIG_FORMS = [
 
 @pytest.mark.parametrize("config", CONFIG_FORMS, ids=["dict", "dataclass", "dictconfig", "structured", "none"])
 def test_vanilla_hand_values(config):
-    loss, metrics = vanilla_policy_loss(
-        OLD, NEW, ADV, MASK, config=config, loss_agg_mode="token-mean", normalizer=4.0
-    )
+    loss, metrics = vanilla_policy_loss(OLD, NEW, ADV, MASK, config=config, loss_agg_mode="token-mean", normalizer=4.0)
     assert loss.item() == pytest.approx(0.15, abs=1e-6)
     assert metrics["pg_clipfrac"] == pytest.approx(0.5)
     assert metrics["pg_clipfrac_lower"] == 0.0
@@ -69,7 +66,14 @@ def test_vanilla_asymmetric_clip_and_seq_modes():
     assert loss.item() == pytest.approx(0.3, abs=1e-6)
     # seq-mean-token-sum-norm with max_response_length 10: (-0.17 + 0.23) / 2 = 0.03
     loss, _ = vanilla_policy_loss(
-        OLD, NEW, ADV, MASK, config=None, loss_agg_mode="seq-mean-token-sum-norm", normalizer=2.0, max_response_length=10
+        OLD,
+        NEW,
+        ADV,
+        MASK,
+        config=None,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        normalizer=2.0,
+        max_response_length=10,
     )
     assert loss.item() == pytest.approx(0.03, abs=1e-6)
 
@@ -107,16 +111,23 @@ def test_dual_clip_bounded_by_minus_a_times_c():
     per_token = torch.stack(
         [
             dual_clip_policy_loss(
-                old[i : i + 1], new[i : i + 1], adv[i : i + 1], mask[i : i + 1],
-                config={"clip_ratio_c": c}, loss_agg_mode="seq-mean-token-sum", normalizer=1.0,
+                old[i : i + 1],
+                new[i : i + 1],
+                adv[i : i + 1],
+                mask[i : i + 1],
+                config={"clip_ratio_c": c},
+                loss_agg_mode="seq-mean-token-sum",
+                normalizer=1.0,
             )[0]
             for i in range(n)
         ]
     )
-    bound = (-adv[:, 0] * c)
+    bound = -adv[:, 0] * c
     assert (per_token <= bound + 1e-6).all()
     assert (per_token == bound).any()  # the cap is reached for some large ratios
-    _, m = dual_clip_policy_loss(old, new, adv, mask, config={"clip_ratio_c": c}, loss_agg_mode="token-mean", normalizer=n)
+    _, m = dual_clip_policy_loss(
+        old, new, adv, mask, config={"clip_ratio_c": c}, loss_agg_mode="token-mean", normalizer=n
+    )
     assert m["pg_clipfrac_lower"] == pytest.approx(float((per_token == bound).float().mean()), abs=1e-6)
 
 
@@ -161,8 +172,14 @@ def test_micro_batch_invariance(name, mode):
         for rows in split:
             idx = torch.tensor(rows)
             loss, _ = loss_obj(
-                old[idx], new[idx], adv[idx], mask[idx],
-                config=cfg, loss_agg_mode=mode, normalizer=norm, max_response_length=T,
+                old[idx],
+                new[idx],
+                adv[idx],
+                mask[idx],
+                config=cfg,
+                loss_agg_mode=mode,
+                normalizer=norm,
+                max_response_length=T,
             )
             total = total + loss
         total.backward()

@@ -28,9 +28,9 @@ import signal
 import numpy as np
 import pytest
 import torch
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 
 import rlplug
-from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 from rlplug.checkpoint import CheckpointManager
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer
@@ -78,7 +78,9 @@ def _run(overrides: list[str], run_dir, stop_after: int | None = None):
         status = trainer.fit()
         weights = {f"actor/{k}": v.detach().clone() for k, v in trainer.backend.actor.model.state_dict().items()}
         if trainer.backend.critic is not None:
-            weights.update({f"critic/{k}": v.detach().clone() for k, v in trainer.backend.critic.model.state_dict().items()})
+            weights.update(
+                {f"critic/{k}": v.detach().clone() for k, v in trainer.backend.critic.model.state_dict().items()}
+            )
     finally:
         get_registry().pm.unregister(rec)
         trainer.close()
@@ -90,8 +92,11 @@ def _assert_same_metrics(expected: dict[int, dict], got: dict[int, dict]) -> Non
     for step in expected:
         keys = {k for k in expected[step] if not k.startswith(WALL_CLOCK)}
         assert keys == {k for k in got[step] if not k.startswith(WALL_CLOCK)}, step
-        differ = {k: (expected[step][k], got[step][k]) for k in keys
-                  if not (expected[step][k] == got[step][k] or (math.isnan(expected[step][k]) and math.isnan(got[step][k])))}
+        differ = {
+            k: (expected[step][k], got[step][k])
+            for k in keys
+            if not (expected[step][k] == got[step][k] or (math.isnan(expected[step][k]) and math.isnan(got[step][k])))
+        }
         assert not differ, f"step {step}: {differ}"
 
 
@@ -109,7 +114,10 @@ def _stop_and_resume(overrides, tmp_path, stop_after: int, capsys):
     assert f"Stopped after step {stop_after} (a signal)" in out and "trainer.resume_mode=auto" in out
     assert CheckpointManager(tmp_path / "resumed").complete_steps() == [stop_after]
     status2, m2, rows2, weights = _run(overrides, tmp_path / "resumed")
-    assert f"Resumed from {tmp_path / 'resumed' / f'global_step_{stop_after}'} (step {stop_after})" in capsys.readouterr().out
+    assert (
+        f"Resumed from {tmp_path / 'resumed' / f'global_step_{stop_after}'} (step {stop_after})"
+        in capsys.readouterr().out
+    )
     assert full[0] == "finished" and status2 == "finished"
     assert sorted(m1) == list(range(1, stop_after + 1)) and sorted(m2) == list(range(stop_after + 1, 5))
     _assert_same_metrics(full[1], {**m1, **m2})
@@ -153,8 +161,11 @@ def _noisy_grpo(data, config):
 @pytest.fixture
 def noisy_estimator():
     registry = get_registry()
-    registry.register("advantage_estimator", "test_noisy_grpo",
-                      AdvantageEstimator(fn=_noisy_grpo, requires=("index",), group_based=True))
+    registry.register(
+        "advantage_estimator",
+        "test_noisy_grpo",
+        AdvantageEstimator(fn=_noisy_grpo, requires=("index",), group_based=True),
+    )
     try:
         yield "test_noisy_grpo"
     finally:
@@ -187,7 +198,9 @@ def test_resume_path_from_an_older_checkpoint_replays_the_same_steps(tmp_path):
     manager = CheckpointManager(tmp_path)
     assert manager.complete_steps() == [1, 2, 3, 4]
     status, metrics, rows, weights = _run(
-        overrides + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'global_step_1'}"], tmp_path)
+        overrides + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'global_step_1'}"],
+        tmp_path,
+    )
     assert status == "finished" and sorted(metrics) == [2, 3, 4]
     _assert_same_metrics({s: full_metrics[s] for s in (2, 3, 4)}, metrics)
     assert rows == {s: full_rows[s] for s in (2, 3, 4)}
@@ -201,8 +214,15 @@ def test_resume_path_to_an_incomplete_checkpoint_is_a_config_error(tmp_path):
 
     partial = tmp_path / "global_step_1.partial-1"
     partial.mkdir(parents=True)
-    cfg = run_config(BASE, tmp_path, "algorithm=grpo", "rollout.n=2", "trainer.resume_mode=resume_path",
-                     f"trainer.resume_from_path={partial}", validate=False)
+    cfg = run_config(
+        BASE,
+        tmp_path,
+        "algorithm=grpo",
+        "rollout.n=2",
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={partial}",
+        validate=False,
+    )
     trainer = Trainer(cfg)
     try:
         with pytest.raises(ConfigError, match="not a complete checkpoint"):

@@ -58,8 +58,15 @@ def registry_with(**fns) -> Registry:
 
 
 def cfg(**over):
-    base = {"reward_fn_map": {}, "default": None, "kwargs": {}, "shaping": [], "fallback_score": 0.0,
-            "timeout_s": 10.0, "num_workers": 0}
+    base = {
+        "reward_fn_map": {},
+        "default": None,
+        "kwargs": {},
+        "shaping": [],
+        "fallback_score": 0.0,
+        "timeout_s": 10.0,
+        "num_workers": 0,
+    }
     base.update(over)
     return base
 
@@ -106,13 +113,18 @@ def test_kwargs_checked_against_signature_and_validator():
 def test_score_dispatches_per_data_source_and_combines_shaping():
     reg = registry_with(exact=exact, plain=plain, length_penalty=packaged.length_penalty)
     m = RewardManager(
-        cfg(reward_fn_map={"a": "exact", "b": "plain"}, kwargs={"exact": {"bonus": 0.5},
-            "length_penalty": {"target_chars": 2, "scale_chars": 4}},
-            shaping=[{"name": "length_penalty", "weight": 2.0}]),
+        cfg(
+            reward_fn_map={"a": "exact", "b": "plain"},
+            kwargs={"exact": {"bonus": 0.5}, "length_penalty": {"target_chars": 2, "scale_chars": 4}},
+            shaping=[{"name": "length_penalty", "weight": 2.0}],
+        ),
         registry=reg,
     )
-    rows = [{"data_source": "a", "ground_truth": "42"}, {"data_source": "a", "ground_truth": "42"},
-            {"data_source": "b", "ground_truth": "x"}]
+    rows = [
+        {"data_source": "a", "ground_truth": "42"},
+        {"data_source": "a", "ground_truth": "42"},
+        {"data_source": "b", "ground_truth": "x"},
+    ]
     scores, extra, metrics = m.score(rows, ["42", "41234", ""])
     # row 0: exact 1 + bonus .5 = 1.5; length 2 -> penalty 0                     -> 1.5
     # row 1: exact 0 + .5 = .5; length 5 -> -(5-2)/4 = -.75, weight 2 -> -1.5    -> -1.0
@@ -140,7 +152,9 @@ def test_one_function_as_correctness_and_as_shaping_with_its_own_kwargs():
     assert extra["acc"] == [1.0, 0.0, 0.0, 0.0]  # acc comes from the correctness function only
     assert extra["shaping/gsm8k"] == [1.0, 1.0, 0.0, 0.0]
     with pytest.raises(RewardConfigError, match=r"reward\.shaping\[0\]\.kwargs has unknown setting"):
-        RewardManager(cfg(reward_fn_map={"a": "gsm8k"}, shaping=[{"name": "gsm8k", "kwargs": {"nope": 1}}]), registry=reg)
+        RewardManager(
+            cfg(reward_fn_map={"a": "gsm8k"}, shaping=[{"name": "gsm8k", "kwargs": {"nope": 1}}]), registry=reg
+        )
 
 
 def test_fields_dict_and_verl_rows_are_accepted_and_lengths_checked():
@@ -187,16 +201,27 @@ def test_serial_timeout_guard():
 
 
 def test_pool_results_identical_to_serial_and_pool_reused():
-    reg = registry_with(gsm8k=packaged.gsm8k, reasoning_gym=packaged.reasoning_gym, format=packaged.format_reward,
-                        raises=raises)
-    conf = dict(reward_fn_map={"g": "gsm8k", "countdown": "reasoning_gym", "r": "raises"},
-                shaping=[{"name": "format", "weight": 0.25}], fallback_score=-0.5)
+    reg = registry_with(
+        gsm8k=packaged.gsm8k, reasoning_gym=packaged.reasoning_gym, format=packaged.format_reward, raises=raises
+    )
+    conf = dict(
+        reward_fn_map={"g": "gsm8k", "countdown": "reasoning_gym", "r": "raises"},
+        shaping=[{"name": "format", "weight": 0.25}],
+        fallback_score=-0.5,
+    )
     cd = '{"numbers": [9, 23, 15], "target": 17}'
     rows, resp = [], []
     for i in range(30):
-        rows += [{"data_source": "g", "ground_truth": str(i)}, {"data_source": "countdown", "ground_truth": cd},
-                 {"data_source": "r", "ground_truth": ""}]
-        resp += [f"#### {i if i % 3 else i + 1}", "#### 23 - 15 + 9" if i % 2 else "#### 9 + 23", "boom" if i % 5 == 0 else "x"]
+        rows += [
+            {"data_source": "g", "ground_truth": str(i)},
+            {"data_source": "countdown", "ground_truth": cd},
+            {"data_source": "r", "ground_truth": ""},
+        ]
+        resp += [
+            f"#### {i if i % 3 else i + 1}",
+            "#### 23 - 15 + 9" if i % 2 else "#### 9 + 23",
+            "boom" if i % 5 == 0 else "x",
+        ]
     serial = RewardManager(cfg(**conf), registry=reg).score(rows, resp)
     with RewardManager(cfg(**conf, num_workers=2), registry=reg) as pooled:
         first = pooled.score(rows, resp)
@@ -209,8 +234,9 @@ def test_pool_results_identical_to_serial_and_pool_reused():
 
 
 def test_pool_timeout_by_worker_timer_keeps_the_pool():
-    with RewardManager(cfg(default="sleepy", timeout_s=0.5, num_workers=1), registry=registry_with(sleepy=sleepy),
-                       start_method="fork") as m:
+    with RewardManager(
+        cfg(default="sleepy", timeout_s=0.5, num_workers=1), registry=registry_with(sleepy=sleepy), start_method="fork"
+    ) as m:
         t0 = time.perf_counter()
         scores, _, metrics = m.score([{"data_source": "s", "ground_truth": ""}] * 3, ["fast", "sleep", "fast"])
         assert time.perf_counter() - t0 < 10
@@ -222,8 +248,11 @@ def test_pool_timeout_by_worker_timer_keeps_the_pool():
 
 
 def test_pool_backstop_kills_a_worker_that_ignores_the_timer():
-    m = RewardManager(cfg(default="blk", timeout_s=0.3, num_workers=1), registry=registry_with(blk=sleepy_blocking_alarm),
-                      start_method="fork")
+    m = RewardManager(
+        cfg(default="blk", timeout_s=0.3, num_workers=1),
+        registry=registry_with(blk=sleepy_blocking_alarm),
+        start_method="fork",
+    )
     m.backstop_slack_s = 1.0
     try:
         t0 = time.perf_counter()
@@ -237,8 +266,9 @@ def test_pool_backstop_kills_a_worker_that_ignores_the_timer():
 
 
 def test_unpicklable_reward_in_pool_is_a_counted_failure_with_advice(caplog):
-    m = RewardManager(cfg(default="lam", num_workers=1), registry=registry_with(lam=lambda *a, **k: 1.0),
-                      start_method="fork")
+    m = RewardManager(
+        cfg(default="lam", num_workers=1), registry=registry_with(lam=lambda *a, **k: 1.0), start_method="fork"
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
             scores, _, metrics = m.score([{"data_source": "s", "ground_truth": ""}], ["x"])

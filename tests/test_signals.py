@@ -16,8 +16,8 @@ import subprocess
 import sys
 
 import pytest
-
 from _helpers import TINY_CPU_RUN, run_config
+
 from rlplug.checkpoint import CheckpointManager
 from rlplug.trainer import run
 
@@ -49,15 +49,22 @@ def _state_step(checkpoint_dir) -> int:
 
 
 def test_sigterm_subprocess_saves_exits_0_then_resume_finishes(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               RLPLUG_TEST_KILL_AT="update_actor:2:SIGTERM")  # in the middle of step 2's updates
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        RLPLUG_TEST_KILL_AT="update_actor:2:SIGTERM",
+    )  # in the middle of step 2's updates
     cmd = [sys.executable, "-m", "rlplug", "train", *OVERRIDES, f"trainer.default_local_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "RLPLUG_TEST_KILL_AT: SIGTERM at update_actor:2" in proc.stderr
     assert "Received SIGTERM: finishing the current step, then saving a checkpoint" in proc.stdout
-    assert (f"Stopped after step 2 (a signal); checkpoint saved in {tmp_path}. "
-            "Resume with the same command (trainer.resume_mode=auto).") in proc.stdout
+    assert (
+        f"Stopped after step 2 (a signal); checkpoint saved in {tmp_path}. "
+        "Resume with the same command (trainer.resume_mode=auto)."
+    ) in proc.stdout
     manager = CheckpointManager(tmp_path)
     assert manager.complete_steps() == [2] and manager.partial_dirs() == []
     assert _state_step(manager.latest()) == 2

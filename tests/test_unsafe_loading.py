@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _helpers import TINY_CPU_RUN, run_config
+
 from rlplug.config import ConfigError, compose
 from rlplug.registry import KINDS, UnknownPluginError, get_registry
 from rlplug.trainer import Trainer
@@ -95,7 +95,9 @@ def test_the_payload_really_runs_code_when_unpickled_unsafely(tmp_path):
 def test_checkpoint_with_a_pickled_object_is_refused_not_executed(one_step_checkpoint, tmp_path, rel, kind):
     marker = tmp_path / "marker"
     run_dir = _tampered_copy(one_step_checkpoint, tmp_path, rel, _pickled_payload(tmp_path, marker, kind))
-    with pytest.raises(ConfigError, match=r"Refusing to resume from .*global_step_1: .*Unsupported global: GLOBAL exec") as info:
+    with pytest.raises(
+        ConfigError, match=r"Refusing to resume from .*global_step_1: .*Unsupported global: GLOBAL exec"
+    ) as info:
         _fit(_cfg(run_dir, "trainer.total_training_steps=2"))
     assert "trainer.resume_mode=disable" in str(info.value)
     assert "weights_only=False" not in str(info.value)  # torch's advice to unpickle anyway is not passed on
@@ -115,8 +117,9 @@ def test_weights_file_holding_a_pickle_is_refused_not_executed(one_step_checkpoi
 
 def test_untampered_checkpoint_resumes(one_step_checkpoint, tmp_path):
     """The same copy without tampering resumes fine (the refusals above are about the payload)."""
-    run_dir = _tampered_copy(one_step_checkpoint, tmp_path, "COMPLETE",
-                             (one_step_checkpoint / "global_step_1" / "COMPLETE").read_bytes())
+    run_dir = _tampered_copy(
+        one_step_checkpoint, tmp_path, "COMPLETE", (one_step_checkpoint / "global_step_1" / "COMPLETE").read_bytes()
+    )
     assert _fit(_cfg(run_dir, "trainer.total_training_steps=2")) == "finished"
 
 
@@ -133,8 +136,11 @@ def model_with_code(tmp_path) -> tuple[Path, Path]:
     shutil.copytree(tiny, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "rlplug_test_custom"
-    cfg["auto_map"] = {"AutoConfig": "custom_code.CustomConfig", "AutoModel": "custom_code.CustomModel",
-                       "AutoModelForCausalLM": "custom_code.CustomModel"}
+    cfg["auto_map"] = {
+        "AutoConfig": "custom_code.CustomConfig",
+        "AutoModel": "custom_code.CustomModel",
+        "AutoModelForCausalLM": "custom_code.CustomModel",
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "custom_code.py").write_text(
         f"open({str(marker)!r}, 'w').write('imported')\n"
@@ -168,16 +174,22 @@ def test_trust_remote_code_from_config_warns(tmp_path):
 def importable_module(tmp_path, monkeypatch):
     """A module on sys.path that writes a marker when imported (it must never be)."""
     marker = tmp_path / "imported"
-    (tmp_path / "rlplug_test_evil_mod.py").write_text(
-        f"open({str(marker)!r}, 'w').write('imported')\nattr = print\n"
-    )
+    (tmp_path / "rlplug_test_evil_mod.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nattr = print\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield marker
     sys.modules.pop("rlplug_test_evil_mod", None)
 
 
-HOSTILE_NAMES = ["os.system", "os:system", "builtins:exec", "rlplug_test_evil_mod", "rlplug_test_evil_mod:attr",
-                 "rlplug_test_evil_mod.attr", "rlplug.plugins.algorithms.advantage:compute_gae", "../../etc/passwd"]
+HOSTILE_NAMES = [
+    "os.system",
+    "os:system",
+    "builtins:exec",
+    "rlplug_test_evil_mod",
+    "rlplug_test_evil_mod:attr",
+    "rlplug_test_evil_mod.attr",
+    "rlplug.plugins.algorithms.advantage:compute_gae",
+    "../../etc/passwd",
+]
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
@@ -212,8 +224,10 @@ def test_config_plugin_names_resolve_through_the_registry_only(importable_module
 
 
 def test_kl_names_and_cli_refuse_import_paths(importable_module, capsys):
-    for overrides in (["actor.use_kl_loss=true", "actor.kl_loss_type='rlplug_test_evil_mod:attr'"],
-                      ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty='rlplug_test_evil_mod:attr'"]):
+    for overrides in (
+        ["actor.use_kl_loss=true", "actor.kl_loss_type='rlplug_test_evil_mod:attr'"],
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty='rlplug_test_evil_mod:attr'"],
+    ):
         with pytest.raises(ConfigError, match="Unknown kl penalty 'rlplug_test_evil_mod:attr'"):
             validate_config(compose(BASE + overrides))
     from rlplug.cli import main

@@ -11,14 +11,27 @@ from rlplug.validate import validate_config
 
 
 def test_time_budget_validates_saves_and_exports(tmp_path: Path, capsys) -> None:
-    cfg = compose([
-        "debug=tiny", "model.tiny.num_hidden_layers=1", "data.train_batch_size=2", "actor.ppo_mini_batch_size=1",
-        "actor.micro_batch_size_per_device=1", "data.max_response_length=8", "data.val_max_samples=4",
-        "trainer.total_training_steps=5", "trainer.save_freq=0", "trainer.test_freq=100",
-        "trainer.val_before_train=false", "trainer.logger=[console]", "trainer.num_threads=1", "trainer.device=cpu",
-        # any positive budget is exceeded after the first step of a ~1 s step
-        "trainer.max_wall_time_s=0.001", f"trainer.default_local_dir={tmp_path}",
-    ])
+    cfg = compose(
+        [
+            "debug=tiny",
+            "model.tiny.num_hidden_layers=1",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=1",
+            "actor.micro_batch_size_per_device=1",
+            "data.max_response_length=8",
+            "data.val_max_samples=4",
+            "trainer.total_training_steps=5",
+            "trainer.save_freq=0",
+            "trainer.test_freq=100",
+            "trainer.val_before_train=false",
+            "trainer.logger=[console]",
+            "trainer.num_threads=1",
+            "trainer.device=cpu",
+            # any positive budget is exceeded after the first step of a ~1 s step
+            "trainer.max_wall_time_s=0.001",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
     validate_config(cfg)
     trainer = Trainer(cfg)
     try:

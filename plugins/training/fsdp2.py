@@ -120,13 +120,28 @@ class _LogProbModule(torch.nn.Module):
     def config(self) -> Any:
         return self.lm.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                response_length: int, temperature: float, chunk_size: int, with_entropy: bool,
-                extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_length: int,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        extras: tuple[str, ...] = (),
+    ) -> dict[str, torch.Tensor]:
         """``{"log_probs": (B, T) float32, "entropy": ..., <extra>: ...}``; see ``response_token_stats``."""
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return response_token_stats(self.lm, tensors, response_length, temperature=temperature,
-                                    chunk_size=chunk_size, with_entropy=with_entropy, extras=extras)
+        return response_token_stats(
+            self.lm,
+            tensors,
+            response_length,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            extras=extras,
+        )
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -203,7 +218,9 @@ class FSDP2TrainingBackend(TrainingBackendBase):
             n = int(config_get(config.rollout, "n", 1))
             minis = {"actor": int(config.actor.ppo_mini_batch_size) * n}
             if use_critic:
-                minis["critic"] = int(config_get(config.critic, "ppo_mini_batch_size", config.actor.ppo_mini_batch_size)) * n
+                minis["critic"] = (
+                    int(config_get(config.critic, "ppo_mini_batch_size", config.actor.ppo_mini_batch_size)) * n
+                )
             for name, size in minis.items():
                 if size % self.world_size:
                     raise ValueError(
@@ -219,8 +236,13 @@ class FSDP2TrainingBackend(TrainingBackendBase):
             self.autocast_dtype = None  # FSDP already computes in param_dtype
         logger.info(
             "fsdp2: rank %d/%d on %s (%s), param_dtype %s, reduce_dtype %s, cpu_offload %s",
-            self.rank, self.world_size, self.device, dist.get_backend(), self._mp_policy.param_dtype,
-            self._mp_policy.reduce_dtype, bool(kwargs["cpu_offload"]),
+            self.rank,
+            self.world_size,
+            self.device,
+            dist.get_backend(),
+            self._mp_policy.param_dtype,
+            self._mp_policy.reduce_dtype,
+            bool(kwargs["cpu_offload"]),
         )
 
     # ------------------------------------------------------------------ process group
@@ -249,15 +271,19 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         timeout = timedelta(seconds=float(kwargs["timeout_s"]))
         if dist.is_initialized():
             if dist.get_backend() != backend:
-                logger.warning("fsdp2: reusing the existing %s process group (asked for %s).", dist.get_backend(), backend)
+                logger.warning(
+                    "fsdp2: reusing the existing %s process group (asked for %s).", dist.get_backend(), backend
+                )
         elif "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
-            dist.init_process_group(backend, timeout=timeout,
-                                    device_id=self._dist_device if device_type == "cuda" else None)
+            dist.init_process_group(
+                backend, timeout=timeout, device_id=self._dist_device if device_type == "cuda" else None
+            )
             self._owns_group = True
         else:  # a plain process: a one-rank group
             self._store_dir = tempfile.mkdtemp(prefix="rlplug-fsdp2-")
-            dist.init_process_group(backend, init_method=f"file://{self._store_dir}/store", rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, init_method=f"file://{self._store_dir}/store", rank=0, world_size=1, timeout=timeout
+            )
             self._owns_group = True
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -307,8 +333,10 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         offload: OffloadPolicy = OffloadPolicy()
         if bool(kwargs["cpu_offload"]):
             if self._dist_device.type != "cuda":
-                raise ValueError("trainer.backend_kwargs.cpu_offload=true only makes sense on CUDA devices (the model "
-                                 "is already in CPU memory on CPU ranks).")
+                raise ValueError(
+                    "trainer.backend_kwargs.cpu_offload=true only makes sense on CUDA devices (the model "
+                    "is already in CPU memory on CPU ranks)."
+                )
             offload = CPUOffloadPolicy()
         return mp, offload
 
@@ -321,8 +349,10 @@ class FSDP2TrainingBackend(TrainingBackendBase):
             root = root.to(self._dist_device)
         layers = _decoder_layers(model)
         if not layers:
-            logger.warning("fsdp2: no decoder layers found in %s (no _no_split_modules); sharding it as one unit.",
-                           type(model).__name__)
+            logger.warning(
+                "fsdp2: no decoder layers found in %s (no _no_split_modules); sharding it as one unit.",
+                type(model).__name__,
+            )
         opts = dict(mesh=self.mesh, mp_policy=self._mp_policy, offload_policy=self._offload_policy)
         reshard = bool(self.backend_kwargs["reshard_after_forward"])
         for layer in layers:
@@ -383,11 +413,25 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         return full[:size].to(out_device)
 
     # ------------------------------------------------------------------ inference
-    def _forward_log_probs(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int, with_entropy: bool,
-                           extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    def _forward_log_probs(
+        self,
+        model: torch.nn.Module,
+        tensors: dict[str, torch.Tensor],
+        t: int,
+        with_entropy: bool,
+        extras: tuple[str, ...] = (),
+    ) -> dict[str, torch.Tensor]:
         with _quiet_view_warning(), self._autocast():
-            return model(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], t, self.temperature,
-                         self.chunk_size, with_entropy, tuple(extras))
+            return model(
+                tensors["input_ids"],
+                tensors["attention_mask"],
+                tensors["position_ids"],
+                t,
+                self.temperature,
+                self.chunk_size,
+                with_entropy,
+                tuple(extras),
+            )
 
     def _values(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], t: int) -> torch.Tensor:
         with _quiet_view_warning():
@@ -444,8 +488,9 @@ class FSDP2TrainingBackend(TrainingBackendBase):
             return tensor.detach()
         local = tensor.to_local()
         if local.device != self.device:  # CPU-offloaded shard: gather on the device
-            tensor = DTensor.from_local(local.to(self.device), tensor.device_mesh, tensor.placements,
-                                        shape=tensor.shape, stride=tensor.stride())
+            tensor = DTensor.from_local(
+                local.to(self.device), tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+            )
         return tensor.full_tensor().detach()
 
     def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -498,8 +543,10 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         actor_state = self._full_actor_state_on_main()
         if self.is_main_process:
             save_file(actor_state, str(out / "actor" / "model.safetensors"), metadata={"format": "pt"})
-            meta = {r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
-                    for r in self._roles()}
+            meta = {
+                r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
+                for r in self._roles()
+            }
             meta["world_size"] = self.world_size  # type: ignore[assignment]
             (out / STATE_FILE).write_text(json.dumps(meta, indent=1))
         del actor_state
@@ -524,7 +571,11 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         for role in self._roles():
             d = src / role.name
             if not (d / "dcp" / ".metadata").is_file() or not state_file.is_file():
-                hint = " (the local backend writes model.safetensors + optimizer.pt instead)" if (d / "optimizer.pt").is_file() else ""
+                hint = (
+                    " (the local backend writes model.safetensors + optimizer.pt instead)"
+                    if (d / "optimizer.pt").is_file()
+                    else ""
+                )
                 raise FileNotFoundError(
                     f"{d / 'dcp'} (a torch.distributed.checkpoint folder) or {state_file} is missing: {src} was not "
                     f"written by the fsdp2 backend's save() (or without a {role.name}){hint}."
@@ -537,8 +588,9 @@ class FSDP2TrainingBackend(TrainingBackendBase):
                 model_sd, optim_sd = get_state_dict(role.model, role.optimizer)
                 state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(d / "dcp"))
-                set_state_dict(role.model, role.optimizer, model_state_dict=state["model"],
-                               optim_state_dict=state["optim"])
+                set_state_dict(
+                    role.model, role.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                )
             else:
                 state = {"model": get_model_state_dict(role.model)}
                 dcp.load(state, checkpoint_id=str(d / "dcp"))
