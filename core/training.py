@@ -268,7 +268,6 @@ class TrainingBackendBase:
         coordinator: :data:`rlplug.coordinator.SINGLE_PROCESS` (multi-process subclasses set their own).
         capabilities: ``{"reuses_on_policy_log_probs"}``: :meth:`update_actor` accepts an on-policy
             batch without ``old_log_probs`` (the trainer then skips the old-log-prob pass).
-        reuses_on_policy_log_probs: ``True``; the older spelling of that capability.
         per_token_outputs: ``{"entropy", "sum_pi_squared"}``: what :meth:`compute_log_probs` can return.
 
     Attributes:
@@ -285,7 +284,6 @@ class TrainingBackendBase:
     log: logging.Logger = logger
     coordinator: Any = SINGLE_PROCESS
     capabilities: frozenset[str] = frozenset({"reuses_on_policy_log_probs"})
-    reuses_on_policy_log_probs: bool = True
     per_token_outputs: frozenset[str] = frozenset({"entropy", "sum_pi_squared"})
 
     def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:

@@ -306,7 +306,7 @@ def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model
             }
         )
         backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=2)
-        assert backend.reuses_on_policy_log_probs
+        assert "reuses_on_policy_log_probs" in backend.capabilities
         batch = make_batch(0)
         batch["ref_log_probs"] = backend.compute_log_probs(batch, which="ref")["log_probs"] + 0.1
         if not reuse:
