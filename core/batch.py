@@ -28,6 +28,7 @@ name                     shape, dtype      meaning
 ``reward_components``    (B, K) float32    the named values the reward functions report (``acc``,
                                            ``correctness``, ``shaping/<name>``, ``format``, ...);
                                            NaN where a response's reward did not report one;
+                                           ``reward_failed`` 1.0 where its reward failed;
                                            column names in ``batch.columns["reward_components"]``
 ``token_level_rewards``  (B, T) float32    scores minus the in-reward KL penalty
 ``advantages``           (B, T) float32    estimator output, 0 where the mask is 0
@@ -35,6 +36,10 @@ name                     shape, dtype      meaning
 =======================  ================  ==========================================================
 
 ``entropy`` and ``sum_pi_squared`` are on the batch only when a selected plugin requires them.
+
+Responses whose reward failed (:mod:`rlplug.reward`) are not shown to the advantage estimator:
+it receives the scored rows only (:func:`estimate_on_rows`), and the updates see them with a
+zero ``response_mask`` (:func:`rows_left_out`).
 
 Named columns: a ``(B, K)`` field may name its ``K`` columns. :meth:`Batch.set_columns` stores
 the tensor with its names, ``batch.columns[key]`` gives the names (a tuple, in column order) and
@@ -45,7 +50,8 @@ that also carries the ``columns``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,3 +218,42 @@ def padded_rows(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     """``(len(rows), width) float32``: each row of floats (e.g. a response's engine log-probs)
     followed by 0.0 up to ``width``."""
     return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)
+
+
+def estimate_on_rows(
+    estimator: Callable[..., tuple[torch.Tensor, torch.Tensor]], batch: Batch, config: Any, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)``, both ``(B, T) float32``, from ``estimator(fields, config)`` run on
+    the rows of ``batch`` where ``rows`` (``(B,) bool``) is True only; 0.0 on the other rows.
+
+    The trainer passes the responses whose reward succeeded, so a failed response is part of no
+    group baseline, whitening or normalisation (any estimator, ours or a third party's) and gets
+    advantage 0. All rows kept: a plain call on the whole batch. No row kept: zeros, no call.
+    """
+    mask = batch["response_mask"]
+    if bool(rows.all()):
+        return estimator(batch.fields(), config)
+    advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    returns = torch.zeros_like(advantages)
+    if bool(rows.any()):
+        idx = rows.nonzero().squeeze(-1)
+        sub_adv, sub_ret = estimator(batch.select(idx).fields(), config)
+        advantages[idx.to(mask.device)] = sub_adv.to(torch.float32)
+        returns[idx.to(mask.device)] = sub_ret.to(torch.float32)
+    return advantages, returns
+
+
+@contextlib.contextmanager
+def rows_left_out(batch: Batch, rows: torch.Tensor) -> Iterator[None]:
+    """Inside the block, ``response_mask`` is 0 on the rows where ``rows`` (``(B,) bool``) is True,
+    so the updates give them no weight (no policy, KL, entropy or value loss, not counted in any
+    normaliser); the full mask comes back afterwards."""
+    if not bool(rows.any()):
+        yield
+        return
+    mask = batch["response_mask"]
+    batch["response_mask"] = mask * (~rows).to(mask.dtype, copy=False).to(mask.device).unsqueeze(-1)
+    try:
+        yield
+    finally:
+        batch["response_mask"] = mask

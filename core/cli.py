@@ -9,6 +9,9 @@
     rlplug rollout --prompt TEXT [--ground-truth X] [OVERRIDES...]
     rlplug export CKPT --out DIR               checkpoint -> Hugging Face folder
     rlplug config [OVERRIDES...]               print the composed, validated config
+
+Exit codes: :class:`rlplug.exit_codes.ExitCode` (0 finished, 2 bad input, 3/4 stopped by bad
+steps, 75 stopped by a signal after saving, 130 interrupted).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .config import ConfigError
+from .exit_codes import ExitCode
 
 console = Console(stderr=False, soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -119,14 +123,17 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .checkpoint import export_checkpoint
+    from .checkpoint import checkpoint_step, export_checkpoint, find_checkpoint
 
     try:
-        path = export_checkpoint(args.checkpoint, args.out)
+        ckpt = find_checkpoint(args.checkpoint)  # a run dir: the checkpoint its latest pointer names
+        path = export_checkpoint(ckpt, args.out)
     except FileNotFoundError as exc:  # no complete checkpoint there; the message says what was expected
         err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    console.print(f"Wrote a Hugging Face model folder to {path}")
+    console.print(
+        escape(f"Exported step {checkpoint_step(ckpt)} ({ckpt}): wrote a Hugging Face model folder to {path}")
+    )
     return 0
 
 
@@ -135,11 +142,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg, _ = _compose_and_validate(args.overrides)
     rows = evaluate(cfg, checkpoint=args.checkpoint, k=args.k, temperature=args.temperature)
-    table = Table(title=f"eval ({args.k} sample(s) per prompt)")
-    for col in ("data_source", "n", f"mean@{args.k}", f"pass@{args.k}"):
+    k = rows[0]["k"] if rows else args.k
+    # the trainer's validation numbers (rlplug.metrics.validation_metrics); best@k of a 0/1 acc is pass@k
+    table = Table(title=f"eval ({k} sample(s) per prompt; metric: acc when the reward reports it, else reward)")
+    for col in ("data_source", "metric", "n", f"mean@{k}", f"best@{k}"):
         table.add_column(col)
     for row in rows:
-        table.add_row(row["data_source"], str(row["n"]), f"{row['mean']:.3f}", f"{row['pass']:.3f}")
+        table.add_row(row["data_source"], row["metric"], str(row["n"]), f"{row['mean']:.4f}", f"{row['best']:.4f}")
     console.print(table)
     return 0
 
@@ -194,11 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.set_defaults(func=cmd_export)
 
-    sp = sub.add_parser("eval", help="mean@k and pass@k of a model or checkpoint on the validation files")
+    sp = sub.add_parser("eval", help="the trainer's validation metrics (mean@k, best@k) of a model or checkpoint")
     sp.add_argument("--checkpoint", default=None)
-    sp.add_argument("--k", type=int, default=1)
+    sp.add_argument("--k", type=int, default=None, help="samples per prompt (default: rollout.val_kwargs.n)")
     sp.add_argument(
-        "--temperature", type=float, default=None, help="default: greedy for k=1, rollout.temperature otherwise"
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: rollout.val_kwargs.temperature (rollout.temperature when that is greedy and k > 1)",
     )
     sp.add_argument("overrides", nargs="*")
     sp.set_defaults(func=cmd_eval)
@@ -233,15 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         err_console.print(f"[bold red]Config error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         err_console.print("Interrupted.")
-        return 130
+        return ExitCode.INTERRUPTED
     except Exception as exc:
         if not isinstance(exc, _user_error_types()):
             raise
         err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2
+        return ExitCode.BAD_INPUT
 
 
 if __name__ == "__main__":  # pragma: no cover

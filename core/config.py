@@ -10,13 +10,19 @@ are generated per prompt.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
-from collections.abc import Mapping
+import re
+import shlex
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -260,8 +266,43 @@ class ShapingConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """A reward function defined in a Python file (verl's ``custom_reward_function`` keys).
+
+    When ``path`` is set, that function scores every data source (it takes precedence over
+    ``reward.reward_fn_map`` and ``reward.default``, as in verl). The file is executed with the
+    trainer's permissions (it is imported, like any Python module): point it only at code you trust.
+    """
+
+    #: a ``.py`` file defining the function (None: off); ``~`` is expanded
+    path: str | None = None
+    #: the function's name in that file (verl's default)
+    name: str = "compute_score"
+    #: keyword arguments passed to every call, checked against the function's signature
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RewardConfig:
-    #: data_source -> reward function name
+    """Which reward function scores each response, and how.
+
+    Precedence, for each data source (the first that applies wins):
+
+    1. ``reward.custom_reward_function.path`` when set: that file's function scores every source;
+    2. ``reward.reward_fn_map[data_source]`` (a registered function name);
+    3. ``reward.default`` (a registered function name); a source none of these covers is a config error.
+
+    A set ``reward.default`` that no data source reaches is reported once with the mapping that wins.
+    ``reward.shaping`` entries are added to that correctness score for every source; a reward model
+    (a learned scorer) enters only as a shaping entry. From the command line::
+
+        reward.reward_fn_map.openai/gsm8k=math_verify    # a data source with '/' works too
+        reward.default=gsm8k
+        reward.kwargs.gsm8k.method=flexible              # no '+' needed under open maps
+        reward.custom_reward_function.path=my_reward.py reward.custom_reward_function.name=score
+    """
+
+    #: data_source -> reward function name (precedence 2, after custom_reward_function)
     reward_fn_map: dict[str, str] = field(
         default_factory=lambda: {
             "openai/gsm8k": "gsm8k",
@@ -271,11 +312,15 @@ class RewardConfig:
             "countdown": "reasoning_gym",
         }
     )
-    #: used for data sources missing from the map (None: such a source is a config error)
+    #: used for data sources missing from the map (precedence 3; None: such a source is a config error)
     default: str | None = None
     #: per reward function keyword arguments, e.g. {gsm8k: {method: flexible}}
+    #: (``reward.kwargs.gsm8k.method=flexible`` on the command line)
     kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: shaping rewards added to the correctness score: score + sum(weight * shaping)
+    #: a function from a Python file scoring every data source (precedence 1; off unless ``path`` is set)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    #: shaping rewards added to the correctness score: score + sum(weight * shaping); the only place
+    #: a reward model enters
     shaping: list[ShapingConfig] = field(default_factory=list)
     fallback_score: float = 0.0
     #: per-sample timeout, seconds
@@ -292,7 +337,9 @@ class TrainerConfig:
     #: training backend plugin (Hydra group ``trainer=``)
     backend: str = "local"
     project_name: str = "rlplug"
-    experiment_name: str = "default"
+    #: None -> named by compose after what the run trains: "<algorithm preset>_<data task>"
+    #: (rlplug.checkpoint.experiment_name_for), so another algorithm gets its own run directory
+    experiment_name: str | None = None
     total_epochs: int = 1
     #: None -> epochs x steps per epoch
     total_training_steps: int | None = None
@@ -305,6 +352,9 @@ class TrainerConfig:
     #: "auto" (resume from latest complete checkpoint if any), "disable", or "resume_path"
     resume_mode: str = "auto"
     resume_from_path: str | None = None
+    #: with resume_mode=disable: start fresh although the run directory holds checkpoints (refused
+    #: otherwise); they are moved aside into <run dir>/overwritten/<date>/, never deleted
+    overwrite: bool = False
     max_ckpt_to_keep: int | None = 3
     logger: list[str] = field(default_factory=lambda: ["console", "mlflow"])
     #: "auto" (cuda if available else cpu), "cpu" or "cuda"
@@ -316,6 +366,10 @@ class TrainerConfig:
     max_consecutive_bad_steps: int = 5
     #: validation generations logged per validation
     val_samples_to_log: int = 8
+    #: log training rollouts every N steps (table train_generations/step_<N>.json; 0: never)
+    log_train_generations: int = 0
+    #: training rollouts logged per such step (the batch's first responses, with score and advantage)
+    train_samples_to_log: int = 4
     #: stop after this many wall-clock seconds (None: no limit); a checkpoint is written
     max_wall_time_s: float | None = None
     #: backend-specific settings (fsdp2: mixed precision, offload, ...)
@@ -355,9 +409,14 @@ class ConfigError(ValueError):
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """Compose the run config the Hydra way from ``configs/`` and ``overrides``.
 
-    ``overrides`` are Hydra override strings (``algorithm=grpo``, ``rollout.n=4``).
+    ``overrides`` are Hydra override strings (``algorithm=grpo``, ``rollout.n=4``). Entries of the
+    schema's open maps need no ``+`` and may use keys Hydra's key grammar cannot hold
+    (``reward.reward_fn_map.openai/gsm8k=math_verify``): see :func:`rewrite_overrides`.
     Raises :class:`ConfigError` for an unknown key, an unknown group option or a bad value,
-    listing the valid choices. The result is not yet validated; see :func:`validate`.
+    listing the valid choices. An unset ``trainer.experiment_name`` is filled in from the chosen
+    ``algorithm=`` preset and the data (:func:`rlplug.checkpoint.experiment_name_for`), so each
+    algorithm trains in a run directory of its own. The result is not yet validated; see
+    :func:`rlplug.validate.validate_config`.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -366,21 +425,155 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     from omegaconf.errors import OmegaConfBaseException
 
     register_schema()
+    rewritten = rewrite_overrides(overrides or [])
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+            cfg = hydra_compose(config_name=config_name, overrides=rewritten, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_explain_compose_error(exc)) from exc
+        msg = _explain_compose_error(exc)
+        for given, sent in zip(overrides or [], rewritten):  # quote the override as the user wrote it
+            if given != sent:
+                msg = msg.replace(sent, given)
+        raise ConfigError(msg) from exc
     finally:
         GlobalHydra.instance().clear()
+    algorithm = OmegaConf.select(cfg, "hydra.runtime.choices.algorithm")  # the chosen preset, for the run's name
+    debug = OmegaConf.select(cfg, "hydra.runtime.choices.debug")  # debug=tiny runs get their own directories
+    with open_dict(cfg):
+        del cfg["hydra"]
+    if not cfg.trainer.experiment_name:
+        from .checkpoint import experiment_name_for
+
+        cfg.trainer.experiment_name = experiment_name_for(cfg, algorithm, prefix=debug)
     return cfg
+
+
+# ============================================================================ open maps on the command line
+
+#: one part of a dotted key in Hydra's override grammar (its ``KEY_SPECIAL`` without ``$``, or an int)
+_HYDRA_KEY_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*|0|[1-9][0-9]*")
+#: the characters a key of a dict literal may hold in Hydra's grammar (``dictKey``: letters,
+#: digits, ``_``, the unquoted characters ``/-\+.$%*@?|`` and, escaped with ``\``, ``()[]{}:=,``
+#: space and tab)
+_HYDRA_DICT_KEY = re.compile(r"[A-Za-z0-9_/\-\\+.$%*@?|()\[\]{}:=, \t]+")
+#: the characters Hydra's ``ESC`` token escapes with a backslash inside a dict key
+_HYDRA_ESCAPED = re.compile(r"([\\()\[\]{}:=, \t])")
+
+
+def open_map_fields() -> dict[str, Any]:
+    """The open maps of the schema: dotted path -> the type of the map's values.
+
+    Derived from the type hints of :class:`RunConfig` (every ``dict[...]`` field of a nested
+    dataclass, ``| None`` unwrapped), e.g. ``{"data.task_kwargs": Any, "reward.reward_fn_map": str,
+    "reward.kwargs": dict[str, Any], ...}``; lists of dataclasses are not entered.
+    """
+    return dict(_open_maps(RunConfig, ""))
+
+
+@functools.cache
+def _open_maps(cls: type, prefix: str) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        hint = _unwrap_optional(hints[f.name])
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            out.update(_open_maps(hint, path + "."))
+        elif typing.get_origin(hint) is dict:
+            out[path] = typing.get_args(hint)[1] if typing.get_args(hint) else Any
+    return out
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return hint
+
+
+def _split_map_key(rest: str, value_type: Any) -> list[str]:
+    """``rest`` (the key after a map's path) as the nested keys it names: values that are maps
+    nest at each dot (``gsm8k.method`` -> ``[gsm8k, method]``); under a map of plain values the
+    whole rest is one key, dots and slashes included (``openai/gsm8k``, ``math.level5``)."""
+    value_type = _unwrap_optional(value_type)
+    if value_type is Any:
+        return rest.split(".")
+    if typing.get_origin(value_type) is dict:
+        head, _, tail = rest.partition(".")
+        inner = typing.get_args(value_type)[1] if typing.get_args(value_type) else Any
+        return [head, *(_split_map_key(tail, inner) if tail else [])]
+    return [rest]
+
+
+def rewrite_overrides(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with entries of the schema's open maps (:func:`open_map_fields`) spelled so
+    Hydra accepts them; every other override is returned as it is.
+
+    * ``reward.kwargs.gsm8k.method=flexible`` (a key under an open map, no ``+``) becomes
+      ``++reward.kwargs.gsm8k.method=flexible``: Hydra's structured config would reject a key the
+      map does not have yet, and ``++`` adds or replaces it.
+    * a key Hydra's key grammar cannot hold (``reward.reward_fn_map.openai/gsm8k=math_verify``:
+      ``/`` separates config groups there) becomes a dict literal merged into the map,
+      ``++reward.reward_fn_map={openai/gsm8k:math_verify}`` (Hydra merges a dict into an existing
+      map: the other entries stay), with ``()[]{}:=,`` and spaces escaped.
+
+    * a whole map given as a dict literal (``reward.reward_fn_map={openai/gsm8k:math_verify}``) is
+      merged into it with ``++``, so it may add entries too.
+
+    ``~key`` (deletion) and ``key@package`` are left alone.
+    """
+    maps = open_map_fields()
+    return [_rewrite_override(o, maps) for o in overrides]
+
+
+def _rewrite_override(override: str, maps: Mapping[str, Any]) -> str:
+    m = re.fullmatch(r"(\+{0,2})([^=~@]+?)=(.*)", override, flags=re.S)
+    if not m:
+        return override
+    prefix, key, value = m.groups()
+    if key in maps:  # the whole map: Hydra merges a dict into it, but only ++ lets it add new keys
+        return override if prefix else f"++{key}={value}"
+    path = next((p for p in sorted(maps, key=len, reverse=True) if key.startswith(p + ".")), None)
+    if path is None:
+        return override
+    parts = _split_map_key(key[len(path) + 1 :], maps[path])
+    if all(_HYDRA_KEY_PART.fullmatch(p) for p in parts):
+        return override if prefix else f"++{key}={value}"
+    if not all(_HYDRA_DICT_KEY.fullmatch(p) for p in parts):
+        return override  # Hydra reports the character it cannot parse
+    element = value if value.strip() else "''"
+    for p in reversed(parts):
+        element = "{" + _escape_dict_key(p) + ":" + element + "}"
+    return f"++{path}={element}"
+
+
+def _escape_dict_key(key: str) -> str:
+    return _HYDRA_ESCAPED.sub(r"\\\1", key)
+
+
+def map_entry_override(path: str, key: str, value: str) -> str | None:
+    """The command-line override that sets entry ``key`` of the open map ``path`` to ``value``
+    (``reward.reward_fn_map``, ``"openai/gsm8k"``, ``"gsm8k"`` ->
+    ``reward.reward_fn_map.openai/gsm8k=gsm8k``), in a spelling :func:`compose` accepts and quoted
+    for a POSIX shell where needed; None when Hydra's grammar cannot hold ``key`` at all (e.g.
+    it contains a quote or a non-ASCII letter: set such an entry in a config file instead).
+    Error messages suggest their fixes with it."""
+    if not key or not _HYDRA_DICT_KEY.fullmatch(key):
+        return None
+    if re.fullmatch(r"[-+]?(\d[\d_]*)?\.\d*([eE][-+]?\d+)?|[-+]?\d+[eE][-+]?\d+", key):
+        return None  # a dict literal would read it as a float key; a dotted key would split it
+    if re.fullmatch(r"(?i)true|false|null|nan|[-+]?inf", key):
+        return None  # a dict literal would read it as a bool/None/float key
+    if "=" in key or "@" in key:  # '@' would make a dotted key a package override
+        text = f"{path}={{{_escape_dict_key(key)}:{value}}}"
+    else:
+        text = f"{path}.{key}={value}"
+    return shlex.quote(text)
 
 
 def _explain_compose_error(exc: Exception) -> str:
     """Turn Hydra/OmegaConf errors about unknown keys into a message listing the valid keys."""
-    import re
-
     msg = str(exc)
     key = None
     m = re.search(r"Could not override '([^']+)'", msg) or re.search(
@@ -393,27 +586,43 @@ def _explain_compose_error(exc: Exception) -> str:
         key = getattr(exc, "full_key", None) or getattr(cause, "full_key", None)
     unknown = "not in" in msg or "not in" in str(cause or "") or "Could not override" in msg
     if not (key and unknown):
+        if msg.startswith("Error merging override") and cause is not None:  # say why (the bad value)
+            return f"{msg}: {str(cause).splitlines()[0]}"
+        if "LexerNoViableAlt" in msg and re.search(r"[=\[,]\s*~", msg):
+            return (
+                f"{msg}\nHydra reads an unquoted ~ as its delete operator: quote a path that starts with ~, "
+                "e.g. \"data.train_files=['~/data/train.parquet']\" or \"model.path='~/models/x'\" (rlplug expands ~)."
+            )
         return msg
     key = key.lstrip("+~")
-    parent = key.rsplit(".", 1)[0] if "." in key else ""
-    valid: list[str] = []
+    parts = key.split(".")
     try:
-        schema = OmegaConf.structured(RunConfig)
-        sub = OmegaConf.select(schema, parent) if parent else schema
-        if isinstance(sub, DictConfig):
-            valid = sorted(str(k) for k in sub.keys())
+        node: Any = OmegaConf.structured(RunConfig)
     except Exception:  # pragma: no cover - best effort listing
-        pass
-    if not valid and parent:  # the parent itself is unknown: report at the top level
-        return _explain_compose_error(type(exc)(f"Could not override '{parent}'"))
+        return msg
+    depth = 0  # walk down the schema to the first part it lacks
+    while depth < len(parts) - 1 and isinstance(node, DictConfig) and parts[depth] in node:
+        node, depth = node[parts[depth]], depth + 1
+    parent = ".".join(parts[:depth])
+    if not isinstance(node, DictConfig):
+        return (
+            f"Unknown config key '{key}': '{parent}' is a single value ({type(node).__name__}), not a section "
+            f"with keys; set '{parent}' itself."
+        )
+    if parts[depth] in node:  # the key exists: the error is about something else
+        return msg
+    if parent in open_map_fields():
+        return f"Could not set '{key}' in the map '{parent}': {msg}"
+    missing = ".".join(parts[: depth + 1])
+    valid = sorted(str(k) for k in node.keys())
     where = f"'{parent}'" if parent else "the top level"
     import difflib
 
-    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(parts[depth], valid, n=3, cutoff=0.6)
     hint = (
         (" Did you mean " + " or ".join(f"'{parent + '.' if parent else ''}{c}'" for c in close) + "?") if close else ""
     )
-    return f"Unknown config key '{key}'.{hint} Valid keys in {where}: {', '.join(valid)}."
+    return f"Unknown config key '{missing}'.{hint} Valid keys in {where}: {', '.join(valid)}."
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -366,7 +366,7 @@ def read_dataset(
         )
     if not rows:
         raise DatasetError(
-            f"No rows left in {', '.join(paths)}: all {total} prompts are longer than max_prompt_length="
+            f"{', '.join(paths)}: no rows left, all {total} prompts are longer than max_prompt_length="
             f"{max_prompt_length} tokens. Raise data.max_prompt_length."
         )
     return RLDataset(rows, paths, filtered)

@@ -180,7 +180,7 @@ def _make_generator(task: str, kwargs: dict[str, Any], seed: int, size: int):
         return reasoning_gym.create_dataset(task, seed=seed, size=size, **call_kwargs)
     except (AssertionError, ValueError, TypeError) as exc:
         raise ValueError(
-            f"Invalid task_kwargs for task '{task}' {kwargs}: {exc or type(exc).__name__}. Valid keys: {', '.join(valid)}."
+            f"Invalid task_kwargs for task '{task}' {kwargs}: {str(exc).rstrip('.') or type(exc).__name__}. Valid keys: {', '.join(valid)}."
         ) from exc
 
 
@@ -241,7 +241,7 @@ def _draw(task: str, kwargs: dict, seed: int, wanted: int, exclude: set[str]) ->
         except Exception as exc:  # e.g. countdown cannot reach a target range
             raise ValueError(
                 f"reasoning-gym task '{task}' failed to generate item {drawn} with settings {kwargs}: "
-                f"{type(exc).__name__}: {exc}. Check task_kwargs (ranges may be impossible to satisfy)."
+                f"{type(exc).__name__}: {str(exc).rstrip('.')}. Check task_kwargs (ranges may be impossible to satisfy)."
             ) from exc
         drawn += 1
         if item["question"] in exclude:

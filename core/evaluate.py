@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from omegaconf import DictConfig
 
-from .types import SamplingParams
+from .metrics import ScoredResponse, core_metric, validation_metrics
+from .types import RolloutOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from .reward import RewardManager
 
 
 def _model_path(cfg: DictConfig, checkpoint: str | None, stack: ExitStack) -> str:
@@ -27,15 +31,85 @@ def _model_path(cfg: DictConfig, checkpoint: str | None, stack: ExitStack) -> st
     return str(export_checkpoint(ckpt, tmp))
 
 
-def evaluate(
-    cfg: DictConfig, checkpoint: str | None = None, k: int = 1, temperature: float | None = None
-) -> list[dict[str, Any]]:
-    """mean@k and pass@k per data source on the validation files.
+def score_responses(
+    rows: Sequence[Mapping[str, Any]],
+    generate: Callable[[list[list[int]]], RolloutOutput],
+    decode: Callable[[RolloutOutput], list[str]],
+    reward: RewardManager,
+    *,
+    batch_size: int | None = None,
+) -> list[ScoredResponse]:
+    """Generate for ``rows`` and score every response: the validation pass, shared by the trainer's
+    validation and ``rlplug eval`` so both report the same numbers for the same model.
 
-    ``k`` samples per prompt; greedy when ``k == 1`` and ``temperature`` is None, else
-    ``temperature`` (default ``rollout.temperature``). A sample is correct when its ``acc``
-    (or its score, for rewards without ``acc``) is >= 1. Returns rows with ``data_source``,
-    ``n`` (prompts), ``mean`` (mean@k) and ``pass`` (pass@k).
+    ``rows`` are dataset rows with ``prompt_ids`` (and ``data_source``, ``ground_truth``);
+    ``generate(prompt_ids)`` returns the :class:`rlplug.types.RolloutOutput` for a list of prompts (its
+    sampling settings fixed by the caller); ``decode`` turns it into the response texts; ``reward`` scores
+    them (``score(..., report_acc=True)``). Prompts go ``batch_size`` at a time (``data.val_batch_size``;
+    None: all at once). Returns one :class:`rlplug.metrics.ScoredResponse` per response, in prompt order;
+    :func:`rlplug.metrics.validation_metrics` turns them into the metrics.
+    """
+    from .reward import ACC_REPORTED
+
+    rows = list(rows)
+    size = int(batch_size or len(rows) or 1)
+    scored: list[ScoredResponse] = []
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
+        out = generate([list(r["prompt_ids"]) for r in chunk])
+        texts = decode(out)
+        scores, extra, _ = reward.score([chunk[i] for i in out.prompt_index], texts, report_acc=True)
+        for j, i in enumerate(out.prompt_index):
+            scored.append(
+                ScoredResponse(chunk[i], start + i, texts[j], scores[j], extra["acc"][j], bool(extra[ACC_REPORTED][j]))
+            )
+    return scored
+
+
+def eval_sampling_params(cfg: DictConfig, k: int | None = None, temperature: float | None = None) -> SamplingParams:
+    """The sampling settings of ``rlplug eval``: validation's (``rollout.val_kwargs`` and its seed,
+    :func:`rlplug.trainer.sampling_params`), so by default eval reproduces the trainer's validation, with
+    ``k`` samples per prompt (None: ``rollout.val_kwargs.n``) and ``temperature`` when given. When
+    validation is greedy and a ``k > 1`` is given without a ``temperature``, the rollout's sampling
+    (``rollout.temperature``, ``top_p``, ``top_k``) is used instead: ``k`` greedy samples would be one
+    sample ``k`` times.
+
+    Raises ``ValueError`` for ``k < 1`` or a negative ``temperature``.
+    """
+    from .trainer import sampling_params
+
+    params = sampling_params(cfg, validation=True)
+    if k is not None and int(k) < 1:
+        raise ValueError(f"--k must be at least 1 (samples per prompt), got {k}.")
+    if temperature is not None and float(temperature) < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {temperature}.")
+    if k is not None:
+        params.n = int(k)
+    if temperature is not None:
+        params.temperature = float(temperature)
+    elif k is not None and params.n > 1 and params.temperature == 0.0:
+        r = cfg.rollout
+        params.temperature, params.top_p, params.top_k = float(r.temperature), float(r.top_p), int(r.top_k)
+    return params
+
+
+def evaluate(
+    cfg: DictConfig, checkpoint: str | None = None, k: int | None = None, temperature: float | None = None
+) -> list[dict[str, Any]]:
+    """The validation metrics of a model or checkpoint on the validation files, per data source.
+
+    Runs the trainer's validation pass (:func:`score_responses`, then
+    :func:`rlplug.metrics.validation_metrics`) with :func:`eval_sampling_params` (``k`` samples per prompt,
+    ``temperature``), so on the same checkpoint, data and config it gives the numbers the trainer's
+    validation logs. ``checkpoint``: a ``global_step_N`` folder, a run folder (its latest checkpoint) or a
+    Hugging Face folder; None: ``model``.
+
+    Returns one row per data source (sorted): ``data_source``, ``n`` (prompts), ``k`` (samples per
+    prompt), ``metric`` (``"acc"`` when the reward reports an accuracy, else ``"reward"``:
+    :func:`rlplug.metrics.core_metric`), ``name`` (the metric's full name,
+    ``val-core/<data_source>/<metric>/mean@<k>``), ``mean`` (mean@k), ``best`` (best@k: the mean over
+    prompts of the best of ``k`` samples, pass@k for ``acc``; mean@1 for ``k = 1``) and ``metrics`` (every
+    ``val-*`` metric of the data source).
     """
     from .data import read_dataset
     from .data_prepare import prepared_data_files
@@ -45,7 +119,7 @@ def evaluate(
 
     with ExitStack() as stack:
         path = _model_path(cfg, checkpoint, stack)
-        tok = load_tokenizer(path)
+        tok = load_tokenizer(path, trust_remote_code=bool(cfg.model.trust_remote_code))
         _, val_files = prepared_data_files(cfg)
         ds = read_dataset(
             val_files,
@@ -58,37 +132,33 @@ def evaluate(
         rows = [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
         reward = stack.enter_context(RewardManager(cfg.reward))  # its worker pool is shut down on any exit
         reward.check_data_sources({r["data_source"] for r in rows})
-        temp = temperature if temperature is not None else (0.0 if k == 1 else cfg.rollout.temperature)
+        params = eval_sampling_params(cfg, k, temperature)
         rollout = get_registry().get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
         try:
-            out = rollout.generate(
-                [r["prompt_ids"] for r in rows],
-                SamplingParams(
-                    n=k,
-                    temperature=temp,
-                    top_p=cfg.rollout.top_p,
-                    top_k=cfg.rollout.top_k,
-                    max_tokens=cfg.data.max_response_length,
-                    seed=cfg.trainer.seed,
-                ),
+            scored = score_responses(
+                rows,
+                lambda prompt_ids: rollout.generate(prompt_ids, params),
+                lambda out: tok.batch_decode(out.response_ids, skip_special_tokens=True),
+                reward,
+                batch_size=cfg.data.val_batch_size,
             )
         finally:
             rollout.close()
-        texts = tok.batch_decode(out.response_ids, skip_special_tokens=True)
-        scores, extra, _ = reward.score([rows[i] for i in out.prompt_index], texts)
-    correct = np.array([float(a) >= 1.0 for a in extra.get("acc", scores)], dtype=np.float64)
-    by_prompt: dict[int, list[float]] = {}
-    for j, i in enumerate(out.prompt_index):
-        by_prompt.setdefault(i, []).append(correct[j])
     result = []
-    for src in sorted({r["data_source"] for r in rows}):
-        ids = [i for i, r in enumerate(rows) if r["data_source"] == src]
+    for src in sorted({s.row["data_source"] for s in scored}):
+        mine = [s for s in scored if s.row["data_source"] == src]
+        metric, metrics = core_metric(mine), validation_metrics(mine, n=params.n)
+        name = f"val-core/{src}/{metric}/mean@{params.n}"
         result.append(
             {
                 "data_source": src,
-                "n": len(ids),
-                "mean": float(np.mean([np.mean(by_prompt[i]) for i in ids])),
-                "pass": float(np.mean([max(by_prompt[i]) for i in ids])),
+                "n": len({s.prompt for s in mine}),
+                "k": params.n,
+                "metric": metric,
+                "name": name,
+                "mean": metrics[name],
+                "best": metrics.get(f"val-core/{src}/{metric}/best@{params.n}", metrics[name]),
+                "metrics": metrics,
             }
         )
     return result

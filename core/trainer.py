@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import signal
 import time
@@ -40,11 +41,13 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig
 
-from .batch import build_batch, padded_rows
+from .batch import build_batch, estimate_on_rows, padded_rows, rows_left_out
 from .checkpoint import (  # noqa: F401
     CheckpointManager,
     _fault_point,
+    experiment_name_for,
     load_checkpoint,
+    open_run_dir,
     resume_checkpoint,
     rng_state,
     save_checkpoint,
@@ -52,6 +55,7 @@ from .checkpoint import (  # noqa: F401
     set_rng_state,
 )
 from .data_prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
+from .exit_codes import ExitCode, TrainingStopped
 from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
 from .metrics import (
     Trackers,
@@ -64,15 +68,11 @@ from .metrics import (
     validation_samples,
 )
 from .registry import Registry, get_registry
-from .reward import components_tensor
+from .reward import RewardFailureGuard, components_tensor, scored_rows
 from .types import RolloutOutput, SamplingParams
 from .validate import BatchPlan, plan_batch
 
 log = logging.getLogger("rlplug")
-
-
-class TrainingStopped(RuntimeError):
-    """Training stopped on purpose (e.g. too many consecutive non-finite steps); the message says why."""
 
 
 # ============================================================================ helpers
@@ -81,11 +81,13 @@ class TrainingStopped(RuntimeError):
 def run_dir_for(cfg: DictConfig) -> Path:
     """``trainer.default_local_dir`` or ``checkpoints/<project_name>/<experiment_name>`` (as verl).
 
-    It holds the ``global_step_N`` checkpoints, the local MLflow store and ``final_model``.
+    It holds the ``global_step_N`` checkpoints, the local MLflow store and ``final_model``. An unset
+    ``experiment_name`` (a config not made by :func:`rlplug.config.compose`, which fills it in) is
+    named after the run's estimator and data (:func:`rlplug.checkpoint.experiment_name_for`).
     """
     if cfg.trainer.default_local_dir:
         return Path(str(cfg.trainer.default_local_dir)).expanduser()
-    return Path("checkpoints") / cfg.trainer.project_name / cfg.trainer.experiment_name
+    return Path("checkpoints") / cfg.trainer.project_name / experiment_name_for(cfg)
 
 
 def set_threads(n: int | None) -> None:
@@ -148,6 +150,27 @@ def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path) ->
         )
 
 
+def token_level_rewards(
+    batch: Any, metrics: dict[str, float], kl_penalty: Callable | None, kl_ctrl: Any, scored: torch.Tensor
+) -> None:
+    """Set ``batch["token_level_rewards"]`` ``(B, T) float32``: the ``token_level_scores``, minus the
+    in-reward KL penalty ``kl_ctrl.value * kl_penalty(old_log_probs, ref_log_probs)`` when
+    ``kl_penalty`` is given (``algorithm.use_kl_in_reward``; verl's ``apply_kl_penalty``), whose
+    metrics go to ``metrics`` and whose mean KL updates the controller ``kl_ctrl``. Only the
+    ``scored`` rows (``(B,) bool``, the responses whose reward succeeded) count; with none, the
+    penalty and the controller are left alone (the step does not update)."""
+    if kl_penalty is None or not bool(scored.any()):
+        batch["token_level_rewards"] = batch["token_level_scores"]
+        return
+    mask = batch["response_mask"] * scored.to(batch["response_mask"].dtype).unsqueeze(-1)
+    rewards, kl_metrics = apply_kl_penalty(
+        batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_probs"], mask, kl_ctrl.value, kl_penalty
+    )
+    batch["token_level_rewards"] = rewards
+    metrics.update(kl_metrics)
+    kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=int(scored.sum()))
+
+
 def on_main_then_broadcast(method: Callable) -> Callable:
     """Multi-process runs (``coordinator.world_size > 1``): run ``method`` on the main process only
     and return its result on every process, so all train on the same rollouts and rewards."""
@@ -182,7 +205,7 @@ def stopped_message(step: int, root: Any) -> str:
     """What a run stopped by a signal prints (its checkpoint is saved)."""
     return (
         f"Stopped after step {step} (a signal); checkpoint saved in {root}. "
-        "Resume with the same command (trainer.resume_mode=auto)."
+        f"Resume with the same command (trainer.resume_mode=auto). Exit code {int(ExitCode.STOPPED_BY_SIGNAL)}."
     )
 
 
@@ -199,8 +222,8 @@ class Trainer:
         from .reward import RewardManager
 
         self.cfg, self.registry = cfg, registry or get_registry()
-        self.run_dir = run_dir_for(cfg)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir_for(cfg)  # another run's checkpoints there are refused now, before any model loads
+        self.ckpt, self.start = open_run_dir(cfg, self.run_dir)
         set_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
 
@@ -222,7 +245,7 @@ class Trainer:
             cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
         )
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
-        self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.max_ckpt_to_keep)
+        self.reward_guard = RewardFailureGuard(cfg.trainer.max_consecutive_bad_steps)
 
         # ---- models and engines
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
@@ -256,10 +279,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def _stateful(self) -> dict[str, Any]:
-        return {"data_loader": self.loader, "kl_ctrl": self.kl_ctrl}
+        return {"data_loader": self.loader, "kl_ctrl": self.kl_ctrl, "reward_guard": self.reward_guard}
 
     def _resume(self) -> None:
-        path = resume_checkpoint(self.cfg.trainer, self.ckpt)
+        path = self.start.begin(is_main=self.is_main)  # trainer.overwrite=true: the old run is moved aside first
         if path is None:
             return
         self.global_step = load_checkpoint(path, backend=self.backend, stateful=self._stateful())
@@ -311,10 +334,12 @@ class Trainer:
         return self.reward.score([rows[i] for i in out.prompt_index], self._decode(out))
 
     def _baseline_scores(self, rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput) -> torch.Tensor:
-        """``(B,) float32``: the score of a greedy response to each response's prompt (ReMax's baseline)."""
+        """``(B,) float32``: the score of a greedy response to each response's prompt (ReMax's baseline);
+        NaN where that score failed, which leaves the responses to that prompt out of training."""
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
-        base_scores, _, _ = self._score(rows, self._generate(prompt_ids, params, label="rollout_baseline"))
-        return torch.tensor([base_scores[i] for i in out.prompt_index], dtype=torch.float32)
+        base, extra, _ = self._score(rows, self._generate(prompt_ids, params, label="rollout_baseline"))
+        ok = scored_rows(extra, len(base)).tolist()
+        return torch.tensor([base[i] if ok[i] else math.nan for i in out.prompt_index], dtype=torch.float32)
 
     def _start_scoring(self, rows: list[dict], out: RolloutOutput) -> Any:
         """Decode and score ``out`` on the reward manager's thread (main process only; on the main
@@ -361,31 +386,42 @@ class Trainer:
         with stage(metrics, "reward_wait", fault="reward"):
             scores, extra, reward_metrics = self._finish_scoring(scoring, metrics)
         metrics.update(reward_metrics)
+        scored = scored_rows(extra, len(scores), batch.get("reward_baselines"))  # failed: left out of training
         batch["token_level_scores"] = compute_token_level_scores(
-            torch.tensor(scores, dtype=torch.float32), batch["response_mask"]
+            torch.tensor(scores, dtype=torch.float32) * scored, batch["response_mask"]
         )
         batch.set_columns("reward_components", *components_tensor(extra, len(scores)))
         with stage(metrics, "adv"):
-            self._token_level_rewards(batch, metrics)
-            batch["advantages"], batch["returns"] = self.estimator(batch.fields(), cfg.algorithm)
-        if self.use_critic:
-            with stage(metrics, "update_critic"):
-                metrics.update(self.backend.update_critic(batch))
-        if step > cfg.trainer.critic_warmup:
-            with stage(metrics, "update_actor"):
-                metrics.update(self.backend.update_actor(batch))
-            check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root)
-            with stage(metrics, "update_weights"):
-                self._push_weights()
+            token_level_rewards(batch, metrics, self.kl_in_reward, self.kl_ctrl, scored)
+            batch["advantages"], batch["returns"] = estimate_on_rows(self.estimator, batch, cfg.algorithm, scored)
+        first_error = functools.partial(self.coordinator.broadcast, self.reward.last_error)  # same on every process
+        update = self.reward_guard.allows_update(scored, step, first_error, self.ckpt.root)
+        with rows_left_out(batch, ~scored):
+            if self.use_critic and update:
+                with stage(metrics, "update_critic"):
+                    metrics.update(self.backend.update_critic(batch))
+            if step > cfg.trainer.critic_warmup and update:
+                with stage(metrics, "update_actor"):
+                    metrics.update(self.backend.update_actor(batch))
+                check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root)
+                with stage(metrics, "update_weights"):
+                    self._push_weights()
         metrics.update(
             step_metrics(
-                batch, scores=scores, components=extra, rollout=out, prompt_ids=prompt_ids, use_critic=self.use_critic
+                batch,
+                scores=scores,
+                components=extra,
+                rollout=out,
+                prompt_ids=prompt_ids,
+                use_critic=self.use_critic,
+                scored=scored,
             )
         )
         kl_on = self.kl_in_reward is not None or cfg.algorithm.kl_ctrl.type == "adaptive"
         metrics.update(progress_metrics(step, epoch, kl_coef=self.kl_ctrl.value if kl_on else None))
         step_time = time.perf_counter() - t_step
         metrics.update(throughput_metrics(batch, step_time=step_time, gen_time=metrics["timing_s/gen"]))
+        self.trackers.log_train_generations(step, cfg.trainer, rows, out, scores, batch, self.tokenizer)
         self.global_step = step
         return metrics
 
@@ -398,39 +434,19 @@ class Trainer:
         if "entropy" in res:
             metrics["actor/entropy_rollout"] = masked_mean(res["entropy"], batch["response_mask"]).item()
 
-    def _token_level_rewards(self, batch: Any, metrics: dict[str, float]) -> None:
-        """``token_level_rewards``: the scores, minus the in-reward KL penalty when it is on."""
-        if self.kl_in_reward is None:
-            batch["token_level_rewards"] = batch["token_level_scores"]
-            return
-        rewards, kl_metrics = apply_kl_penalty(
-            batch["token_level_scores"],
-            batch["old_log_probs"],
-            batch["ref_log_probs"],
-            batch["response_mask"],
-            self.kl_ctrl.value,
-            self.kl_in_reward,
-        )
-        batch["token_level_rewards"] = rewards
-        metrics.update(kl_metrics)
-        self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
-
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """Generate for the validation prompts (``rollout.val_kwargs``) and score them: ``val-core/<data_source>/
-        acc/mean@N`` and ``val-aux/<data_source>/reward/mean@N``; keeps samples for the trackers."""
+        """Generate for the validation prompts (``rollout.val_kwargs``) and score them, as ``rlplug eval`` does
+        (:func:`rlplug.evaluate.score_responses`); the metrics are :func:`rlplug.metrics.validation_metrics`'
+        (``val-core/<data_source>/acc/mean@N``, or ``.../reward/mean@N`` without an accuracy); keeps samples."""
+        from .evaluate import score_responses
+
         if self.val_ds is None or len(self.val_ds) == 0:
             return {}
         rows = [self.val_ds[i] for i in range(len(self.val_ds))][: self.cfg.data.val_max_samples or None]
         params = self.sampling_params(validation=True)
-        bs = self.cfg.data.val_batch_size or len(rows)
-        scored: list[tuple[dict, str, float, float]] = []  # (row, response, score, acc) per response
-        for start in range(0, len(rows), bs):
-            chunk = rows[start : start + bs]
-            out = self._generate([r["prompt_ids"] for r in chunk], params, label="validation")
-            texts, answered = self._decode(out), [chunk[i] for i in out.prompt_index]
-            scores, extra, _ = self.reward.score(answered, texts)
-            scored += zip(answered, texts, scores, extra.get("acc", scores))
+        generate = functools.partial(self._generate, params=params, label="validation")
+        scored = score_responses(rows, generate, self._decode, self.reward, batch_size=self.cfg.data.val_batch_size)
         self._last_val_samples = validation_samples(scored[: self.cfg.trainer.val_samples_to_log])
         return validation_metrics(scored, n=params.n)
 
@@ -509,8 +525,8 @@ class Trainer:
         final = self.run_dir / "final_model"
         self.backend.export_hf(final, self.tokenizer)
         _fault_point("export")
-        # The model folder is referenced, not copied: a second 0.5 GB copy in the run dir buys nothing.
-        self.trackers.log_params({"final_model_path": str(final.resolve())})
+        # The model folder is referenced (a param and a pointer artifact), not copied: a 0.5 GB copy buys nothing.
+        self.trackers.log_final_model(final, self.global_step)
         print(f"Training finished at step {self.global_step}; final model in {final}.", flush=True)
 
     def _run_validation(self, log_now: bool = True) -> dict[str, float]:
@@ -535,7 +551,9 @@ class Trainer:
 
 
 def run(cfg: DictConfig) -> int:
-    """Train with ``cfg`` (composed and validated); returns a process exit code."""
+    """Train with ``cfg`` (composed and validated); returns the process exit code
+    (:class:`rlplug.exit_codes.ExitCode`: 0 finished, 75 stopped by a signal after saving a
+    checkpoint, 3/4 stopped by :class:`TrainingStopped`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with contextlib.suppress(Exception):
         import transformers
@@ -545,9 +563,9 @@ def run(cfg: DictConfig) -> int:
     trainer = Trainer(cfg)
     try:
         status = trainer.fit()
-        return 0 if status in ("finished", "interrupted") else 1
+        return int(ExitCode.STOPPED_BY_SIGNAL if status == "interrupted" else ExitCode.FINISHED)
     except TrainingStopped as exc:
         print(f"Training stopped: {exc}", flush=True)
-        return 3
+        return int(exc.exit_code)
     finally:
         trainer.close()

@@ -924,7 +924,10 @@ class TrainingBackendBase:
 
     def export_hf(self, directory: str | Path, tokenizer: Any = None) -> Path:
         """Write the actor as a normal Hugging Face folder (``save_pretrained``, safetensors, plus
-        the tokenizer when given) that ``AutoModelForCausalLM.from_pretrained`` and vLLM load."""
+        the tokenizer when given) that ``AutoModelForCausalLM.from_pretrained`` and vLLM load; the
+        weights get the mode the umask gives (:func:`rlplug.checkpoint.apply_umask`)."""
+        from .checkpoint import apply_umask
+
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         model: Any = self.actor.model
@@ -935,6 +938,7 @@ class TrainingBackendBase:
             model.config.use_cache = False
         if tokenizer is not None:
             tokenizer.save_pretrained(str(out))
+        apply_umask(out)  # safetensors writes 0600: let an inference server of another user read it
         return out
 
     def close(self) -> None:

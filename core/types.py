@@ -123,6 +123,11 @@ class AdvantageEstimator:
     ``ref_log_probs`` loads the reference model) and :meth:`__call__` raises
     :class:`MissingInputError` when one is absent. A field no stage produces is a config error.
     ``group_based`` estimators need ``rollout.n >= 2`` (a config error otherwise).
+
+    Responses whose reward failed are not in ``data``: the trainer calls ``fn`` on the scored rows
+    only (``B`` counts those, so a group may hold fewer than ``rollout.n`` responses, or one) and
+    gives the others advantage 0 (:func:`rlplug.batch.estimate_on_rows`); when no reward
+    succeeded, ``fn`` is not called that step.
     """
 
     fn: AdvantageFn
@@ -243,6 +248,14 @@ class RewardFunction(Protocol):
     ``reward.kwargs.<name>`` in the config. Any plain function with this signature can be
     registered, so a verl custom reward works unchanged. With ``reward.num_workers > 0`` it runs
     in worker processes and must be picklable (a module-level function).
+
+    Accuracy: a correctness function that judges answers right or wrong reports it, either with an
+    ``"acc"`` key in its dict (1.0 correct, 0.0 wrong; the packaged ``gsm8k``, ``math_verify`` and
+    ``reasoning_gym`` do), or, when it returns a plain 0/1 float (e.g. verl's strict gsm8k score),
+    by declaring itself binary: ``fn.binary = True`` (its score is then its accuracy). Validation
+    and ``rlplug eval`` then headline ``val-core/<data_source>/acc/mean@N``; for any other reward
+    (a continuous score, a shaping term) they report the score as ``val-core/<data_source>/reward/mean@N``
+    (verl's names; :func:`rlplug.metrics.validation_metrics`).
     """
 
     def __call__(
@@ -430,6 +443,13 @@ class Tracker(Protocol):
     * ``log_table(name: str, rows: list[dict], step: int)``: e.g. validation samples.
     * ``log_artifact(path, artifact_path=None)``: a file to keep with the run.
     * ``close(status="FINISHED")``: ``FINISHED``, ``KILLED`` or ``FAILED``; idempotent.
+
+    Names: metrics are named ``<group>/<metric>`` as verl names them (``val-core/gsm8k/acc/mean@8``).
+    A tracker that rejects some characters maps names with :func:`rlplug.metrics.tracker_name`, the
+    one mapping all trackers share (``@`` becomes ``_at_``, other rejected characters ``_``; pass the
+    tracker's own ``allowed`` set), so a metric has the same name in every tracker that must change
+    it; a tracker that accepts every character logs names unchanged. :func:`rlplug.metrics.source_tags`
+    gives the rlplug version and git commit to record with the run.
     """
 
     def log_params(self, params: dict) -> None: ...

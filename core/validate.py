@@ -24,6 +24,7 @@ from .contracts import built_classes
 from .kl_control import KL_CONTROLLER_TYPES
 from .losses import LOSS_AGG_MODES
 from .registry import PluginError, Registry, get_registry
+from .reward import load_custom_reward_function
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
 
 __all__ = ["PluginChoice", "BatchPlan", "plan_batch", "uses_critic", "validate_config"]
@@ -210,6 +211,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         reward_names[f"reward.shaping[{i}].name"] = s.name
     for key, name in reward_names.items():
         _resolve(registry, "reward_function", key, name, choices)
+    load_custom_reward_function(cfg.reward.custom_reward_function)  # its file, function and reward_kwargs
     plan = plan_batch(cfg, registry)  # every required batch field has a producer
 
     # ---- algorithm constraints
@@ -218,6 +220,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses within a group, but "
             f"rollout.n={r.n}: a group of one response has no baseline. Set rollout.n to 2 or more (e.g. rollout.n=4)."
         )
+    _check_critic_warmup(cfg, plan)
     if loss.validate is not None:
         try:
             loss.validate(a)
@@ -301,6 +304,11 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
                 f"model.path={m.path}: no Hugging Face model folder there (expected {p / 'config.json'}). "
                 "Pass the folder that holds config.json, the weights and the tokenizer."
             )
+    if m.source == "tiny" and m.path and not Path(str(m.path)).expanduser().exists():
+        raise ConfigError(
+            f"model.path={m.path} does not exist, and model.source=tiny (debug=tiny or model=tiny) replaces it with "
+            "the tiny random-weight model anyway. Remove model.path, or fix it and drop debug=tiny / model=tiny."
+        )
     if not d.train_files and not d.task:
         raise ConfigError(
             "No training data: set data.train_files=[...] (parquet in verl's schema) or data.task=<reasoning-gym task>."
@@ -320,7 +328,37 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         raise ConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode}: use 'auto', 'disable' or 'resume_path'.")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>.")
+    if cfg.trainer.overwrite and cfg.trainer.resume_mode != "disable":
+        raise ConfigError(
+            f"trainer.overwrite=true moves the run directory's checkpoints aside to start a fresh run, but "
+            f"trainer.resume_mode={cfg.trainer.resume_mode} resumes one. To start fresh, add trainer.resume_mode=disable; "
+            "to resume, drop trainer.overwrite."
+        )
     return choices
+
+
+def _check_critic_warmup(cfg: DictConfig, plan: BatchPlan) -> None:
+    """``trainer.critic_warmup`` (steps in which only the critic is updated) needs a critic.
+
+    Raises :class:`ConfigError` for a negative value, and for a positive one when no critic is
+    trained (``plan.use_critic`` false): those steps would update nothing, and a preset that
+    sets a warm-up for PPO must not carry it to a critic-free algorithm.
+    """
+    warmup, c = int(cfg.trainer.critic_warmup), cfg.critic
+    if warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup={warmup} must be >= 0 (steps in which only the critic is updated).")
+    if warmup > 0 and not plan.use_critic:
+        why = (
+            "critic.enable=false"
+            if c.enable is not None
+            else f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs no values and critic.enable is unset"
+        )
+        raise ConfigError(
+            f"trainer.critic_warmup={warmup} keeps the actor frozen for the first {warmup} steps while the critic "
+            f"learns the reward scale, but no critic is trained here ({why}), so those steps would "
+            "train nothing. Set trainer.critic_warmup=0, or train a critic (critic.enable=true, or an estimator "
+            "that needs values, e.g. algorithm=ppo)."
+        )
 
 
 def _positive(value: Any, key: str) -> None:

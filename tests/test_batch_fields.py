@@ -127,9 +127,10 @@ def test_an_estimator_gets_every_field_it_requires_with_real_values(tmp_path, rl
         assert bool((data["sum_pi_squared"][i, :n] > 0).all() and (data["sum_pi_squared"][i, :n] <= 1).all())
 
     # reward_components: acc and correctness (the score, no acc reported), format only on even lengths
-    assert call["columns"]["reward_components"] == ("acc", "correctness", "format")
+    assert call["columns"]["reward_components"] == ("acc", "correctness", "format", "reward_failed")
     comp = data["reward_components"]
-    assert comp.shape == (B, 3) and comp.dtype == torch.float32
+    assert comp.shape == (B, 4) and comp.dtype == torch.float32
+    assert not comp[:, 3].any()  # no reward failed
     for i, text in enumerate(texts):
         score = len(text) / 10.0 if len(text) % 2 == 0 else -len(text) / 10.0
         assert comp[i, 0].item() == pytest.approx(score) and comp[i, 1].item() == pytest.approx(score)

@@ -82,15 +82,15 @@ def test_max_to_keep_none_keeps_all(tmp_path):
     assert m.complete_steps() == [1, 2, 3]
 
 
-def test_pointer_missing_garbage_stale_or_partial_falls_back_to_highest_complete(tmp_path, caplog):
+def test_pointer_missing_garbage_or_partial_falls_back_to_highest_complete(tmp_path, caplog):
     m = CheckpointManager(tmp_path, max_to_keep=None)
     for step in (1, 2):
         m.save(step, _writer(step))
     pointer = tmp_path / LATEST
     pointer.unlink()
     _assert_intact(m.latest(), 2)
-    # garbage (read as -1), stale (older), names no checkpoint
-    for text, read_as in (("not a number", "-1"), ("1", "1"), ("7", "7")):
+    # garbage (read as -1), names no checkpoint
+    for text, read_as in (("not a number", "-1"), ("7", "7")):
         pointer.write_text(text)
         with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
             caplog.clear()
@@ -100,6 +100,18 @@ def test_pointer_missing_garbage_stale_or_partial_falls_back_to_highest_complete
     (tmp_path / "global_step_9").mkdir()
     pointer.write_text("9")
     _assert_intact(m.latest(), 2)
+
+
+def test_an_older_pointer_naming_a_complete_checkpoint_is_followed(tmp_path, caplog, capsys):
+    """The pointer is the truth: a newer complete step beside it is reported, not used (issue 14)."""
+    m = CheckpointManager(tmp_path, max_to_keep=None)
+    for step in (1, 2):
+        m.save(step, _writer(step))
+    (tmp_path / LATEST).write_text("1")
+    with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+        _assert_intact(m.latest(), 1)
+    assert f"names step 1, but newer complete checkpoints exist beside it: {tmp_path / 'global_step_2'}" in caplog.text
+    assert "Using step 1, as the pointer says" in capsys.readouterr().out
 
 
 def test_partial_dirs_are_reported_ignored_and_removed_by_the_next_save(tmp_path, caplog):
@@ -160,15 +172,18 @@ def test_atomic_write_text(tmp_path):
 # ============================================================================ crashes
 
 
-# label -> latest complete step after a crash while saving step 3 (steps 1 and 2 saved before)
+# label -> (latest checkpoint after a crash while saving step 3, steps 1 and 2 saved before;
+#           the complete steps after the next save, of step 4, with max_to_keep=2)
 CRASH_POINTS = {
-    "ckpt_tmp_created": 2,
-    "ckpt_written": 2,
-    "ckpt_marked": 2,  # COMPLETE inside the partial dir: still not a checkpoint until renamed
-    "ckpt_renamed": 3,  # renamed, pointer still says 2: the scan finds 3
-    "pointer_tmp_written": 3,
-    "ckpt_pointer": 3,
-    "ckpt_cleanup": 3,
+    "ckpt_tmp_created": (2, [2, 4]),
+    "ckpt_written": (2, [2, 4]),
+    "ckpt_marked": (2, [2, 4]),  # COMPLETE inside the partial dir: still not a checkpoint until renamed
+    # renamed, pointer still says 2: the pointer is followed (a resume replays step 3); the
+    # complete step 3 stays until max_to_keep removes the oldest
+    "ckpt_renamed": (2, [3, 4]),
+    "pointer_tmp_written": (2, [3, 4]),  # the new pointer is only a temp file
+    "ckpt_pointer": (3, [3, 4]),
+    "ckpt_cleanup": (3, [3, 4]),
 }
 
 
@@ -182,7 +197,7 @@ def test_crash_while_saving_never_exposes_a_partial_checkpoint(tmp_path, monkeyp
     with pytest.raises(_Crash):
         m.save(3, _writer(3))
     monkeypatch.setattr(checkpoint, "_fault_point", lambda label: None)
-    expected = CRASH_POINTS[label]
+    expected, after_next_save = CRASH_POINTS[label]
     latest = m.latest()
     _assert_intact(latest, expected)
     for step in m.complete_steps():  # every directory that looks complete is complete
@@ -190,7 +205,7 @@ def test_crash_while_saving_never_exposes_a_partial_checkpoint(tmp_path, monkeyp
     # the next save succeeds and leaves a clean directory
     _assert_intact(m.save(4, _writer(4)), 4)
     assert m.partial_dirs() == []
-    assert m.complete_steps() == [expected, 4]  # max_to_keep=2
+    assert m.complete_steps() == after_next_save  # max_to_keep=2
     assert not list(tmp_path.glob(f".{LATEST}.tmp-*"))
 
 
@@ -354,6 +369,7 @@ def test_save_and_load_checkpoint_layout_state_and_rng(tmp_path):
         "config.yaml",
         "hf_meta",
         "rng_state.pt",
+        "run_fingerprint.json",
         "trainer_state.json",
     ]
     assert (path / "hf_meta" / "config.json").read_text() == '{"model_type": "llama"}'
@@ -365,6 +381,9 @@ def test_save_and_load_checkpoint_layout_state_and_rng(tmp_path):
         "data_loader": {"epoch": 1, "index": 2},
         "kl_ctrl": {"value": 0.1},
     }
+    fingerprint = json.loads((path / "run_fingerprint.json").read_text())  # of a config without the run's keys
+    assert fingerprint == checkpoint.run_fingerprint(OmegaConf.create({"a": 1}))
+    assert fingerprint["algorithm.adv_estimator"] is None and fingerprint["reward.shaping"] == []
 
     class _Trainer:  # the trainer config section resume_checkpoint reads
         resume_mode, resume_from_path = "auto", None

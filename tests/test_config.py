@@ -89,7 +89,7 @@ def stub_registry() -> Registry:
         r.register("training_backend", name, _StubTraining, "rlplug", "0.1.0")
     for name in ("console", "mlflow"):
         r.register("tracker", name, _StubTracker, "rlplug", "0.1.0")
-    for name in ("gsm8k", "reasoning_gym", "math_verify"):
+    for name in ("gsm8k", "reasoning_gym", "math_verify", "length_penalty"):  # length_penalty: debug=tiny
         r.register("reward_function", name, _noop, "rlplug", "0.1.0")
     return r
 
@@ -174,7 +174,7 @@ def test_defaults_match_the_schema():
     schema = OmegaConf.structured(RunConfig)
     assert cfg.actor.clip_ratio == schema.actor.clip_ratio == 0.2
     assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is True
-    assert cfg.trainer.experiment_name == "ppo_arithmetic"
+    assert cfg.trainer.experiment_name == "ppo_basic_arithmetic"  # <algorithm preset>_<data task>
 
 
 # ============================================================================ compose errors

@@ -147,7 +147,7 @@ def test_consecutive_bad_steps_stop_with_exit_code_3_and_intact_checkpoints(tmp_
     """NaN from step 3 on, limit 3: step 3 skips 2 optimizer steps (saved), step 4 reaches 4 -> stop."""
     from safetensors.torch import load_file
 
-    poison("grpo", steps=set(range(3, 100)), value=math.nan)
+    poisoned = poison("grpo", steps=set(range(3, 100)), value=math.nan)
     cfg = _cfg(
         tmp_path,
         "algorithm=grpo",
@@ -175,13 +175,16 @@ def test_consecutive_bad_steps_stop_with_exit_code_3_and_intact_checkpoints(tmp_
     assert any(not torch.equal(actor[1][k], actor[2][k]) for k in actor[1])  # step 2 trained
     assert all(torch.equal(actor[2][k], actor[3][k]) for k in actor[2])  # step 3 was all skipped
 
-    # the last checkpoint is usable: with a healthy estimator the run resumes and finishes
+    # the last checkpoint is usable: once the estimator is healthy again the same run resumes and finishes
+    # (the same estimator name: another one would be another run, refused by the run fingerprint)
+    poisoned.steps = set()
     assert (
         run(
             _cfg(
                 tmp_path,
                 "algorithm=grpo",
                 "rollout.n=2",
+                f"algorithm.adv_estimator={NAME}",
                 "actor.use_kl_loss=false",
                 "trainer.total_training_steps=5",
                 "trainer.save_freq=1",

@@ -223,12 +223,8 @@ def test_resume_path_to_an_incomplete_checkpoint_is_a_config_error(tmp_path):
         f"trainer.resume_from_path={partial}",
         validate=False,
     )
-    trainer = Trainer(cfg)
-    try:
-        with pytest.raises(ConfigError, match="not a complete checkpoint"):
-            trainer.fit()
-    finally:
-        trainer.close()
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        Trainer(cfg)  # refused while the run directory is opened, before any model loads
 
 
 def test_training_starts_from_the_seeded_rng_state_whatever_construction_draws(tmp_path, monkeypatch):

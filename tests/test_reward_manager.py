@@ -83,7 +83,8 @@ def test_unmapped_data_source_error_lists_sources_functions_and_fix():
     assert "'b/src'" in msg and "'c'" in msg  # the unmapped ones
     assert "Data sources found: a, b/src, c" in msg
     assert "Reward functions available: exact, plain" in msg
-    assert "reward.reward_fn_map.b/src=<name>" in msg and "reward.default=<name>" in msg
+    # concrete spellings that compose (tests/test_reward_selection.py composes them)
+    assert "Fix: reward.reward_fn_map.b/src=exact (any function listed above), or reward.default=exact" in msg
     # the default covers every source
     RewardManager(cfg(reward_fn_map={"a": "exact"}, default="plain"), registry=reg).check_data_sources({"a", "b", "c"})
 
@@ -134,7 +135,7 @@ def test_score_dispatches_per_data_source_and_combines_shaping():
     assert extra["correctness"] == [1.5, 0.5, 0.25]
     assert extra["shaping/length_penalty"] == [0.0, -0.75, 0.0]
     assert extra["length"][:2] == [2.0, 5.0] and math.isnan(extra["length"][2])  # not reported by plain
-    assert metrics == {"reward/failures": 0.0, "reward/timeouts": 0.0}
+    assert metrics == {"reward/failures": 0.0, "reward/timeouts": 0.0, "reward/failed_samples": 0.0}
 
 
 def test_one_function_as_correctness_and_as_shaping_with_its_own_kwargs():
@@ -179,7 +180,7 @@ def test_raising_and_nonfinite_rewards_get_fallback_are_counted_and_logged_once(
         m.score(rows[:1], ["boom"])  # same message again: not logged again
     assert scores == [-1.0, 1.0, -1.0, -1.0, -1.0, 1.0]
     assert extra["acc"] == [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
-    assert metrics == {"reward/failures": 4.0, "reward/timeouts": 0.0}
+    assert metrics == {"reward/failures": 4.0, "reward/timeouts": 0.0, "reward/failed_samples": 4.0}
     msgs = [r.getMessage() for r in caplog.records]
     assert sum("reward exploded" in s for s in msgs) == 1
     assert sum("non-finite score (nan)" in s for s in msgs) == 1
@@ -194,7 +195,7 @@ def test_serial_timeout_guard():
     scores, _, metrics = m.score([{"data_source": "s", "ground_truth": ""}] * 2, ["sleep", "fast"])
     assert time.perf_counter() - t0 < 5
     assert scores == [0.0, 1.0]
-    assert metrics == {"reward/failures": 1.0, "reward/timeouts": 1.0}
+    assert metrics == {"reward/failures": 1.0, "reward/timeouts": 1.0, "reward/failed_samples": 1.0}
 
 
 # ---------------------------------------------------------------------------- process pool
@@ -229,7 +230,11 @@ def test_pool_results_identical_to_serial_and_pool_reused():
         second = pooled.score(rows, resp)
         assert pooled._pool is pool and pool is not None  # created once, reused
     assert first == serial and second == serial
-    assert serial[2] == {"reward/failures": 6.0, "reward/timeouts": 0.0}  # "boom" at i = 0, 5, ..., 25
+    assert serial[2] == {
+        "reward/failures": 6.0,
+        "reward/timeouts": 0.0,
+        "reward/failed_samples": 6.0,
+    }  # "boom" at i = 0, 5, ..., 25
     assert pooled._pool is None  # closed
 
 
@@ -241,7 +246,7 @@ def test_pool_timeout_by_worker_timer_keeps_the_pool():
         scores, _, metrics = m.score([{"data_source": "s", "ground_truth": ""}] * 3, ["fast", "sleep", "fast"])
         assert time.perf_counter() - t0 < 10
         assert scores == [1.0, 0.0, 1.0]
-        assert metrics == {"reward/failures": 1.0, "reward/timeouts": 1.0}
+        assert metrics == {"reward/failures": 1.0, "reward/timeouts": 1.0, "reward/failed_samples": 1.0}
         pool = m._pool
         assert m.score([{"data_source": "s", "ground_truth": ""}], ["fast"])[0] == [1.0]
         assert m._pool is pool
@@ -304,8 +309,8 @@ def test_score_async_scores_on_one_background_thread_and_close_waits_for_it():
     assert seconds >= 0.3
     # the components as the batch field: (B, K) float32, names in order
     t, names = components_tensor(extra, 2)
-    assert names == ("acc", "correctness", "length") and t.dtype.is_floating_point and tuple(t.shape) == (2, 3)
-    assert t.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 3.0]]
+    assert names == ("acc", "correctness", "length", "reward_failed") and t.dtype.is_floating_point
+    assert t.tolist() == [[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 3.0, 0.0]]
 
     # overlap=False: scored here, before returning; an error raises here
     future = m.score_async(rows, ["4", "5"], overlap=False)

@@ -48,7 +48,7 @@ def _state_step(checkpoint_dir) -> int:
     return json.loads((checkpoint_dir / "trainer_state.json").read_text())["global_step"]
 
 
-def test_sigterm_subprocess_saves_exits_0_then_resume_finishes(tmp_path):
+def test_sigterm_subprocess_saves_exits_75_then_resume_finishes(tmp_path):
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -58,12 +58,13 @@ def test_sigterm_subprocess_saves_exits_0_then_resume_finishes(tmp_path):
     )  # in the middle of step 2's updates
     cmd = [sys.executable, "-m", "rlplug", "train", *OVERRIDES, f"trainer.default_local_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # a distinct code, so a scheduler does not take a stopped run for a finished one
+    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "RLPLUG_TEST_KILL_AT: SIGTERM at update_actor:2" in proc.stderr
     assert "Received SIGTERM: finishing the current step, then saving a checkpoint" in proc.stdout
     assert (
         f"Stopped after step 2 (a signal); checkpoint saved in {tmp_path}. "
-        "Resume with the same command (trainer.resume_mode=auto)."
+        "Resume with the same command (trainer.resume_mode=auto). Exit code 75."
     ) in proc.stdout
     manager = CheckpointManager(tmp_path)
     assert manager.complete_steps() == [2] and manager.partial_dirs() == []
@@ -79,7 +80,7 @@ def test_sigterm_subprocess_saves_exits_0_then_resume_finishes(tmp_path):
 def test_ctrl_c_in_rollout_finishes_the_step_and_restores_handlers(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RLPLUG_TEST_KILL_AT", "rollout:3:SIGINT")
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    assert run(_cfg(tmp_path, "trainer.save_freq=2")) == 0
+    assert run(_cfg(tmp_path, "trainer.save_freq=2")) == 75
     out = capsys.readouterr().out
     assert "Received SIGINT" in out and "Stopped after step 3 (a signal)" in out
     manager = CheckpointManager(tmp_path)
@@ -100,7 +101,7 @@ def test_second_signal_stops_at_once_leaving_the_last_checkpoint(tmp_path, monke
 
 def test_signal_during_a_checkpoint_save_completes_it_then_stops(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RLPLUG_TEST_KILL_AT", "ckpt_backend:1:SIGTERM")  # inside step 1's save
-    assert run(_cfg(tmp_path, "trainer.save_freq=1")) == 0
+    assert run(_cfg(tmp_path, "trainer.save_freq=1")) == 75
     assert "Stopped after step 1 (a signal)" in capsys.readouterr().out
     manager = CheckpointManager(tmp_path)
     assert manager.complete_steps() == [1] and manager.partial_dirs() == []

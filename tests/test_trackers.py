@@ -79,7 +79,7 @@ def test_console_line():
     out = io.StringIO()
     from rich.console import Console
 
-    tracker = ConsoleTracker(compose([]), console=Console(file=out, width=300))
+    tracker = ConsoleTracker(compose(["trainer.experiment_name=ppo_arithmetic"]), console=Console(file=out, width=300))
     metrics = {
         "actor/pg_loss": torch.tensor(-0.01234),
         "critic/score/mean": 0.25,
@@ -228,3 +228,139 @@ def test_mlflow_tracking_uri_env_overrides_the_local_store(mlflow_cfg, tmp_path,
     tracker.log_metrics({"a": 1.0}, step=1)
     tracker.close()
     assert tracker.client.get_run(tracker.run_id).data.metrics == {"a": 1.0}
+
+
+# ============================================================================ issue 14, item 8: MLflow content
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, expected",
+    [
+        ("val-core/gsm8k/acc/mean@8", {}, "val-core/gsm8k/acc/mean_at_8"),
+        ("a//b/./c/", {}, "a/b/c"),
+        ("reward (gsm8k)+kl=ok?", {}, "reward _gsm8k__kl_ok_"),
+        # a stricter tracker (Prometheus' [a-zA-Z0-9_:]) passes its own set: same @ rule, "/" is not a path
+        ("val-core/gsm8k/acc/mean@8", {"allowed": "A-Za-z0-9_:"}, "val_core_gsm8k_acc_mean_at_8"),
+        ("x" * 20, {"max_length": 12}, "xxx-" + __import__("hashlib").sha1(b"x" * 20).hexdigest()[:8]),
+        ("x" * 300, {"max_length": None}, "x" * 300),
+    ],
+)
+def test_tracker_name_is_one_core_mapping(name, kwargs, expected):
+    from rlplug.metrics import tracker_name
+
+    assert tracker_name(name, **kwargs) == expected
+    if not kwargs:  # the MLflow tracker maps with it
+        assert sanitize_name(name) == expected
+
+
+def test_mlflow_tables_are_readable_with_mlflow_load_table(mlflow_cfg):
+    import mlflow
+
+    tracker = MlflowTracker(mlflow_cfg)
+    name = "val_generations/step_000002.json"
+    tracker.log_table(name, [{"prompt": "1+1?", "response": "two", "score": 1.0}], step=2)
+    tracker.log_table(name, [{"prompt": "2+2?", "response": "007", "score": 0.0, "extra": "x"}], step=2)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracker.tracking_uri)  # load_table searches runs through the global client
+    try:
+        mlflow.set_experiment(experiment_id=tracker.experiment_id)
+        frame = mlflow.load_table(f"tables/{name}", run_ids=[tracker.run_id])
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert list(frame.columns) == ["step", "prompt", "response", "score", "extra"]
+    assert frame["prompt"].tolist() == ["1+1?", "2+2?"] and frame["step"].tolist() == [2, 2]
+    assert frame["score"].tolist() == [1.0, 0.0]
+    # the file itself keeps text as text (pandas' reader guesses "007" is 7; the stored JSON does not)
+    raw = _artifact_json(tracker, f"tables/{name}")
+    assert raw["data"] == [[2, "1+1?", "two", 1.0, None], [2, "2+2?", "007", 0.0, "x"]]
+    tracker.close()
+
+
+def test_mlflow_run_is_tagged_with_the_rlplug_version_and_git_commit(mlflow_cfg):
+    import importlib.metadata
+    import subprocess
+
+    import rlplug
+
+    root = Path(rlplug.__file__).resolve().parent.parent
+    tracker = MlflowTracker(mlflow_cfg)
+    tags = tracker.client.get_run(tracker.run_id).data.tags
+    tracker.close()
+    assert tags["rlplug.version"] == importlib.metadata.version("rlplug")
+    if (root / ".git").exists():  # an editable install from a checkout (as in this repository)
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert tags["rlplug.git_commit"] == head.stdout.strip() and len(tags["rlplug.git_commit"]) == 40
+        assert tags["rlplug.git_dirty"] in ("true", "false")
+    else:
+        assert "rlplug.git_commit" not in tags
+
+
+def test_source_tags_without_git(monkeypatch):
+    from rlplug import metrics
+
+    metrics._source_tags.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")  # no git executable: the commit is absent, nothing raises
+    try:
+        tags = metrics.source_tags()
+    finally:
+        metrics._source_tags.cache_clear()
+    assert set(tags) == {"rlplug.version"}
+
+
+def test_training_run_logs_rollouts_validation_tables_and_a_final_model_pointer(tmp_path, monkeypatch):
+    """A 2-step tiny run with the MLflow tracker: training rollouts (trainer.log_train_generations=1),
+    validation samples as tables mlflow.load_table reads, and the final model as a pointer artifact."""
+    import mlflow
+    from _helpers import TINY_CPU_RUN, run_config
+
+    from rlplug.trainer import Trainer
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = run_config(
+        TINY_CPU_RUN,
+        tmp_path / "run",
+        "algorithm=grpo",
+        "rollout.n=2",
+        "trainer.logger=[mlflow]",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=0",
+        "data.val_max_samples=2",
+        "trainer.log_train_generations=1",
+        "trainer.train_samples_to_log=3",
+    )
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.fit() == "finished"
+    finally:
+        trainer.close()
+    tracker = MlflowTracker(cfg)  # the store of the run (continued: it has a checkpoint)
+    run = tracker.client.get_run(tracker.run_id)
+    assert tracker.resumed and run.data.tags["rlplug.version"]
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracker.tracking_uri)
+    try:
+        mlflow.set_experiment(experiment_id=tracker.experiment_id)
+        train = [
+            mlflow.load_table(f"tables/train_generations/step_00000{s}.json", run_ids=[tracker.run_id]) for s in (1, 2)
+        ]
+        val = mlflow.load_table("tables/val_generations/step_000002.json", run_ids=[tracker.run_id])
+    finally:
+        mlflow.set_tracking_uri(previous)
+    for step, frame in zip((1, 2), train):
+        assert len(frame) == 3 and frame["step"].tolist() == [step] * 3
+        assert list(frame.columns)[:1] == ["step"]
+        assert {"prompt", "response", "score", "advantage", "ground_truth", "data_source"} <= set(frame.columns)
+        # GRPO, 2 responses per prompt (the first 2 rows are one group, scores s1, s2): the advantage is
+        # (s - mean) / (std + 1e-6) with std the unbiased |s1 - s2| / sqrt(2), so +-sqrt(2)/2 (0 if s1 == s2)
+        (s1, s2), (a1, a2) = frame["score"].tolist()[:2], frame["advantage"].tolist()[:2]
+        sign = (s1 > s2) - (s1 < s2)
+        assert (a1, a2) == pytest.approx((sign * 2**-0.5, -sign * 2**-0.5), abs=1e-4)
+    assert len(val) == 2 and val["step"].tolist() == [2, 2]  # data.val_max_samples=2, rollout.val_kwargs.n=1
+    pointer = json.loads(Path(tracker.client.download_artifacts(tracker.run_id, "final_model.json")).read_text())
+    final = (tmp_path / "run" / "final_model").resolve()
+    assert pointer["final_model_path"] == str(final) == run.data.params["final_model_path"]
+    assert pointer["global_step"] == 2
+    assert pointer["files"]["model.safetensors"] == (final / "model.safetensors").stat().st_size
+    assert not [a.path for a in tracker.client.list_artifacts(tracker.run_id) if a.path == "final_model"]  # no copy
+    tracker.close()

@@ -22,21 +22,29 @@ kept in ``<run_dir>/mlflow_run.json``; when the trainer will resume from a check
 or ``resume_mode=resume_path``) that MLflow run is continued, so a resumed training keeps one
 metric history; otherwise (a fresh start) a new run is created.
 
-MLflow restricts names to letters, digits, ``_ - . / :`` and space, 250 characters: other
-characters become ``_`` (``@`` becomes ``_at_``: ``val-core/x/acc/mean@8`` is logged as
-``val-core/x/acc/mean_at_8``). Parameter values longer than 6000 characters are truncated (the
-full config is also logged as the artifact ``config.yaml``).
+What a run holds in MLflow: the flattened config as params (and the artifact ``config.yaml``);
+the tags ``rlplug.version``, ``rlplug.git_commit`` and ``rlplug.git_dirty`` (the git keys only
+when rlplug runs from a git checkout, :func:`rlplug.metrics.source_tags`); every step's metrics;
+the tables ``tables/val_generations/step_<N>.json`` (validation samples) and, with
+``trainer.log_train_generations``, ``tables/train_generations/step_<N>.json`` (training rollouts
+with score and advantage), both readable with ``mlflow.load_table``; and for a finished run the
+param ``final_model_path`` and the artifact ``final_model.json``, a pointer to the exported folder
+(path, step, files and sizes; the weights are not copied).
+
+Names: MLflow restricts keys to letters, digits, ``_ - . / :`` and space, 250 characters. Every
+tracker that restricts names maps them with the one function :func:`rlplug.metrics.tracker_name`
+(``console`` prints them unchanged): ``@`` becomes ``_at_`` (``val-core/x/acc/mean@8`` is logged as
+``val-core/x/acc/mean_at_8``), other characters ``_``. Parameter values longer than 6000
+characters are truncated (the full config is also logged as the artifact ``config.yaml``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
 import posixpath
-import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -45,6 +53,7 @@ from typing import Any
 
 import rlplug
 from rlplug.config import config_get
+from rlplug.metrics import TRACKER_NAME_CHARS, source_tags, tracker_name
 
 __all__ = [
     "ConsoleTracker",
@@ -55,6 +64,7 @@ __all__ = [
     "KEY_METRICS",
     "MAX_PARAM_VALUE_LENGTH",
     "MAX_NAME_LENGTH",
+    "MLFLOW_NAME_CHARS",
 ]
 
 log = logging.getLogger("rlplug.trackers")
@@ -133,24 +143,19 @@ def flatten_params(params: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
-_BAD_CHARS = re.compile(r"[^/\w.\- :]")
+#: The characters MLflow accepts in metric and param keys (``mlflow.utils.validation``).
+MLFLOW_NAME_CHARS = TRACKER_NAME_CHARS
 
 
 def sanitize_name(name: str) -> str:
-    """Make ``name`` a valid MLflow metric/param key.
+    """Make ``name`` a valid MLflow metric/param key: :func:`rlplug.metrics.tracker_name` with MLflow's
+    characters (letters, digits, ``_ - . / :`` and space) and its 250-character limit.
 
-    Keeps letters, digits, ``_ - . / :`` and space; ``@`` becomes ``_at_``, any other character
-    ``_``. Empty, ``.`` and ``..`` path segments (which MLflow rejects) are dropped or escaped;
-    names over 250 characters are cut and end in a short hash so they stay distinct.
-    Example: ``val-core/gsm8k/acc/mean@8`` -> ``val-core/gsm8k/acc/mean_at_8``.
+    ``@`` becomes ``_at_``, any other character ``_``; empty, ``.`` and ``..`` path segments (which
+    MLflow rejects) are dropped or escaped; longer names are cut and end in a short hash so they stay
+    distinct. Example: ``val-core/gsm8k/acc/mean@8`` -> ``val-core/gsm8k/acc/mean_at_8``.
     """
-    clean = _BAD_CHARS.sub("_", str(name).replace("@", "_at_"))
-    parts = [("__" if p == ".." else p) for p in clean.split("/") if p not in ("", ".")]
-    clean = "/".join(parts) or "_"
-    if len(clean) > MAX_NAME_LENGTH:
-        digest = hashlib.sha1(str(name).encode()).hexdigest()[:8]
-        clean = clean[: MAX_NAME_LENGTH - 9].rstrip("/") + "-" + digest
-    return clean
+    return tracker_name(name, allowed=MLFLOW_NAME_CHARS, max_length=MAX_NAME_LENGTH)
 
 
 def _truncate(value: str, limit: int = MAX_PARAM_VALUE_LENGTH) -> str:
@@ -337,6 +342,7 @@ class MlflowTracker:
             run_id = run.info.run_id
             self._params = {}
         self.run_id: str = run_id
+        self._log_source_tags()
         (self.run_dir / _RUN_FILE).write_text(
             json.dumps({"run_id": self.run_id, "tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id})
         )
@@ -381,6 +387,14 @@ class MlflowTracker:
         self.resumed = True
         self._params = dict(run.data.params)
         return run.info.run_id
+
+    def _log_source_tags(self) -> None:
+        """Tag the run with :func:`rlplug.metrics.source_tags` (``rlplug.version``, ``rlplug.git_commit``,
+        ``rlplug.git_dirty``); a resumed run gets the tags of the code that continues it."""
+        from mlflow.entities import RunTag
+
+        tags = [RunTag(k, v) for k, v in source_tags().items()]
+        self.client.log_batch(self.run_id, tags=tags, synchronous=True)
 
     def _log_config_yaml(self, config: Any) -> None:
         try:
@@ -434,12 +448,17 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=items[i : i + _MAX_METRICS_PER_BATCH], synchronous=True)
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
-        """Log ``rows`` as the JSON table artifact ``tables/<name>`` (``.json`` added if missing).
+        """Log ``rows`` as the MLflow table ``tables/<name>`` (``.json`` added if missing), with a
+        leading ``step`` column.
 
-        The file uses MLflow's table layout (``{"columns": [...], "data": [[...], ...]}``, shown as
-        a table in the UI's artifact view) with a leading ``step`` column. Logging to the same
-        name again appends rows (also after a resume). Values that are not JSON scalars are
-        stored as text; text stays text (no type guessing).
+        It is written with ``MlflowClient.log_table``, so ``mlflow.load_table("tables/<name>",
+        run_ids=[run_id])`` reads it back as a ``pandas.DataFrame`` and the UI shows it as a table
+        (the file is pandas' ``orient="split"`` JSON: ``{"columns": [...], "data": [[...], ...]}``).
+        Logging to the same name again appends rows (also after a resume): the whole table is
+        rewritten from the rows kept here, not through MLflow's own append, which re-reads the old
+        rows with pandas' type guessing (``"007"`` would become ``7``). Values that are not JSON
+        scalars are stored as text; text stays text in the file (``load_table`` itself reads with
+        pandas, which guesses types).
         """
         artifact = posixpath.join("tables", "/".join(p for p in str(name).split("/") if p not in ("", ".", "..")))
         if not artifact.endswith(".json"):
@@ -458,22 +477,38 @@ class MlflowTracker:
             values = {str(k): v for k, v in row.items()}
             values["step"] = int(step)
             data.append([_json_scalar(values.get(c)) for c in columns])
-        self.client.log_dict(self.run_id, {"columns": columns, "data": data}, artifact)
+        self._write_table(artifact, table)
+
+    def _write_table(self, artifact: str, table: dict) -> None:
+        import pandas as pd
+
+        frame = pd.DataFrame(table["data"], columns=table["columns"], dtype=object)  # object: no type guessing
+        if not table.get("exists"):  # the first write registers it as a table (what mlflow.load_table finds)
+            self.client.log_table(self.run_id, data=frame, artifact_file=artifact)
+            table["exists"] = True
+            return
+        with tempfile.TemporaryDirectory(prefix="rlplug-table-") as tmp:  # replace the file with the whole table
+            local = Path(tmp) / posixpath.basename(artifact)
+            frame.to_json(local, orient="split", index=False)
+            self.client.log_artifact(self.run_id, str(local), posixpath.dirname(artifact))
 
     def _existing_table(self, artifact: str) -> dict:
-        """The table already logged under ``artifact`` (e.g. before a resume), or an empty one."""
+        """The table already logged under ``artifact`` (e.g. before a resume), or an empty one; ``exists``
+        says whether the artifact file is there (then it is rewritten whole, see :meth:`log_table`)."""
+        empty: dict = {"columns": ["step"], "data": [], "exists": False}
         try:
             folder = posixpath.dirname(artifact)
             if artifact not in {a.path for a in self.client.list_artifacts(self.run_id, folder)}:
-                return {"columns": ["step"], "data": []}
+                return empty
+            empty["exists"] = True
             with tempfile.TemporaryDirectory() as tmp:
                 local = self.client.download_artifacts(self.run_id, artifact, tmp)
                 table = json.loads(Path(local).read_text())
             if list(table.get("columns", []))[:1] == ["step"] and isinstance(table.get("data"), list):
-                return {"columns": list(table["columns"]), "data": [list(r) for r in table["data"]]}
+                return {"columns": list(table["columns"]), "data": [list(r) for r in table["data"]], "exists": True}
         except Exception as exc:  # unreadable: start a new table (the old file is overwritten)
             log.warning("Could not read the existing MLflow table %s (%s); starting it afresh.", artifact, exc)
-        return {"columns": ["step"], "data": []}
+        return empty
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Copy a file or a folder (recursively) into the run's artifacts under ``artifact_path``.

@@ -605,6 +605,8 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         others only take part in the gathers. Collective."""
         from transformers import AutoModelForCausalLM
 
+        from rlplug.checkpoint import apply_umask
+
         out = Path(directory)
         state = self._full_actor_state_on_main()
         if self.is_main_process:
@@ -623,6 +625,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
             model.save_pretrained(str(out), safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(out))
+            apply_umask(out)  # safetensors writes 0600; model files follow the umask
         del state
         self._barrier()
         return out
