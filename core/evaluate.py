@@ -49,8 +49,9 @@ def score_responses(
     None: all at once). Returns one :class:`rlplug.metrics.ScoredResponse` per response, in prompt order;
     :func:`rlplug.metrics.validation_metrics` turns them into the metrics.
     """
-    from .reward import ACC_REPORTED
+    from .reward import ACC_REPORTED, FAILED
 
+    skip = {"acc", "correctness", FAILED, ACC_REPORTED}  # reported by the fields of ScoredResponse itself
     rows = list(rows)
     size = int(batch_size or len(rows) or 1)
     scored: list[ScoredResponse] = []
@@ -59,9 +60,13 @@ def score_responses(
         out = generate([list(r["prompt_ids"]) for r in chunk])
         texts = decode(out)
         scores, extra, _ = reward.score([chunk[i] for i in out.prompt_index], texts, report_acc=True)
+        names = [k for k in extra if k not in skip and not k.startswith("shaping/")]
         for j, i in enumerate(out.prompt_index):
+            components = {k: float(extra[k][j]) for k in names if extra[k][j] is not None}
             scored.append(
-                ScoredResponse(chunk[i], start + i, texts[j], scores[j], extra["acc"][j], bool(extra[ACC_REPORTED][j]))
+                ScoredResponse(
+                    chunk[i], start + i, texts[j], scores[j], extra["acc"][j], bool(extra[ACC_REPORTED][j]), components
+                )
             )
     return scored
 

@@ -182,6 +182,8 @@ class ScoredResponse(NamedTuple):
     acc: float
     #: whether the correctness function reported an accuracy (an ``acc`` key, or ``fn.binary = True``)
     acc_reported: bool
+    #: the other numbers the correctness function reported (``format``, ``correct_unformatted`` ...)
+    components: Mapping[str, float] = {}
 
 
 def core_metric(scored: Sequence[ScoredResponse]) -> str:
@@ -204,7 +206,9 @@ def validation_metrics(scored: Sequence[ScoredResponse], n: int) -> dict[str, fl
     * ``val-core/<data_source>/<m>/best@<n>`` (``n > 1``): the mean over prompts of the best of each
       prompt's ``n`` values; for a 0/1 ``acc`` this is pass@n. verl's ``best@N/mean`` estimates the
       same quantity by bootstrap resampling; rlplug reports the exact maximum over the ``n`` responses;
-    * when ``<m>`` is ``acc``, the score too: ``val-aux/<data_source>/reward/mean@<n>`` (and ``best@<n>``).
+    * when ``<m>`` is ``acc``, the score too: ``val-aux/<data_source>/reward/mean@<n>`` (and ``best@<n>``);
+    * ``val-aux/<data_source>/<name>/mean@<n>`` for every other number the reward reported
+      (:attr:`ScoredResponse.components`, e.g. gsm8k's ``format``), over the responses that report it.
 
     ``acc`` values are the reward's ``acc`` (:attr:`ScoredResponse.acc`; a response whose reward failed
     counts 0.0); ``reward`` values are the sequence scores. Returns ``{}`` for no responses.
@@ -223,6 +227,10 @@ def validation_metrics(scored: Sequence[ScoredResponse], n: int) -> dict[str, fl
             metrics[f"{name}/mean@{n}"] = float(np.mean([np.mean(v) for v in per_prompt.values()]))
             if n > 1:
                 metrics[f"{name}/best@{n}"] = float(np.mean([max(v) for v in per_prompt.values()]))
+        for comp in sorted({k for s in mine for k in s.components}):
+            values = [s.components[comp] for s in mine if comp in s.components and math.isfinite(s.components[comp])]
+            if values:
+                metrics[f"val-aux/{src}/{comp}/mean@{n}"] = float(np.mean(values))
     return metrics
 
 

@@ -66,7 +66,7 @@ def test_every_reward_is_registered_through_the_entry_point():
 )
 def test_gsm8k_strict(response, gt, expected_acc):
     out = gsm8k(DS, response, gt)
-    assert out == {"score": expected_acc, "acc": expected_acc}
+    assert (out["score"], out["acc"]) == (expected_acc, expected_acc)
 
 
 @pytest.mark.parametrize(
@@ -88,9 +88,26 @@ def test_gsm8k_flexible(response, gt, expected):
 
 def test_gsm8k_format_score_and_score_like_verl():
     # wrong but well-formed answer -> format_score; no answer at all -> 0 (verl's compute_score)
-    assert gsm8k(DS, "#### 71", "72", format_score=0.1) == {"score": 0.1, "acc": 0.0}
-    assert gsm8k(DS, "no answer", "72", format_score=0.1) == {"score": 0.0, "acc": 0.0}
-    assert gsm8k(DS, "#### 72", "72", score=2.0) == {"score": 2.0, "acc": 1.0}
+    diag = {"format": 1.0, "correct_unformatted": 0.0}
+    assert gsm8k(DS, "#### 71", "72", format_score=0.1) == {"score": 0.1, "acc": 0.0, **diag}
+    assert gsm8k(DS, "no answer", "72", format_score=0.1) == {"score": 0.0, "acc": 0.0, **diag, "format": 0.0}
+    assert gsm8k(DS, "#### 72", "72", score=2.0) == {"score": 2.0, "acc": 1.0, **diag}
+
+
+@pytest.mark.parametrize(
+    "response, method, fmt, unformatted",
+    [
+        ("3 + 4 = 7\n#### 7", "strict", 1.0, 0.0),  # right and formatted
+        ("3 + 4 = 7", "strict", 0.0, 1.0),  # right but no answer line: the GRPO collapse of issue 15
+        ("3 + 4 = 7", "flexible", 0.0, 1.0),  # the diagnostics do not depend on the method
+        ("3 + 4 = 8", "strict", 0.0, 0.0),  # wrong, unformatted
+        ("#### 8", "flexible", 1.0, 0.0),  # wrong, formatted
+        ("#### seven", "strict", 0.0, 0.0),  # no number after ####: not the format
+    ],
+)
+def test_gsm8k_reports_the_format_and_correct_but_unformatted_answers(response, method, fmt, unformatted):
+    out = gsm8k(DS, response, "7", method=method)
+    assert (out["format"], out["correct_unformatted"]) == (fmt, unformatted)
 
 
 def test_gsm8k_rejects_unknown_method():

@@ -139,14 +139,27 @@ def gsm8k(
     verl: ``verl/utils/reward_score/gsm8k.py::compute_score``. ``method="strict"`` reads the last
     ``#### <number>``; ``"flexible"`` the last number in the response. Returns
     ``{"score": score if correct, format_score if a number was extracted but wrong, else 0.0,
-    "acc": 1.0 or 0.0}``. Differs from verl: numbers are compared as numbers (``72.0 == 72``,
-    ``1,000 == 1000``), spaces/``$``/``**`` after ``####`` are tolerated, and in ``10-2`` the
-    ``-`` is an operator, not a sign.
+    "acc": 1.0 or 0.0, "format": ..., "correct_unformatted": ...}``. The last two are diagnostics
+    whatever the ``method`` (they do not change the score): ``format`` is 1.0 when the response
+    has a ``#### <number>`` answer line, ``correct_unformatted`` 1.0 when it has none but its last
+    number is the right answer. Their batch means (``critic/format/mean``,
+    ``critic/correct_unformatted/mean``; ``val-aux/<source>/format/mean@N`` in validation) show a
+    policy drifting away from the answer format within a few steps. Differs from verl: numbers are
+    compared as numbers (``72.0 == 72``, ``1,000 == 1000``), spaces/``$``/``**`` after ``####``
+    are tolerated, and in ``10-2`` the ``-`` is an operator, not a sign; verl returns a float.
     """
     pred = extract_hash_answer(solution_str, method)
+    strict = pred if method == "strict" else extract_hash_answer(solution_str, "strict")
+    formatted = strict is not None
+    diagnostics = {
+        "format": 1.0 if formatted else 0.0,
+        "correct_unformatted": 0.0
+        if formatted
+        else float(_numbers_equal(extract_hash_answer(solution_str, "flexible"), ground_truth)),
+    }
     if _numbers_equal(pred, ground_truth):
-        return {"score": float(score), "acc": 1.0}
-    return {"score": float(format_score) if pred is not None else 0.0, "acc": 0.0}
+        return {"score": float(score), "acc": 1.0, **diagnostics}
+    return {"score": float(format_score) if pred is not None else 0.0, "acc": 0.0, **diagnostics}
 
 
 def _validate_gsm8k(kwargs: dict) -> None:

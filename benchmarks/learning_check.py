@@ -1,0 +1,179 @@
+"""Does a recipe learn? Train it for N steps on several seeds and compare held-out accuracy.
+
+    python benchmarks/learning_check.py ppo  --seeds 3 --steps 20          # the default experiment
+    python benchmarks/learning_check.py grpo --seeds 3 --steps 20          # experiment=grpo_arithmetic
+    python benchmarks/learning_check.py grpo --seeds 2 --jobs 2 -- actor.optim.lr=5e-6   # extra overrides
+
+Each seed is a fresh run of the recipe's committed command (``rlplug train <recipe overrides>``)
+with ``trainer.seed`` (sampling) and ``data.seed`` (data order) both set to the seed, one torch
+thread and a one-thread rollout engine, validation before training and at step N. The run
+directory is ``<out>/<recipe>/seed_<S>``: rerunning the same command resumes an interrupted seed
+from its checkpoint (validations already seen are kept in ``validations.jsonl`` there).
+
+Prints per seed the held-out metric before and after (``val-core/<source>/acc/mean@1``: verl's
+strict accuracy) and a PASS/FAIL line: every seed must gain at least ``--threshold`` percentage
+points. Writes ``<out>/<recipe>/summary.json``. Exit code
+0 when every seed passes, 1 otherwise.
+
+``--jobs`` seeds run at once (each with one thread): on a 2-core machine ``--jobs 2`` halves the
+wall time at the cost of runs that overlap (say so when reporting the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+#: recipe -> (rlplug train overrides, metric prefix, default threshold)
+RECIPES: dict[str, tuple[list[str], str, float]] = {
+    "ppo": ([], "val-core/basic_arithmetic/acc/mean@1", 10.0),
+    "grpo": (["experiment=grpo_arithmetic"], "val-core/basic_arithmetic/acc/mean@1", 10.0),
+}
+_VAL = re.compile(r"^validation @ step (\d+): (.*)$")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def parse_validation(line: str) -> tuple[int, dict[str, float]] | None:
+    """``(step, metrics)`` of a trainer line ``validation @ step N: key=value, ...``, else None."""
+    m = _VAL.match(line.strip())
+    if not m:
+        return None
+    metrics = {}
+    for part in m.group(2).split(", "):
+        key, _, value = part.rpartition("=")
+        try:
+            metrics[key] = float(value)
+        except ValueError:
+            continue
+    return int(m.group(1)), metrics
+
+
+def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict:
+    """Train one seed (resuming its directory), return ``{seed, before, after, log}``."""
+    overrides, key, _ = RECIPES[recipe]
+    run_dir = out / recipe / f"seed_{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlplug",
+        "train",
+        *overrides,
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps}",
+        f"trainer.save_freq={max(1, min(5, steps))}",
+        "trainer.max_wall_time_s=null",
+        "trainer.num_threads=1",
+        "rollout.num_threads=1",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={run_dir}",
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    history = run_dir / "validations.jsonl"
+    log_path = run_dir / "train.log"
+    t0 = time.time()
+    with (
+        open(log_path, "a") as log,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc,
+    ):
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            parsed = parse_validation(line)
+            if parsed is not None:
+                with open(history, "a") as h:
+                    h.write(json.dumps({"step": parsed[0], "metrics": parsed[1]}) + "\n")
+        rc = proc.wait()
+    vals = {}
+    if history.is_file():
+        for line in history.read_text().splitlines():
+            item = json.loads(line)
+            vals[int(item["step"])] = item["metrics"]
+    before, after = vals.get(0, {}).get(key), vals.get(steps, {}).get(key)
+    return {
+        "seed": seed,
+        "exit_code": rc,
+        "before": before,
+        "after": after,
+        "wall_s": round(time.time() - t0, 1),
+        "log": str(log_path),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", choices=sorted(RECIPES))
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threshold", type=float, default=None, help="minimum gain per seed (default: the recipe's)")
+    p.add_argument("--jobs", type=int, default=1, help="seeds trained at once")
+    p.add_argument("--out", default="checkpoints/learning_check")
+    p.add_argument("overrides", nargs="*", help="extra rlplug overrides (after --)")
+    args = p.parse_args(argv)
+    _, key, default_threshold = RECIPES[args.recipe]
+    threshold = default_threshold if args.threshold is None else args.threshold
+    scale = 100.0 if "/acc/" in key else 1.0  # accuracy in percentage points
+    out = Path(args.out)
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; recipe {args.recipe}, {args.steps} steps, seeds {seeds}")
+    print(f"metric: {key}; pass: every seed gains >= {threshold:g}{' points' if scale == 100 else ''}", flush=True)
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda s: run_seed(args.recipe, s, args.steps, out, args.overrides), seeds))
+    ok = True
+    for r in results:
+        if r["before"] is None or r["after"] is None:
+            ok = False
+            print(f"seed {r['seed']}: no result (exit code {r['exit_code']}; see {r['log']})")
+            continue
+        gain = (r["after"] - r["before"]) * scale
+        r["gain"] = gain
+        ok &= gain >= threshold
+        d = 1 if scale == 100.0 else 3
+        print(
+            f"seed {r['seed']}: {r['before'] * scale:.{d}f} -> {r['after'] * scale:.{d}f} (gain {gain:+.{d}f}) "
+            f"in {r['wall_s']:.0f} s{'' if gain >= threshold else '  <- below the threshold'}"
+        )
+    gains = [r["gain"] for r in results if "gain" in r]
+    if gains:
+        d = 1 if scale == 100.0 else 3
+        print(f"gain: mean {sum(gains) / len(gains):+.{d}f}, min {min(gains):+.{d}f}, max {max(gains):+.{d}f}")
+    print(f"{'PASS' if ok else 'FAIL'}: {args.recipe}, {len(seeds)} seeds, {args.steps} steps, threshold {threshold:g}")
+    summary = {
+        "recipe": args.recipe,
+        "steps": args.steps,
+        "metric": key,
+        "threshold": threshold,
+        "cpu": cpu_model(),
+        "jobs": args.jobs,
+        "overrides": args.overrides,
+        "results": results,
+        "pass": ok,
+    }
+    (out / args.recipe).mkdir(parents=True, exist_ok=True)
+    (out / args.recipe / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
