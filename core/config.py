@@ -151,6 +151,14 @@ class ActorConfig:
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    #: divisor of loss_agg_mode=seq-mean-token-sum-norm (tokens); None: data.max_response_length
+    loss_scale_factor: int | None = None
+    #: SAPO (policy_loss=sapo): gate temperature for tokens with A > 0 (verl's tau_pos)
+    tau_pos: float = 1.0
+    #: SAPO: gate temperature for tokens with A <= 0 (verl's tau_neg)
+    tau_neg: float = 1.05
+    #: DRO (policy_loss=dro): coefficient of the 0.5 * beta * log_ratio^2 penalty; must be set > 0
+    dro_beta: float | None = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -253,6 +261,12 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    #: GDPO (adv_estimator=gdpo): the reward components (columns of the batch's reward_components, i.e.
+    #: the names a reward function reports in its dict, e.g. [correctness, format]; a pattern such as
+    #: "shaping/*" matches several) normalised separately within each group (verl's name; None: unset)
+    gdpo_reward_keys: list[str] | None = None
+    #: GDPO: one weight per gdpo_reward_keys entry for the weighted sum (None: all 1.0, as verl)
+    gdpo_reward_weights: list[float] | None = None
 
 
 @dataclass

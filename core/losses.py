@@ -30,6 +30,7 @@ __all__ = [
     "masked_whiten",
     "agg_loss",
     "agg_normalizer",
+    "seq_norm_length",
     "value_loss",
     "entropy_from_logits",
     "compute_token_level_scores",
@@ -39,6 +40,7 @@ __all__ = [
 #: The loss aggregation modes (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -134,14 +136,37 @@ def agg_normalizer(mask: torch.Tensor, loss_agg_mode: str) -> float:
     """The normaliser :func:`agg_loss` divides by, for the mask of a whole mini-batch.
 
     ``token-mean``: number of valid tokens; every ``seq-mean-*`` mode: number of sequences with at
-    least one valid token. ``mask`` ``(B, T)``. Returns a Python float (the caller all-reduces it
+    least one valid token; ``token-sum``: the number of valid tokens too, although :func:`agg_loss`
+    does not divide by it (it only tells the update loop whether the mini-batch has a valid token).
+    ``mask`` ``(B, T)``. Returns a Python float (the caller all-reduces it
     across ranks in multi-process training). Raises ``ValueError`` for an unknown mode.
     """
     _check_mode(loss_agg_mode)
     valid = _valid(mask)
-    if loss_agg_mode == "token-mean":
+    if loss_agg_mode in ("token-mean", "token-sum"):
         return float(_as_float_mask(mask, torch.empty((), dtype=torch.float32)).sum().item())
     return float(valid.any(dim=-1).sum().item())
+
+
+def seq_norm_length(config: object, max_response_length: int | None) -> int | None:
+    """The divisor of ``seq-mean-token-sum-norm``: ``actor.loss_scale_factor`` when it is set,
+    else ``max_response_length`` (``data.max_response_length``, tokens).
+
+    ``config`` is the ``actor`` section (DictConfig, dataclass, dict or ``None``). verl's
+    ``agg_loss(..., loss_scale_factor)`` falls back to the padded length of the micro-batch
+    instead **(differs from verl: a constant, so the loss does not depend on how the batch was
+    padded or split)**. Raises ``ValueError`` for a ``loss_scale_factor`` that is not a positive
+    integer (tokens; verl's type is ``int`` too).
+    """
+    factor = config_get(config, "loss_scale_factor", None)
+    if factor is None:
+        return max_response_length
+    if isinstance(factor, bool) or not float(factor).is_integer() or not float(factor) > 0:
+        raise ValueError(
+            f"actor.loss_scale_factor = {factor} but it divides the seq-mean-token-sum-norm loss and must be a "
+            "positive integer (tokens, e.g. data.max_response_length), or null for data.max_response_length."
+        )
+    return int(factor)
 
 
 def agg_loss(
@@ -159,10 +184,14 @@ def agg_loss(
     sequences only, i.e. rows with at least one valid token):
 
     * ``token-mean``: ``sum(L*M) / normalizer`` (normalizer = valid tokens).
+    * ``token-sum``: ``sum(L*M)``; the normaliser is not used (verl's ``token-sum``: the sum over
+      every valid token of the mini-batch, whatever the split).
     * ``seq-mean-token-sum``: ``sum_i sum_t L*M / normalizer`` (normalizer = valid sequences).
     * ``seq-mean-token-mean``: ``sum_i (sum_t L*M / sum_t M) / normalizer``.
     * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum_i (sum_t L*M / max_response_length) / normalizer``
-      **(differs from verl, which divides by the padded length and sums over sequences)**.
+      **(differs from verl, which divides by the padded length unless ``loss_scale_factor`` is set)**;
+      pass :func:`seq_norm_length` ``(actor_config, data.max_response_length)`` as
+      ``max_response_length`` to honour ``actor.loss_scale_factor``.
 
     Because every contribution uses the global normaliser, summing them over any split of the
     mini-batch gives the full mini-batch loss and gradient **(differs from verl's default worker,
@@ -188,6 +217,8 @@ def agg_loss(
         )
     if loss_agg_mode == "token-mean":
         return masked_sum(loss_mat, mask) / normalizer
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     seq_sum = masked_sum(loss_mat, mask, dim=-1)  # (B,)
     valid_seq = _valid(mask).any(dim=-1)  # (B,)
     if loss_agg_mode == "seq-mean-token-sum":

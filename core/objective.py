@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import config_get
-from .losses import agg_loss, masked_mean, value_loss
+from .losses import agg_loss, masked_mean, seq_norm_length, value_loss
 from .types import BATCH_FIELD_PRODUCERS, MissingInputError
 
 if TYPE_CHECKING:
@@ -159,7 +159,8 @@ def actor_objective(
         loss_agg_mode: ``actor.loss_agg_mode`` (see :data:`rlplug.losses.LOSS_AGG_MODES`).
         normalizer: the WHOLE mini-batch's count (:func:`rlplug.losses.agg_normalizer`, summed over
             the micro-batches and ranks); > 0.
-        max_response_length: ``data.max_response_length`` (tokens), for ``seq-mean-token-sum-norm``.
+        max_response_length: ``data.max_response_length`` (tokens), for ``seq-mean-token-sum-norm``;
+            ``actor.loss_scale_factor``, when set, replaces it (:func:`rlplug.losses.seq_norm_length`).
         kl_penalty: the KL estimator of the KL loss (``actor.kl_loss_type``), or ``None`` without
             ``actor.use_kl_loss``.
         on_policy_reuse: the batch has no ``old_log_probs`` because the update is on-policy (one
@@ -185,6 +186,8 @@ def actor_objective(
             (shapes, aggregation mode).
     """
     mask = _require(tensors, "response_mask", "the valid response tokens")
+    # actor.loss_scale_factor replaces data.max_response_length in every term (verl's global_batch_info)
+    max_response_length = seq_norm_length(config, max_response_length)
     old_log_probs = (
         log_probs.detach()
         if on_policy_reuse

@@ -123,6 +123,7 @@ class AdvantageEstimator:
     ``ref_log_probs`` loads the reference model) and :meth:`__call__` raises
     :class:`MissingInputError` when one is absent. A field no stage produces is a config error.
     ``group_based`` estimators need ``rollout.n >= 2`` (a config error otherwise).
+    ``validate(algorithm_config)`` (or ``None``) runs at config time and raises ``ValueError``.
 
     Responses whose reward failed are not in ``data``: the trainer calls ``fn`` on the scored rows
     only (``B`` counts those, so a group may hold fewer than ``rollout.n`` responses, or one) and
@@ -134,6 +135,7 @@ class AdvantageEstimator:
     requires: tuple[str, ...] = ()
     group_based: bool = False
     description: str = ""
+    validate: Callable[[Any], None] | None = None
 
     @property
     def uses_critic(self) -> bool:

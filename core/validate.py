@@ -221,6 +221,11 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
             f"rollout.n={r.n}: a group of one response has no baseline. Set rollout.n to 2 or more (e.g. rollout.n=4)."
         )
     _check_critic_warmup(cfg, plan)
+    if getattr(estimator, "validate", None) is not None:
+        try:
+            estimator.validate(cfg.algorithm)
+        except ValueError as exc:
+            raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: {exc}") from exc
     if loss.validate is not None:
         try:
             loss.validate(a)
@@ -229,6 +234,11 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     for key, mode in (("actor.loss_agg_mode", a.loss_agg_mode), ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
         if mode is not None and mode not in LOSS_AGG_MODES:
             raise ConfigError(f"{key}={mode} is not a loss aggregation mode. Use one of: {', '.join(LOSS_AGG_MODES)}.")
+    if a.loss_scale_factor is not None and not a.loss_scale_factor > 0:
+        raise ConfigError(
+            f"actor.loss_scale_factor={a.loss_scale_factor}: it divides the seq-mean-token-sum-norm loss, so it must "
+            "be > 0 (tokens, e.g. data.max_response_length), or null for data.max_response_length."
+        )
     if cfg.algorithm.kl_ctrl.type not in KL_CONTROLLER_TYPES:
         raise ConfigError(
             f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type}: use one of {', '.join(KL_CONTROLLER_TYPES)}."

@@ -51,6 +51,18 @@ def run_config(overrides: list[str], run_dir: str | Path, *extra: str, validate:
     return cfg
 
 
+def fit(cfg: Any) -> str:
+    """Build a :class:`rlplug.trainer.Trainer` for ``cfg``, train (``fit``) and close it; returns
+    ``fit``'s status (``"finished"`` or ``"interrupted"``)."""
+    from rlplug.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
 def manual_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
     """Reference greedy decoding: argmax of the full-sequence logits, one token at a time, no KV
     cache, no padding. Returns the ``steps`` new token ids."""

@@ -73,13 +73,14 @@ def stub_registry() -> Registry:
     """
     r = Registry(load_entry_points=False)
     r.register("advantage_estimator", "gae", AdvantageEstimator(_noop, requires=("values",)), "rlplug", "0.1.0")
-    for name in ("grpo", "rloo"):
+    # group estimators; opo ... optimal_token_baseline: the packaged presets of issue 16
+    for name in ("grpo", "rloo", "opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline"):
         r.register(
             "advantage_estimator", name, AdvantageEstimator(_noop, ("index",), group_based=True), "rlplug", "0.1.0"
         )
     r.register("advantage_estimator", "reinforce_plus_plus", AdvantageEstimator(_noop), "rlplug", "0.1.0")
     r.register("advantage_estimator", "remax", AdvantageEstimator(_noop, ("reward_baselines",)), "rlplug", "0.1.0")
-    for name in ("vanilla", "dual_clip"):
+    for name in ("vanilla", "dual_clip", "gspo", "sapo", "gpg", "geo_mean", "cispo"):
         r.register("policy_loss", name, PolicyLoss(_noop), "rlplug", "0.1.0")
     for name in ("kl", "low_var_kl"):
         r.register("kl_penalty", name, KLPenalty(_noop), "rlplug", "0.1.0")
@@ -225,9 +226,11 @@ def test_bad_value_type_is_a_config_error():
     [
         (
             ["algorithm.adv_estimator=grp"],
-            "algorithm.adv_estimator=grp: Unknown advantage estimator 'grp'. Did you mean 'grpo'? Available: "
-            "gae (rlplug 0.1.0), grpo (rlplug 0.1.0), reinforce_plus_plus (rlplug 0.1.0), remax (rlplug 0.1.0), "
-            "rloo (rlplug 0.1.0). Run 'rlplug plugins' to see what is installed (the plugin may not be installed).",
+            "algorithm.adv_estimator=grp: Unknown advantage estimator 'grp'. Did you mean 'grpo' or 'gpg' or 'gdpo'? "
+            "Available: gae (rlplug 0.1.0), gdpo (rlplug 0.1.0), gpg (rlplug 0.1.0), grpo (rlplug 0.1.0), "
+            "grpo_passk (rlplug 0.1.0), opo (rlplug 0.1.0), optimal_token_baseline (rlplug 0.1.0), "
+            "reinforce_plus_plus (rlplug 0.1.0), remax (rlplug 0.1.0), rloo (rlplug 0.1.0). "
+            "Run 'rlplug plugins' to see what is installed (the plugin may not be installed).",
         ),
         (
             ["data.train_batch_size=8", "actor.ppo_mini_batch_size=16"],
@@ -268,7 +271,7 @@ def test_bad_value_type_is_a_config_error():
         (
             ["actor.loss_agg_mode=token_mean"],
             "actor.loss_agg_mode=token_mean is not a loss aggregation mode. Use one of: token-mean, "
-            "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.",
+            "token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.",
         ),
         (
             ["trainer.logger=[console,wandb]"],

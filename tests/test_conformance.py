@@ -39,7 +39,12 @@ def test_packaged_advantage_estimators(name, norm):
 
 @pytest.mark.parametrize("name", _names("policy_loss"))
 def test_packaged_policy_losses(name):
-    check_policy_loss(name)
+    from omegaconf import OmegaConf
+
+    from rlplug.config import ActorConfig
+
+    # rlplug's defaults, plus the one hyperparameter without a default (dro's, verl's dro_beta: null)
+    check_policy_loss(name, OmegaConf.structured(ActorConfig(dro_beta=0.1)))
 
 
 @pytest.mark.parametrize("name", _names("kl_penalty"))

@@ -17,6 +17,7 @@ from rlplug.losses import (
     masked_sum,
     masked_var,
     masked_whiten,
+    seq_norm_length,
     value_loss,
 )
 
@@ -82,6 +83,8 @@ LM = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     [
         # valid losses 1, 2, 4 over 3 tokens
         ("token-mean", 7 / 3, 3.0),
+        # verl's token-sum: 1 + 2 + 4, never divided (the normaliser, 3 tokens, only says "not empty")
+        ("token-sum", 7.0, 3.0),
         # sequence sums 3 and 4 over the 2 valid sequences (row 3 is empty and left out)
         ("seq-mean-token-sum", (3 + 4) / 2, 2.0),
         # per-sequence means 3/2 and 4/1 -> (1.5 + 4) / 2
@@ -117,6 +120,26 @@ def test_agg_loss_errors():
     with pytest.raises(ValueError, match=r"\(B, T\)"):
         agg_loss(L, LM[:, :2], "token-mean", 1.0)
     assert agg_loss(L, torch.zeros_like(LM), "token-mean", None).item() == 0.0
+
+
+def test_token_sum_ignores_the_normalizer():
+    # any split of the mini-batch adds up to the sum over its valid tokens: 3 + 4
+    assert agg_loss(L, LM, "token-sum", 123.0).item() == pytest.approx(7.0)
+    parts = [agg_loss(L[rows], LM[rows], "token-sum", 3.0) for rows in ([0], [1, 2])]
+    assert sum(p.item() for p in parts) == pytest.approx(7.0)
+
+
+def test_loss_scale_factor_replaces_max_response_length():
+    # seq-mean-token-sum-norm: sequence sums 3 and 4; divided by loss_scale_factor 2 -> (1.5 + 2) / 2
+    assert seq_norm_length({"loss_scale_factor": 2}, 4) == 2.0
+    assert seq_norm_length({"loss_scale_factor": None}, 4) == 4
+    assert seq_norm_length(None, 4) == 4
+    horizon = seq_norm_length({"loss_scale_factor": 2}, 4)
+    assert agg_loss(L, LM, "seq-mean-token-sum-norm", 2.0, horizon).item() == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="actor.loss_scale_factor = 0 but it divides"):
+        seq_norm_length({"loss_scale_factor": 0}, 4)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        seq_norm_length({"loss_scale_factor": 2.5}, 4)
 
 
 def _ragged_mask(B, T, g, min_len=0):

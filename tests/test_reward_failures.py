@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _helpers import TINY_CPU_RUN, run_config
+from _helpers import TINY_CPU_RUN, fit, run_config
 
 import rlplug
 from rlplug.batch import Batch, estimate_on_rows, rows_left_out
@@ -23,7 +23,7 @@ from rlplug.exit_codes import ExitCode
 from rlplug.metrics import step_metrics
 from rlplug.registry import Registry, get_registry
 from rlplug.reward import FAILED, RewardFailureGuard, RewardManager, scored_rows
-from rlplug.trainer import Trainer, run
+from rlplug.trainer import run
 from rlplug.types import AdvantageEstimator, RolloutOutput
 
 # ----------------------------------------------------------------------------- reward functions
@@ -245,11 +245,7 @@ def test_partly_failing_rewards_train_on_the_scored_responses(tmp_path, reward):
             "trainer.total_training_steps=3",
             "trainer.save_freq=0",
         )
-        trainer = Trainer(cfg)
-        try:
-            assert trainer.fit() == "finished"
-        finally:
-            trainer.close()
+        assert fit(cfg) == "finished"
     finally:
         registry.pm.unregister(collector)
         registry.entries["advantage_estimator"].pop("test_rec", None)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import TINY_CPU_RUN, run_config
+from _helpers import TINY_CPU_RUN, fit, run_config
 from safetensors.torch import load_file
 
 from rlplug.checkpoint import (
@@ -56,19 +56,11 @@ GRPO = TINY_CPU_RUN + [
 ]
 
 
-def _fit(cfg) -> str:
-    trainer = Trainer(cfg)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
-
-
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory) -> Path:
     """A finished PPO run: complete checkpoints of steps 1, 2, 3, the pointer at 3, final_model."""
     run_dir = tmp_path_factory.mktemp("ppo_run")
-    assert _fit(run_config(PPO, run_dir)) == "finished"
+    assert fit(run_config(PPO, run_dir)) == "finished"
     assert CheckpointManager(run_dir).complete_steps() == [1, 2, 3]
     return run_dir
 
@@ -314,7 +306,7 @@ def test_overwrite_moves_the_old_run_aside_and_starts_fresh(used_dir, capsys):
     cfg = run_config(
         PPO, used_dir, "trainer.resume_mode=disable", "trainer.overwrite=true", "trainer.total_training_steps=1"
     )
-    assert _fit(cfg) == "finished"
+    assert fit(cfg) == "finished"
     out = capsys.readouterr().out
     assert "Resumed from" not in out
     (aside,) = (used_dir / "overwritten").iterdir()

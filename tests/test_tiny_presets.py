@@ -13,11 +13,11 @@ scores differ and the actor was updated.
 from __future__ import annotations
 
 import pytest
+from _helpers import fit
 
 import rlplug
 from rlplug.config import compose, config_dir
 from rlplug.registry import get_registry
-from rlplug.trainer import Trainer
 from rlplug.validate import validate_config
 
 PRESETS = sorted(p.stem for p in (config_dir() / "algorithm").glob("*.yaml"))
@@ -67,11 +67,7 @@ def test_debug_tiny_updates_the_actor(preset, tmp_path):
     try:
         cfg = compose([*FAST, f"algorithm={preset}", f"trainer.default_local_dir={tmp_path}"])
         validate_config(cfg)
-        trainer = Trainer(cfg)
-        try:
-            assert trainer.fit() == "finished"
-        finally:
-            trainer.close()
+        assert fit(cfg) == "finished"
     finally:
         pm.unregister(rec)
     m = rec.metrics

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import TINY_CPU_RUN, run_config
+from _helpers import TINY_CPU_RUN, fit, run_config
 
 from rlplug.config import ConfigError, compose
 from rlplug.registry import KINDS, UnknownPluginError, get_registry
@@ -51,19 +51,11 @@ def _cfg(tmp_path, *extra: str):
     return run_config(BASE, tmp_path, *extra, validate=False)
 
 
-def _fit(cfg) -> str:
-    trainer = Trainer(cfg)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
-
-
 @pytest.fixture(scope="module")
 def one_step_checkpoint(tmp_path_factory) -> Path:
     """A run directory with a complete checkpoint of step 1 (copied per test before tampering)."""
     run_dir = tmp_path_factory.mktemp("clean_run")
-    assert _fit(_cfg(run_dir, "trainer.total_training_steps=1", "trainer.save_freq=1")) == "finished"
+    assert fit(_cfg(run_dir, "trainer.total_training_steps=1", "trainer.save_freq=1")) == "finished"
     return run_dir
 
 
@@ -98,7 +90,7 @@ def test_checkpoint_with_a_pickled_object_is_refused_not_executed(one_step_check
     with pytest.raises(
         ConfigError, match=r"Refusing to resume from .*global_step_1: .*Unsupported global: GLOBAL exec"
     ) as info:
-        _fit(_cfg(run_dir, "trainer.total_training_steps=2"))
+        fit(_cfg(run_dir, "trainer.total_training_steps=2"))
     assert "trainer.resume_mode=disable" in str(info.value)
     assert "weights_only=False" not in str(info.value)  # torch's advice to unpickle anyway is not passed on
     assert "safe_globals" not in str(info.value)
@@ -110,7 +102,7 @@ def test_weights_file_holding_a_pickle_is_refused_not_executed(one_step_checkpoi
     payload = _pickled_payload(tmp_path, marker, "optimizer")
     run_dir = _tampered_copy(one_step_checkpoint, tmp_path, "backend/actor/model.safetensors", payload)
     with pytest.raises(Exception) as info:  # safetensors rejects the header; nothing is unpickled
-        _fit(_cfg(run_dir, "trainer.total_training_steps=2"))
+        fit(_cfg(run_dir, "trainer.total_training_steps=2"))
     assert "safetensor" in type(info.value).__name__.lower() or "header" in str(info.value).lower()
     assert not marker.exists()
 
@@ -120,7 +112,7 @@ def test_untampered_checkpoint_resumes(one_step_checkpoint, tmp_path):
     run_dir = _tampered_copy(
         one_step_checkpoint, tmp_path, "COMPLETE", (one_step_checkpoint / "global_step_1" / "COMPLETE").read_bytes()
     )
-    assert _fit(_cfg(run_dir, "trainer.total_training_steps=2")) == "finished"
+    assert fit(_cfg(run_dir, "trainer.total_training_steps=2")) == "finished"
 
 
 # ============================================================================ remote code

@@ -1,6 +1,7 @@
-"""Policy losses (kind ``policy_loss``): PPO's clipped surrogate and its dual-clip variant.
+"""Policy losses (kind ``policy_loss``): PPO's clipped surrogate, its dual-clip variant, and the
+other losses of verl's ``core_algos.py`` (gspo, sapo, gpg, geo_mean, dro, cispo, dppo_tv, dppo_kl).
 
-Both have the one policy-loss signature (:class:`rlplug.types.PolicyLoss`)::
+Every loss has the one policy-loss signature (:class:`rlplug.types.PolicyLoss`)::
 
     fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
        max_response_length=None, rollout_is_weights=None) -> (loss, metrics)
@@ -8,22 +9,54 @@ Both have the one policy-loss signature (:class:`rlplug.types.PolicyLoss`)::
 ``old_log_probs``, ``log_probs``, ``advantages``, ``response_mask`` are ``(B, T) float32``
 (log-probs in nats of the sampled tokens), ``config`` is the ``actor`` config section,
 ``loss_agg_mode`` / ``normalizer`` / ``max_response_length`` go to :func:`rlplug.losses.agg_loss`
-(``normalizer``: the whole mini-batch's count), and ``rollout_is_weights`` ``(B, T) float32`` or
-``None`` are detached truncated importance weights against the rollout engine
-(``actor.rollout_is_threshold``, computed by :func:`rlplug.objective.truncated_is_weights`): each
-token's loss is multiplied by its weight before aggregation, as verl's ``compute_policy_loss_*``
-do. They return a scalar loss tensor (this micro-batch's contribution to the mini-batch loss) and
-``dict[str, float]`` metrics computed as masked means over THIS micro-batch's valid tokens (the
-caller weights them), from the unweighted per-token terms:
+(``normalizer``: the whole mini-batch's count; ``actor.loss_scale_factor`` replaces
+``max_response_length`` when set), and ``rollout_is_weights`` ``(B, T) float32`` or ``None`` are
+detached truncated importance weights against the rollout engine (``actor.rollout_is_threshold``,
+computed by :func:`rlplug.objective.truncated_is_weights`): each token's loss is multiplied by its
+weight before aggregation, as verl's ``compute_policy_loss_*`` do (``geo_mean``, whose loss is one
+number per sequence, uses the geometric mean of its tokens' weights). Values on padded positions
+never reach the loss or the gradient. They return a scalar loss tensor (this micro-batch's
+contribution to the mini-batch loss) and ``dict[str, float]`` metrics computed as masked means over
+THIS micro-batch's valid tokens (the caller weights them), from the unweighted per-token terms:
+``pg_clipfrac``, ``pg_clipfrac_lower`` (0.0 for a loss without such a clip) and ``ppo_kl`` (masked
+mean of ``old_log_probs - log_probs``, nats, with the loss's own clamp of the log-ratio).
 
-* ``pg_clipfrac``: share of valid tokens where the clipped term is the larger one (``L2 > L1``);
-* ``pg_clipfrac_lower``: share of valid tokens with ``A < 0`` where the dual-clip bound
-  ``-A * clip_ratio_c`` is active (always 0.0 for ``vanilla``, which has no such bound);
-* ``ppo_kl``: masked mean of ``old_log_probs - log_probs`` (nats).
+The losses (``r = exp(clamp(log_probs - old_log_probs, -20, 20))``, ``A`` the advantage, ``sg``
+stop-gradient, ``eps_low`` / ``eps_high`` = ``actor.clip_ratio_low`` / ``clip_ratio_high``, both
+defaulting to ``actor.clip_ratio``), per valid token unless said otherwise:
 
-Source: verl ``compute_policy_loss_vanilla`` (``verl/trainer/ppo/core_algos.py``); PPO
-(Schulman et al. 2017); dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with
-Deep Reinforcement Learning"). Unlike verl, ``vanilla`` has no dual clip; ``dual_clip`` adds it.
+* ``vanilla`` (PPO, Schulman et al. 2017): ``max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high))``;
+  ``pg_clipfrac``: share where the clipped term is the larger.
+* ``dual_clip`` (Ye et al. 2020): as vanilla, capped at ``-A * clip_ratio_c`` where ``A < 0``;
+  ``pg_clipfrac_lower``: share with ``A < 0`` where the cap is active.
+* ``gspo`` (Zheng et al. 2025, GSPO): the sequence ratio ``s_i = exp(mean_t(log_probs - old_log_probs))``
+  replaces ``r`` with the token-level gradient of GSPO-token: ``s_it = exp(min(sg(log s_i) +
+  log_probs - sg(log_probs), 10))``, then the vanilla clip. Use ``seq-mean-token-mean``.
+* ``sapo`` (SAPO, arXiv 2511.20347): ``-A * f(r)`` with the soft gate
+  ``f(r) = sigmoid(tau (r - 1)) * 4 / tau``, ``tau = actor.tau_pos`` where ``A > 0``, else
+  ``actor.tau_neg``. Use ``seq-mean-token-mean``.
+* ``gpg`` (Chu et al. 2025, GPG): the plain policy gradient ``-A * log_probs``.
+* ``geo_mean`` (Zhao et al. 2025, GMPO): one loss per sequence, ``-mean_t(A) * exp(mean_t(l_t))``
+  with the log-ratio ``l_t = log_probs - old_log_probs`` clipped to ``[-eps_low, eps_high]`` on the
+  side the sign of ``A`` makes pessimistic, counted on each of the sequence's valid tokens.
+  ``pg_clipfrac`` / ``pg_clipfrac_lower``: share of valid tokens with a clipped ``l_t`` and
+  ``A > 0`` / ``A < 0``. Use ``seq-mean-token-mean`` (= verl's mean over sequences).
+* ``dro`` (Richemond et al. 2024, Direct Reward Optimisation): ``-(A * log_probs -
+  0.5 * actor.dro_beta * (log_probs - old_log_probs)^2)``.
+* ``cispo`` (MiniMax-M1, MiniMax 2025): ``-sg(clamp(r, 1 - eps_low, 1 + eps_high)) * A * log_probs``;
+  ``pg_clipfrac``: share where the clamp is active.
+* ``dppo_tv`` / ``dppo_kl`` (Divergence PPO, arXiv 2602.04879): ``-A * sg(min(r, clip_ratio_c)) *
+  log_probs * v`` with ``v`` (no gradient) 0 on tokens that left the trust region: ``dppo_tv`` by the
+  probability difference ``p - p_old > eps_high`` (``A > 0``) or ``< -eps_low`` (``A <= 0``),
+  ``dppo_kl`` by the binary KL ``p_old log(p_old/p) + (1 - p_old) log((1 - p_old)/(1 - p)) > eps``
+  moving in the advantage's direction. ``pg_clipfrac``: share with ``v = 0``;
+  ``pg_clipfrac_lower``: share with ``v = 1`` and ``r > clip_ratio_c``.
+
+Source: verl ``compute_policy_loss_vanilla``, ``_gspo``, ``_sapo``, ``_gpg``, ``_geo_mean``, ``_dro``,
+``_cispo``, ``_dppo_tv``, ``_dppo_kl`` (``verl/trainer/ppo/core_algos.py``). Unlike verl, ``vanilla``
+has no dual clip (``dual_clip`` adds it); ``gspo``, ``sapo`` and ``geo_mean`` aggregate with
+``actor.loss_agg_mode`` like every loss (verl forces a sequence mean; the presets set
+``seq-mean-token-mean``, which equals it); see ``docs/algorithms.md`` for every difference.
 """
 
 from __future__ import annotations
@@ -34,10 +67,25 @@ import torch
 
 import rlplug
 from rlplug.config import config_get
-from rlplug.losses import agg_loss, masked_mean
+from rlplug.losses import agg_loss, masked_mean, seq_norm_length
 from rlplug.types import PolicyLoss
 
-__all__ = ["vanilla_policy_loss", "dual_clip_policy_loss", "validate_dual_clip"]
+__all__ = [
+    "vanilla_policy_loss",
+    "dual_clip_policy_loss",
+    "validate_dual_clip",
+    "gspo_policy_loss",
+    "sapo_policy_loss",
+    "validate_sapo",
+    "gpg_policy_loss",
+    "geo_mean_policy_loss",
+    "dro_policy_loss",
+    "validate_dro",
+    "cispo_policy_loss",
+    "dppo_tv_policy_loss",
+    "dppo_kl_policy_loss",
+    "validate_dppo",
+]
 
 
 def _clip_range(config: Any) -> tuple[float, float]:
@@ -123,7 +171,7 @@ def vanilla_policy_loss(
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
     l1, l2, per_token = _surrogate(old_log_probs, log_probs, advantages, config)
     per_token = _weighted(per_token, rollout_is_weights)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
     return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask)
 
 
@@ -171,8 +219,432 @@ def dual_clip_policy_loss(
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, l3), clipped)
     per_token = _weighted(per_token, rollout_is_weights)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
     return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask, lower_clipped=(clipped > l3) & negative)
+
+
+# --------------------------------------------------------------------------- verl's other losses
+def _ppo_kl(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Masked mean of ``-log_ratio`` = ``old_log_probs - log_probs`` (nats), no gradient."""
+    with torch.no_grad():
+        return float(masked_mean(-log_ratio, response_mask).item())
+
+
+def _share(flags: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Share of the valid tokens where ``flags`` holds, no gradient."""
+    with torch.no_grad():
+        return float(masked_mean(flags.float(), response_mask).item())
+
+
+def _prepare(old_log_probs, log_probs, advantages, response_mask):
+    """Check the shapes and put 0.0 on padded positions of the three inputs, so that garbage there
+    (NaN, inf, huge log-ratios) reaches neither the loss nor, through ``exp``, the gradient."""
+    _check_shapes(old_log_probs, log_probs, advantages, response_mask)
+    valid = response_mask != 0
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    return (
+        torch.where(valid, old_log_probs, zero),
+        torch.where(valid, log_probs, zero),
+        torch.where(valid, advantages, zero),
+    )
+
+
+def _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights):
+    """``agg_loss(w * per_token)`` with ``actor.loss_scale_factor`` honoured (see :func:`seq_norm_length`)."""
+    per_token = _weighted(per_token, rollout_is_weights)
+    return agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
+
+
+def _number(config: Any, key: str, default: Any, loss: str, expected: str) -> float:
+    value = config_get(config, key, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"actor.{key} must be a number {expected} for the {loss} policy loss, got {value!r}."
+        ) from None
+
+
+def gspo_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), its GSPO-token form.
+
+    ``log s_i = mean over the valid tokens of (log_probs - old_log_probs)`` (no clamp), per token
+    ``s_it = exp(min(sg(log s_i) + log_probs - sg(log_probs), 10))`` (value ``s_i``, the gradient of
+    the token's own log-prob), ``L1 = -A s_it``, ``L2 = -A clamp(s_it, 1 - clip_ratio_low,
+    1 + clip_ratio_high)``, per-token loss ``max(L1, L2)`` times ``rollout_is_weights`` (or not),
+    aggregated with ``loss_agg_mode`` (the paper's and verl's is ``seq-mean-token-mean``; verl
+    forces it whatever ``actor.loss_agg_mode`` says, rlplug honours the setting: the loss only gets
+    the normaliser of the configured mode). GSPO's clip ranges are small (the recipe: 3e-4 / 4e-4).
+    Metrics: ``pg_clipfrac`` (share where ``L2 > L1``), ``pg_clipfrac_lower`` 0.0, ``ppo_kl``.
+    Source: verl ``compute_policy_loss_gspo``. Raises ``ValueError`` on mismatched shapes or a bad
+    aggregation.
+    """
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    low, high = _clip_range(config)
+    log_ratio = new - old
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # (B,)
+    log_s = torch.clamp(new - new.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    s = torch.exp(log_s)
+    l1 = -adv * s
+    l2 = -adv * torch.clamp(s, 1.0 - low, 1.0 + high)
+    per_token = torch.maximum(l1, l2)
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {
+        "pg_clipfrac": _share(l2 > l1, response_mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": _ppo_kl(log_ratio, response_mask),
+    }
+
+
+def validate_sapo(config: Any) -> None:
+    """Raise ``ValueError`` unless ``actor.tau_pos`` (1.0) and ``actor.tau_neg`` (1.05) are > 0
+    (the gate divides by them)."""
+    for key, default in (("tau_pos", 1.0), ("tau_neg", 1.05)):
+        tau = _number(config, key, default, "sapo", "> 0")
+        if not tau > 0:
+            raise ValueError(
+                f"actor.{key} = {tau} but the sapo policy loss's gate sigmoid(tau (r - 1)) * 4 / tau needs it > 0; "
+                f"set actor.{key}, e.g. {default} (the paper's value)."
+            )
+
+
+def sapo_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): a soft gate instead of a clip.
+
+    ``r = exp(clamp(log_probs - old_log_probs, -20, 20))``, ``tau = actor.tau_pos`` (1.0) where
+    ``A > 0`` else ``actor.tau_neg`` (1.05), per-token loss ``-A * sigmoid(tau (r - 1)) * 4 / tau``
+    (the gradient at ``r = 1`` is the policy gradient's, and it fades smoothly away from it) times
+    ``rollout_is_weights`` (or not), aggregated with ``loss_agg_mode`` (verl forces
+    ``seq-mean-token-mean``; rlplug honours the setting, see :func:`gspo_policy_loss`). Metrics:
+    ``pg_clipfrac`` and ``pg_clipfrac_lower`` 0.0 (no clip), ``ppo_kl``. Source: verl
+    ``compute_policy_loss_sapo``. Raises ``ValueError`` for ``tau <= 0``, mismatched shapes or a
+    bad aggregation.
+    """
+    validate_sapo(config)
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    tau_pos = float(config_get(config, "tau_pos", 1.0))
+    tau_neg = float(config_get(config, "tau_neg", 1.05))
+    log_ratio = torch.clamp(new - old, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    per_token = -gate * adv
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(log_ratio, response_mask)}
+
+
+def gpg_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline"): the plain
+    policy gradient, per-token loss ``-A * log_probs`` times ``rollout_is_weights`` (or not),
+    aggregated with ``loss_agg_mode``. No ratio and no clip: ``old_log_probs`` only feed ``ppo_kl``.
+    Metrics: ``pg_clipfrac`` and ``pg_clipfrac_lower`` 0.0, ``ppo_kl`` **(verl returns no metrics)**.
+    Source: verl ``compute_policy_loss_gpg``. Raises ``ValueError`` on mismatched shapes or a bad
+    aggregation.
+    """
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    per_token = -new * adv
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(new - old, response_mask)}
+
+
+def geo_mean_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): the geometric mean of the
+    token ratios of a sequence.
+
+    Per token ``l = log_probs - old_log_probs`` (no clamp, as verl), ``c = clamp(l, -clip_ratio_low,
+    clip_ratio_high)``, the pessimistic one ``l* = sgn(A) * min(sgn(A) l, sgn(A) c)`` (for ``A > 0``
+    only a too-large ``l`` is clipped, for ``A < 0`` only a too-small one; 0 where ``A = 0``). Per
+    sequence ``loss_i = -mean_t(A) * exp(mean_t(l*))`` over its valid tokens, times the geometric mean
+    ``exp(mean_t(log(w + 1e-10)))`` of its ``rollout_is_weights`` (or not). Each of the sequence's
+    valid tokens carries ``loss_i``, and ``loss_agg_mode`` aggregates them: ``seq-mean-token-mean``
+    gives verl's mean over sequences **(verl ignores ``loss_agg_mode`` and takes the mean over the
+    micro-batch's rows, empty ones included; rlplug divides by the whole mini-batch's count of
+    non-empty sequences)**. The gradient of ``loss_i`` is the same on every unclipped token of the
+    sequence (``-mean(A) exp(mean(l*)) / len_i``) and 0 on clipped ones. Metrics: ``pg_clipfrac``
+    / ``pg_clipfrac_lower``: share of valid tokens with ``l != c`` and ``A > 0`` / ``A < 0``;
+    ``ppo_kl``. Source: verl ``compute_policy_loss_geo_mean``. Raises ``ValueError`` on mismatched
+    shapes or a bad aggregation.
+    """
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    low, high = _clip_range(config)
+    log_ratio = new - old
+    clamped = torch.clamp(log_ratio, -low, high)
+    sign = torch.sign(adv)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    seq_ratio = torch.exp(masked_mean(pessimistic, response_mask, dim=-1))  # (B,)
+    seq_adv = masked_mean(adv, response_mask, dim=-1)  # (B,)
+    seq_loss = -seq_adv * seq_ratio
+    if rollout_is_weights is not None:
+        if rollout_is_weights.shape != log_probs.shape:
+            raise ValueError(
+                f"rollout_is_weights has shape {tuple(rollout_is_weights.shape)} but the policy loss inputs are "
+                f"{tuple(log_probs.shape)}; both must be (B, T)."
+            )
+        w = rollout_is_weights.detach()
+        seq_loss = seq_loss * torch.exp(masked_mean(torch.log(w + 1e-10), response_mask, dim=-1))
+    per_token = seq_loss.unsqueeze(-1).expand_as(log_ratio)
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, None)
+    clipped = log_ratio != clamped
+    return loss, {
+        "pg_clipfrac": _share(clipped & (adv > 0), response_mask),
+        "pg_clipfrac_lower": _share(clipped & (adv < 0), response_mask),
+        "ppo_kl": _ppo_kl(log_ratio, response_mask),
+    }
+
+
+def validate_dro(config: Any) -> None:
+    """Raise ``ValueError`` unless ``actor.dro_beta`` (no default) is set and > 0."""
+    beta = config_get(config, "dro_beta", None)
+    if beta is None:
+        raise ValueError(
+            "actor.dro_beta is not set, but the dro policy loss needs the coefficient of its quadratic log-ratio "
+            "penalty 0.5 * dro_beta * (log_probs - old_log_probs)^2; set actor.dro_beta > 0, e.g. 0.1."
+        )
+    beta = _number(config, "dro_beta", None, "dro", "> 0")
+    if not beta > 0:
+        raise ValueError(f"actor.dro_beta = {beta} but the dro policy loss needs it > 0; set actor.dro_beta, e.g. 0.1.")
+
+
+def dro_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DRO (Direct Reward Optimisation, Richemond et al. 2024) with a quadratic log-ratio penalty.
+
+    Per-token loss ``-(A * log_probs - 0.5 * beta * (log_probs - old_log_probs)^2)`` with ``beta =
+    actor.dro_beta`` (must be set, > 0), times ``rollout_is_weights`` (or not), aggregated with
+    ``loss_agg_mode``. Metrics: ``pg_clipfrac`` and ``pg_clipfrac_lower`` 0.0, ``ppo_kl``
+    **(verl reports only ``ppo_kl``)**. Source: verl ``compute_policy_loss_dro`` (which reads
+    ``actor.policy_loss.dro_beta``; rlplug's ``actor.policy_loss`` is the loss's name, so the leaf
+    is ``actor.dro_beta``). Raises ``ValueError`` for a missing or non-positive ``dro_beta``,
+    mismatched shapes or a bad aggregation.
+    """
+    validate_dro(config)
+    beta = float(config_get(config, "dro_beta", None))
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    log_ratio = new - old
+    per_token = -(new * adv - 0.5 * beta * log_ratio.square())
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(log_ratio, response_mask)}
+
+
+def cispo_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, MiniMax 2025, arXiv 2506.13585): clip the importance weight, keep every
+    token's gradient.
+
+    ``r = exp(clamp(log_probs - old_log_probs, -20, 20))``, per-token loss
+    ``-sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A * log_probs`` (the clipped weight
+    is detached, so a clipped token still gets the gradient ``-clip(r) A``) times
+    ``rollout_is_weights`` (or not), aggregated with ``loss_agg_mode``. Metrics: ``pg_clipfrac``
+    (share where the clamp changed ``r``), ``pg_clipfrac_lower`` 0.0, ``ppo_kl``. Source: verl
+    ``compute_policy_loss_cispo``. Raises ``ValueError`` on mismatched shapes or a bad aggregation.
+    """
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    low, high = _clip_range(config)
+    log_ratio = torch.clamp(new - old, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    per_token = -clipped.detach() * adv * new
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {
+        "pg_clipfrac": _share(ratio != clipped, response_mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": _ppo_kl(log_ratio, response_mask),
+    }
+
+
+def validate_dppo(config: Any) -> None:
+    """Raise ``ValueError`` unless ``actor.clip_ratio_c`` (3.0), the truncation of the DPPO
+    importance weight, is > 0."""
+    c = _number(config, "clip_ratio_c", 3.0, "dppo_tv / dppo_kl", "> 0")
+    if not c > 0:
+        raise ValueError(
+            f"actor.clip_ratio_c = {c} but the DPPO losses truncate the importance weight at min(r, clip_ratio_c), "
+            "which must be > 0; set actor.clip_ratio_c, e.g. 20.0 (a large threshold keeps the truncation bias small)."
+        )
+
+
+def _dppo(old_log_probs, log_probs, advantages, response_mask, config, divergence: str):
+    """Shared DPPO terms: ``(per-token loss, log_ratio, ratio, trust-region mask v, clip_ratio_c)``."""
+    validate_dppo(config)
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    low, high = _clip_range(config)
+    c = float(config_get(config, "clip_ratio_c", 3.0))
+    log_ratio = torch.clamp(new - old, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        p, p_old = torch.exp(new), torch.exp(old)
+        if divergence == "tv":
+            inside_pos = (p - p_old) <= high
+            inside_neg = (p - p_old) >= -low
+        else:
+            binary_kl = p_old * (old - new) + (1.0 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+            inside_pos = (binary_kl <= high) | (p <= p_old)
+            inside_neg = (binary_kl <= low) | (p >= p_old)
+        inside = torch.where(adv > 0, inside_pos, inside_neg).float()
+    per_token = -adv * torch.clamp(ratio, max=c).detach() * new * inside
+    return old, per_token, log_ratio, ratio, inside, c
+
+
+def _dppo_loss(
+    divergence,
+    old_log_probs,
+    log_probs,
+    advantages,
+    response_mask,
+    *,
+    config,
+    loss_agg_mode,
+    normalizer,
+    max_response_length,
+    rollout_is_weights,
+):
+    _, per_token, log_ratio, ratio, inside, c = _dppo(
+        old_log_probs, log_probs, advantages, response_mask, config, divergence
+    )
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {
+        "pg_clipfrac": _share(inside == 0, response_mask),
+        "pg_clipfrac_lower": _share((ratio > c) & (inside > 0), response_mask),
+        "ppo_kl": _ppo_kl(log_ratio, response_mask),
+    }
+
+
+def dppo_tv_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO-Binary-TV (Divergence PPO, arXiv 2602.04879): a trust region on the probability change.
+
+    ``r = exp(clamp(log_probs - old_log_probs, -20, 20))``, ``p = exp(log_probs)``,
+    ``p_old = exp(old_log_probs)``; a token stays in the update (``v = 1``, no gradient through
+    ``v``) where ``p - p_old <= clip_ratio_high`` (``A > 0``) or ``p - p_old >= -clip_ratio_low``
+    (``A <= 0``): the clip ratios are TV thresholds here, not ratio bounds. Per-token loss
+    ``-A * sg(min(r, clip_ratio_c)) * log_probs * v`` (truncated IS instead of a dual clip; the
+    paper recommends a large ``clip_ratio_c``, e.g. 20; rlplug's and verl's configured default is
+    3.0) times ``rollout_is_weights`` (or not), aggregated with ``loss_agg_mode``. Metrics:
+    ``pg_clipfrac`` (share with ``v = 0``), ``pg_clipfrac_lower`` (share with ``v = 1`` and
+    ``r > clip_ratio_c``), ``ppo_kl``. Source: verl ``compute_policy_loss_dppo_tv``. Raises
+    ``ValueError`` for ``clip_ratio_c <= 0``, mismatched shapes or a bad aggregation.
+    """
+    return _dppo_loss(
+        "tv",
+        old_log_probs,
+        log_probs,
+        advantages,
+        response_mask,
+        config=config,
+        loss_agg_mode=loss_agg_mode,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        rollout_is_weights=rollout_is_weights,
+    )
+
+
+def dppo_kl_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO-Binary-KL (Divergence PPO, arXiv 2602.04879): a trust region on the binary KL.
+
+    As :func:`dppo_tv_policy_loss` with the region ``KL_bin = p_old log(p_old / p) + (1 - p_old)
+    log((1 - p_old + 1e-8) / (1 - p + 1e-8))``: a token with ``A > 0`` leaves it (``v = 0``) when
+    ``KL_bin > clip_ratio_high`` and ``p > p_old``, a token with ``A <= 0`` when
+    ``KL_bin > clip_ratio_low`` and ``p < p_old`` (moving back is always allowed). Source: verl
+    ``compute_policy_loss_dppo_kl``. Raises ``ValueError`` for ``clip_ratio_c <= 0``, mismatched
+    shapes or a bad aggregation.
+    """
+    return _dppo_loss(
+        "kl",
+        old_log_probs,
+        log_probs,
+        advantages,
+        response_mask,
+        config=config,
+        loss_agg_mode=loss_agg_mode,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        rollout_is_weights=rollout_is_weights,
+    )
 
 
 @rlplug.hookimpl
@@ -187,5 +659,54 @@ def register_policy_losses(register):
             dual_clip_policy_loss,
             validate=validate_dual_clip,
             description="PPO with the dual-clip bound -A*clip_ratio_c for A < 0 (Ye et al. 2020)",
+        ),
+    )
+    register(
+        "gspo",
+        PolicyLoss(gspo_policy_loss, description="GSPO: sequence-level importance ratio, clipped (Zheng et al. 2025)"),
+    )
+    register(
+        "sapo",
+        PolicyLoss(
+            sapo_policy_loss,
+            validate=validate_sapo,
+            description="SAPO: soft sigmoid gate on the ratio, tau_pos / tau_neg (arXiv 2511.20347)",
+        ),
+    )
+    register("gpg", PolicyLoss(gpg_policy_loss, description="GPG: plain policy gradient -A*log_prob (Chu et al. 2025)"))
+    register(
+        "geo_mean",
+        PolicyLoss(
+            geo_mean_policy_loss, description="GMPO: geometric mean of the token ratios per sequence (Zhao et al. 2025)"
+        ),
+    )
+    register(
+        "dro",
+        PolicyLoss(
+            dro_policy_loss,
+            validate=validate_dro,
+            description="DRO: -A*log_prob + 0.5*dro_beta*log_ratio^2 (Richemond et al. 2024)",
+        ),
+    )
+    register(
+        "cispo",
+        PolicyLoss(
+            cispo_policy_loss, description="CISPO: clipped, detached IS weight times log_prob (MiniMax-M1 2025)"
+        ),
+    )
+    register(
+        "dppo_tv",
+        PolicyLoss(
+            dppo_tv_policy_loss,
+            validate=validate_dppo,
+            description="DPPO-Binary-TV: trust region on p - p_old, truncated IS (arXiv 2602.04879)",
+        ),
+    )
+    register(
+        "dppo_kl",
+        PolicyLoss(
+            dppo_kl_policy_loss,
+            validate=validate_dppo,
+            description="DPPO-Binary-KL: trust region on the binary KL, truncated IS (arXiv 2602.04879)",
         ),
     )
