@@ -238,8 +238,8 @@ def estimate_on_rows(
     if bool(rows.any()):
         idx = rows.nonzero().squeeze(-1)
         sub_adv, sub_ret = estimator(batch.select(idx).fields(), config)
-        advantages[idx.to(mask.device)] = sub_adv.to(torch.float32)
-        returns[idx.to(mask.device)] = sub_ret.to(torch.float32)
+        idx = idx.to(mask.device)
+        advantages[idx], returns[idx] = sub_adv.to(torch.float32), sub_ret.to(torch.float32)
     return advantages, returns
 
 

@@ -116,6 +116,8 @@ def step_metrics(
     import numpy as np
     import torch
 
+    from .reward import FAILED
+
     full_mask = batch["response_mask"]
     keep = torch.ones(full_mask.shape[0], dtype=torch.bool) if scored is None else scored.bool().cpu()
     mask = full_mask * keep.to(full_mask.device, full_mask.dtype).unsqueeze(-1)
@@ -134,7 +136,7 @@ def step_metrics(
             out["critic/vf_explained_var"] = (1.0 - (ret - val).var(unbiased=False) / (var_r + 1e-8)).item()
     kept = keep.tolist()
     for name, values in components.items():
-        pool = values if name == "reward_failed" else [v for v, k in zip(values, kept) if k]
+        pool = values if name == FAILED else [v for v, k in zip(values, kept) if k]  # the failure rate: all rows
         finite = [v for v in pool if v is not None and not math.isnan(v)]
         if finite:
             out[f"critic/{name}/mean"] = float(np.mean(finite))
