@@ -120,8 +120,9 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     trust_remote_code: bool = False
     enable_gradient_checkpointing: bool = False
-    #: "bf16" autocast for compute where supported, fp32 master weights either way; or "fp32"
-    compute_dtype: str = "bf16"
+    #: "auto" (bf16 autocast where bf16 matmuls are fast: CUDA, AVX-512/AMX CPUs; else fp32),
+    #: "bf16" or "fp32"; fp32 master weights either way (rlplug.precision)
+    compute_dtype: str = "auto"
 
 
 @dataclass
@@ -204,8 +205,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    #: "bf16" or "fp32" for the engine
-    dtype: str = "bf16"
+    #: "auto" (bf16 where bf16 matmuls are fast, else fp32: rlplug.precision), "bf16", "fp32" or "fp16"
+    dtype: str = "auto"
     #: "inprocess" (engine in this process or its child) or "server"
     mode: str = "inprocess"
     server_url: str | None = None

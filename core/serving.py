@@ -326,17 +326,19 @@ class ServerRollout:
         import httpx
         import torch
 
-        from .rollout_utils import DTYPE_NAMES, TORCH_DTYPES, checkpoint_shapes, eos_ids, parse_dtype
+        from .precision import resolve_dtype
+        from .rollout_utils import DTYPE_NAMES, TORCH_DTYPES, checkpoint_shapes, eos_ids
 
         self.config = config
         self.model_path = str(model_path)
-        dtype_key = str(config_get(config, "rollout.dtype", "bf16")).lower()
-        parse_dtype(dtype_key)  # same error as the other backends for an unknown dtype
-        self.dtype_name = DTYPE_NAMES[dtype_key]
-        self.dtype = TORCH_DTYPES[self.dtype_name]
         self.seed = int(config_get(config, "trainer.seed", 0))
         device = str(config_get(config, "trainer.device", "auto"))
         self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        dtype_key = resolve_dtype(
+            config_get(config, "rollout.dtype", "auto"), "cuda" if self.on_gpu else "cpu", "rollout.dtype"
+        )
+        self.dtype_name = DTYPE_NAMES[dtype_key]
+        self.dtype = TORCH_DTYPES[self.dtype_name]
         cfg_path = Path(self.model_path) / "config.json"
         if not cfg_path.is_file():
             raise ValueError(

@@ -26,7 +26,8 @@ the whole mini-batch, so splitting it into micro-batches of ``micro_batch_size_p
 responses (gradient accumulation) does not change the gradient. Gradients are clipped to
 ``grad_clip`` by global norm; a non-finite loss or gradient norm skips the optimizer step.
 
-Numerics: fp32 master weights and optimizer states; with ``model.compute_dtype == "bf16"`` the
+Numerics: fp32 master weights and optimizer states; ``model.compute_dtype`` ``auto`` (the default) is
+bf16 where bf16 matmuls are fast and fp32 elsewhere (:func:`rlplug.precision.resolve_dtype`); with bf16 the
 forward passes run under ``torch.autocast(dtype=torch.bfloat16)`` (fp32 when the device has no
 bf16 autocast). Log-probs come from :func:`rlplug.logprob.response_token_stats`, which never
 materialises the ``(B, T, V)`` logits at once.
@@ -62,6 +63,7 @@ from .coordinator import SINGLE_PROCESS
 from .logprob import response_token_stats, trim_padding_columns
 from .losses import agg_normalizer
 from .objective import CRITIC_INPUT_FIELDS, SEQUENCE_FIELDS, actor_objective, critic_objective
+from .precision import resolve_dtype
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
 
 __all__ = [
@@ -301,9 +303,11 @@ class TrainingBackendBase:
         threads = config_get(trainer, "num_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
-        compute_dtype = str(config_get(model_cfg, "compute_dtype", "bf16"))
-        if compute_dtype not in ("bf16", "fp32"):
-            raise ValueError(f"model.compute_dtype must be 'bf16' or 'fp32', got {compute_dtype!r}.")
+        compute_dtype = str(config_get(model_cfg, "compute_dtype", "auto"))
+        if compute_dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"model.compute_dtype must be 'auto', 'bf16' or 'fp32', got {compute_dtype!r}.")
+        requested, compute_dtype = compute_dtype, resolve_dtype(compute_dtype, self.device, "model.compute_dtype")
+        self.log.info("computing in %s on %s (model.compute_dtype=%s)", compute_dtype, self.device, requested)
         self.autocast_dtype: torch.dtype | None = None
         if compute_dtype == "bf16":
             if self._bf16_autocast_works():

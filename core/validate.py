@@ -23,6 +23,7 @@ from .config import ConfigError
 from .contracts import built_classes
 from .kl_control import KL_CONTROLLER_TYPES
 from .losses import LOSS_AGG_MODES
+from .precision import DTYPE_CHOICES
 from .registry import PluginError, Registry, get_registry
 from .reward import load_custom_reward_function
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
@@ -291,10 +292,13 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     m = cfg.model
     if m.source not in ("default", "path", "tiny"):
         raise ConfigError(f"model.source={m.source}: use 'default', 'path' or 'tiny'.")
-    if m.compute_dtype not in ("bf16", "fp32"):
+    if m.compute_dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(
-            f"model.compute_dtype={m.compute_dtype}: use 'bf16' (autocast, fp32 master weights) or 'fp32'."
+            f"model.compute_dtype={m.compute_dtype}: use 'auto' (bf16 where bf16 matmuls are fast, else fp32), "
+            "'bf16' (autocast, fp32 master weights) or 'fp32'."
         )
+    if str(cfg.rollout.dtype).lower() not in DTYPE_CHOICES:
+        raise ConfigError(f"rollout.dtype={cfg.rollout.dtype}: use one of {', '.join(DTYPE_CHOICES)}.")
     for key, optim in (("actor.optim", a.optim), ("critic.optim", cfg.critic.optim)):
         if optim.warmup_style not in ("constant", "cosine"):
             raise ConfigError(f"{key}.warmup_style={optim.warmup_style}: use 'constant' or 'cosine'.")

@@ -360,7 +360,7 @@ def test_rollout_is_threshold_needs_engine_log_probs(stub_registry):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("model.compute_dtype=fp16", "model.compute_dtype=fp16: use 'bf16'"),
+        ("model.compute_dtype=fp16", "model.compute_dtype=fp16: use 'auto'"),
         ("critic.optim.warmup_style=linear", "critic.optim.warmup_style=linear: use 'constant' or 'cosine'."),
         ("trainer.device=gpu", "trainer.device=gpu: use 'auto'"),
     ],

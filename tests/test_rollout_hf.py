@@ -190,5 +190,5 @@ def test_bad_inputs_and_close(cfg, model_path, tok) -> None:
     b.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         b.generate([[1]], SamplingParams())
-    with pytest.raises(ValueError, match="Unknown rollout.dtype 'int8'"):
+    with pytest.raises(ValueError, match="rollout.dtype='int8': expected one of auto, bf16"):
         HFRollout(compose(["model=tiny", "rollout.dtype=int8"]), model_path, tok)

@@ -26,6 +26,7 @@ import torch
 
 import rlplug
 from rlplug.config import config_get
+from rlplug.precision import resolve_dtype
 from rlplug.rollout_utils import eos_ids, parse_dtype, strip_wrapper_prefixes, validate_prompts
 from rlplug.types import RolloutOutput, SamplingParams
 
@@ -74,7 +75,6 @@ class HFRollout:
 
         from rlplug.models import load_causal_lm
 
-        self.dtype = parse_dtype(config_get(config, "rollout.dtype", "bf16"))
         self.micro_batch_size = int(config_get(config, "rollout.micro_batch_size", 64))
         if self.micro_batch_size < 1:
             raise ValueError(f"rollout.micro_batch_size must be >= 1, got {self.micro_batch_size}.")
@@ -85,6 +85,9 @@ class HFRollout:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        self.dtype = parse_dtype(
+            resolve_dtype(config_get(config, "rollout.dtype", "auto"), self.device, "rollout.dtype")
+        )
         trust = bool(config_get(config, "model.trust_remote_code", False))
         self.model_path = str(model_path)
         self.model = load_causal_lm(self.model_path, dtype=self.dtype, trust_remote_code=trust)  # warns if trust

@@ -62,13 +62,13 @@ import torch
 
 import rlplug
 from rlplug.config import config_get
+from rlplug.precision import resolve_dtype
 from rlplug.rollout_utils import (
     DTYPE_NAMES,
     TORCH_DTYPES,
     checked_weights,
     checkpoint_shapes,
     eos_ids,
-    parse_dtype,
     shm_dir,
     validate_prompts,
 )
@@ -108,13 +108,14 @@ class VLLMRollout:
                 "torchvision/torchaudio/torchcodec wheels it pulls in) or `pip install vllm` on a GPU; or use rollout=hf."
             )
         self.model_path = str(model_path)
-        dtype_key = str(config_get(config, "rollout.dtype", "bf16")).lower()
-        parse_dtype(dtype_key)  # same error message as hf for an unknown dtype
-        self.dtype_name = DTYPE_NAMES[dtype_key]
-        self.dtype = TORCH_DTYPES[self.dtype_name]
         self.seed = int(config_get(config, "trainer.seed", 0))
         device = str(config_get(config, "trainer.device", "auto"))
         self.on_gpu = (device == "cuda") or (device == "auto" and torch.cuda.is_available())
+        dtype_key = resolve_dtype(
+            config_get(config, "rollout.dtype", "auto"), "cuda" if self.on_gpu else "cpu", "rollout.dtype"
+        )
+        self.dtype_name = DTYPE_NAMES[dtype_key]
+        self.dtype = TORCH_DTYPES[self.dtype_name]
         hf_cfg = json.loads((Path(self.model_path) / "config.json").read_text())
         self.tie_word_embeddings = bool(hf_cfg.get("tie_word_embeddings", False))
         self.vocab_size = int(hf_cfg.get("vocab_size", 0)) or None

@@ -84,6 +84,7 @@ import rlplug
 from rlplug.batch import Batch
 from rlplug.config import config_get
 from rlplug.logprob import response_token_stats
+from rlplug.precision import resolve_dtype
 from rlplug.training import STATE_FILE, Role, TorchDistributedCoordinator, TrainingBackendBase, resolve_device
 
 __all__ = ["FSDP2TrainingBackend"]
@@ -321,7 +322,9 @@ class FSDP2TrainingBackend(TrainingBackendBase):
 
         name = str(kwargs["param_dtype"])
         if name == "auto":
-            compute = str(config_get(config.model, "compute_dtype", "bf16"))
+            compute = resolve_dtype(
+                config_get(config.model, "compute_dtype", "auto"), self._dist_device, "model.compute_dtype"
+            )
             name = "bf16" if (compute == "bf16" and self._dist_device.type == "cuda") else "fp32"
         if name not in _DTYPES or str(kwargs["reduce_dtype"]) not in _DTYPES:
             raise ValueError(
