@@ -24,7 +24,16 @@ from .registry import (
     get_registry,
     plugin_names,
 )
-from .types import AdvantageEstimator, KLPenalty, MissingInputError, PolicyLoss, RolloutOutput, SamplingParams
+from .types import (
+    AdvantageEstimator,
+    BatchFilter,
+    KLPenalty,
+    MiniBatchContext,
+    MissingInputError,
+    PolicyLoss,
+    RolloutOutput,
+    SamplingParams,
+)
 
 __version__ = "0.1.0"
 
@@ -41,7 +50,9 @@ __all__ = [
     "UnknownKindError",
     "AdvantageEstimator",
     "PolicyLoss",
+    "MiniBatchContext",
     "KLPenalty",
+    "BatchFilter",
     "MissingInputError",
     "RolloutOutput",
     "SamplingParams",

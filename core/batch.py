@@ -18,6 +18,8 @@ name                     shape, dtype      meaning
 ``response_mask``        (B, T) float32    1.0 up to and including the first EOS, never on padding
 ``index``                (B,) int64        prompt id; responses to one prompt share it (groups)
 ``rollout_log_probs``    (B, T) float32    engine log-probs (with ``rollout.calculate_log_probs``)
+``rollout_is_weights``   (B, T) float32    detached importance weights old / rollout, once per step
+                                           (``algorithm.rollout_correction.rollout_is``), 0 on padding
 ``reward_baselines``     (B,) float32      greedy baseline score (ReMax)
 ``old_log_probs``        (B, T) float32    actor log-probs (nats) before the update
 ``entropy``              (B, T) float32    actor token entropies (nats) before the update

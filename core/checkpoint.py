@@ -651,10 +651,10 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
       ``critic.enable`` (with the estimator it decides whether a critic is trained, whose state the
       checkpoint holds), ``actor.use_kl_loss`` with ``actor.kl_loss_type`` and
       ``algorithm.use_kl_in_reward`` with ``algorithm.kl_penalty`` (the KL estimator is ``None`` when
-      its term is off): which pieces and which terms make the objective;
+      its term is off), ``critic.loss_type``: which pieces and which terms make the objective;
     * reward: ``reward.reward_fn_map`` (data source -> function), ``reward.default``, ``reward.kwargs``,
-      ``reward.shaping`` (each entry's name, weight and kwargs) and, when its ``path`` is set,
-      ``reward.custom_reward_function`` (absolute path, name, reward_kwargs);
+      ``reward.shaping`` (each entry's name, weight and kwargs), ``reward.normalize.enable`` and, when
+      its ``path`` is set, ``reward.custom_reward_function`` (absolute path, name, reward_kwargs);
     * model: ``model.source``, ``model.path`` (absolute) and ``model.tiny`` (only for ``source=tiny``);
     * data: ``data.train_files`` (absolute paths) or, for generated data (no files), ``data.task``,
       ``data.train_size``, ``data.test_size``, ``data.data_seed``, ``data.task_kwargs`` and
@@ -688,11 +688,13 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
         "actor.kl_loss_type": get("actor.kl_loss_type") if kl_loss else None,
         "algorithm.use_kl_in_reward": kl_reward,
         "algorithm.kl_penalty": get("algorithm.kl_penalty") if kl_reward else None,
+        "critic.loss_type": get("critic.loss_type"),
         "reward.reward_fn_map": get("reward.reward_fn_map") or {},
         "reward.default": get("reward.default"),
         "reward.kwargs": get("reward.kwargs") or {},
         "reward.shaping": get("reward.shaping") or [],
         "reward.custom_reward_function": custom,
+        "reward.normalize.enable": bool(get("reward.normalize.enable")),
         "model.source": get("model.source"),
         "model.path": _abspath(get("model.path")) if get("model.path") else None,
         "model.tiny": get("model.tiny") if get("model.source") == "tiny" else None,

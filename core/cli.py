@@ -11,7 +11,7 @@
     rlplug config [OVERRIDES...]               print the composed, validated config
 
 Exit codes: :class:`rlplug.exit_codes.ExitCode` (0 finished, 2 bad input, 3/4 stopped by bad
-steps, 75 stopped by a signal after saving, 130 interrupted).
+steps, 5 stopped by an alert rule, 75 stopped by a signal after saving, 130 interrupted).
 """
 
 from __future__ import annotations

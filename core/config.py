@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -131,12 +131,16 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    #: warmup steps (optimizer steps); -1 -> use ``lr_warmup_steps_ratio``
+    #: warmup steps (optimizer steps); <= 0 -> use ``lr_warmup_steps_ratio`` (verl's rule)
     lr_warmup_steps: int = -1
     lr_warmup_steps_ratio: float = 0.0
     #: "constant" or "cosine" (after warmup)
     warmup_style: str = "constant"
+    #: the floor of the cosine schedule, as a share of ``lr`` (verl's name); in [0, 1]
     min_lr_ratio: float = 0.0
+    #: the last share of the optimizer steps held at the floor ``min_lr_ratio * lr`` (the cosine ends
+    #: where the hold begins); in [0, 1), needs warmup_style=cosine when > 0; 0: no hold
+    lr_hold_ratio: float = 0.0
 
 
 @dataclass
@@ -160,6 +164,19 @@ class ActorConfig:
     tau_neg: float = 1.05
     #: DRO (policy_loss=dro): coefficient of the 0.5 * beta * log_ratio^2 penalty; must be set > 0
     dro_beta: float | None = None
+    #: Clip-Cov (policy_loss=clip_cov, Cui et al. 2025): share of the mini-batch's valid tokens whose
+    #: gradient is cut, picked at random among those with lb < covariance < ub; in (0, 1]
+    clip_cov_ratio: float = 0.0002
+    #: Clip-Cov: lower bound of the covariance window of the candidates (exclusive)
+    clip_cov_lb: float = 1.0
+    #: Clip-Cov: upper bound of the covariance window (exclusive); > clip_cov_lb
+    clip_cov_ub: float = 5.0
+    #: KL-Cov (policy_loss=kl_cov): share of the mini-batch's valid tokens with the largest
+    #: covariance that get the |log-ratio| penalty; in (0, 1]
+    kl_cov_ratio: float = 0.0002
+    #: KL-Cov: coefficient of the penalty ppo_kl_coef * |log_probs - old_log_probs|; >= 0 (verl's
+    #: configured default 0.1; the paper and the kl_cov preset use 1.0)
+    ppo_kl_coef: float = 0.1
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -167,8 +184,12 @@ class ActorConfig:
     grad_clip: float = 1.0
     #: rows of the vocabulary-sized logits handled at once when computing log-probs (memory only)
     logprob_chunk_size: int = 1024
-    #: truncated importance-sampling correction with the engine's log-probs (None: off)
+    #: truncated importance-sampling correction with the engine's log-probs (None: off); an alias of
+    #: algorithm.rollout_correction.rollout_is=token with rollout_is_threshold=this cap
     rollout_is_threshold: float | None = None
+    #: read-only: algorithm.rollout_correction, seen by the policy loss (verl's apply_bypass_mode copies it
+    #: into the actor's policy_loss config); set the algorithm.rollout_correction keys instead
+    rollout_correction: Any = "${algorithm.rollout_correction}"
     #: when one optimizer step uses the whole batch once (ppo_epochs=1, ppo_mini_batch_size =
     #: data.train_batch_size) the policy being updated is the one that sampled, so old_log_probs
     #: equal the update's own log-probs: skip the separate forward pass and use them detached
@@ -184,6 +205,11 @@ class CriticConfig:
     micro_batch_size_per_device: int | None = None
     ppo_epochs: int | None = None
     cliprange_value: float = 0.5
+    #: "mse": 0.5 * max((v - R)^2, (v_clip - R)^2) (verl's clipped value loss); "huber": the same max of
+    #: Huber losses with threshold huber_delta (quadratic within huber_delta of the return, linear beyond)
+    loss_type: str = "mse"
+    #: the Huber threshold (in the units of the returns), > 0; used with loss_type=huber
+    huber_delta: float = 1.0
     loss_agg_mode: str | None = None
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -254,6 +280,41 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """verl's ``algorithm.filter_groups`` (DAPO's dynamic sampling, :mod:`rlplug.batch_filter`)."""
+
+    #: true: use the batch filter ``filter_groups`` (verl's switch; the same as algorithm.batch_filter=filter_groups)
+    enable: bool = False
+    #: what must vary within a group for it to be kept: acc, score, seq_reward, seq_final_reward, or any
+    #: other reward component (a name the reward function reports); must be set when enabled (as verl)
+    metric: str | None = None
+    #: generation batches per step at most, for any batch filter (0 or less: no limit, as verl)
+    max_num_gen_batches: int = 0
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction`` (defaults of verl's ppo_trainer.yaml); the math is in
+    :mod:`rlplug.rollout_correction` and ``docs/algorithms.md``."""
+
+    #: importance weights pi_old / pi_rollout: null (none), token, or sequence (geometric mean per response)
+    rollout_is: str | None = None
+    #: the weight cap (a number, truncated IS) or "lower_upper" (IcePop: weights outside become 0)
+    rollout_is_threshold: Any = 2.0
+    #: divide the weights by their batch mean
+    rollout_is_batch_normalize: bool = False
+    #: rejection: null, or options token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3 (comma separated;
+    #: token, sequence, geometric are the older names of token_k1, seq_sum_k1, seq_mean_k1)
+    rollout_rs: str | None = None
+    #: per option "lower_upper" ratio bounds (k1; one number u: 1/u_u) or an upper bound (k2, k3); comma separated
+    rollout_rs_threshold: Any = None
+    #: no old-log-prob pass: the engine's log-probs are the old log-probs (needs actor.policy_loss=bypass_mode)
+    bypass_mode: bool = False
+    #: the bypass_mode loss: ppo_clip (clipped surrogate against the engine) or reinforce (IS-weighted REINFORCE)
+    loss_type: str = "ppo_clip"
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -268,6 +329,12 @@ class AlgorithmConfig:
     gdpo_reward_keys: list[str] | None = None
     #: GDPO: one weight per gdpo_reward_keys entry for the weighted sum (None: all 1.0, as verl)
     gdpo_reward_weights: list[float] | None = None
+    #: rollout correction against the engine's log-probs (verl's names; rlplug.rollout_correction)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    #: a batch filter (kind batch_filter) between reward and advantages, which may generate more
+    #: prompts until data.train_batch_size are kept (None: none; filter_groups.enable=true selects filter_groups)
+    batch_filter: str | None = None
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -278,6 +345,40 @@ class ShapingConfig:
     #: keyword arguments for this entry (None: reward.kwargs.<name>), so one function can
     #: appear twice with different settings (e.g. gsm8k strict as correctness, flexible as shaping)
     kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl's ``overlong_buffer_cfg``): a response of ``L`` tokens gets
+    ``min(-(L - (data.max_response_length - len)) / len * penalty_factor, 0)`` added to its score."""
+
+    enable: bool = False
+    #: the buffer before data.max_response_length in which the penalty grows linearly (tokens, > 0 when enabled;
+    #: None: a fifth of max_resp_len, the proportion of DAPO's recipe, 4096 of 20480)
+    len: int | None = None
+    #: the penalty at data.max_response_length (the full buffer)
+    penalty_factor: float = 1.0
+    #: also put the reward component overlong (1.0 where penalised) on the batch, as verl's log (the
+    #: component overlong_reward, the penalty itself, is always there: critic/overlong_reward/mean)
+    log: bool = False
+    #: the generation limit the buffer ends at (tokens; verl's max_resp_len)
+    max_resp_len: int | None = II("data.max_response_length")
+
+
+@dataclass
+class RewardNormalizeConfig:
+    """Running normalisation of the training scores (:mod:`rlplug.reward_norm`): ``clamp((score - mean) /
+    (std + eps), -clip, clip)`` with EMA statistics of the scored responses, applied before the advantage
+    estimator. For PPO with reward-model scores whose scale drifts; group estimators (GRPO, RLOO) already
+    normalise within the group."""
+
+    enable: bool = False
+    #: weight of the old statistics in the moving average, in [0.9, 1)
+    momentum: float = 0.9
+    #: normalised scores are clipped to +-clip (> 0)
+    clip: float = 5.0
+    #: added to the running std before dividing (> 0)
+    eps: float = 1e-6
 
 
 @dataclass
@@ -345,6 +446,12 @@ class RewardConfig:
     #: score on a background thread while the log-prob/value passes run (false: on the main
     #: thread, after the rollout; for reward functions that need the main thread, e.g. signals)
     overlap: bool = True
+    #: DAPO's overlong reward shaping (needs the response lengths: applied to training rollouts)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    #: running normalisation of the training scores before the advantage estimator (off by default)
+    normalize: RewardNormalizeConfig = field(default_factory=RewardNormalizeConfig)
+    #: verl's reward-manager kwargs, accepted for overlong_buffer_cfg only (an alias of reward.overlong_buffer)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -389,6 +496,11 @@ class TrainerConfig:
     max_wall_time_s: float | None = None
     #: backend-specific settings (fsdp2: mixed precision, offload, ...)
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: metric alerts evaluated after every step, each {metric, max | min, action, factor, patience, name,
+    #: role, optional} (rlplug.alerts.RULE_KEYS, checked by validate_config; docs/alerts.md; preset: alerts=default)
+    alerts: list[Any] = field(default_factory=list)
+    #: the alerts=default preset's floor of perf/gen_tokens_per_s (rollout tokens/s; None: that rule is off)
+    alerts_min_gen_tokens_per_s: float | None = None
 
 
 @dataclass

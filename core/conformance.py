@@ -38,6 +38,7 @@ __all__ = [
     "check_advantage_estimator",
     "check_policy_loss",
     "check_kl_penalty",
+    "check_batch_filter",
     "check_reward_function",
     "check_rollout_backend",
     "check_training_backend",
@@ -195,9 +196,18 @@ def check_advantage_estimator(estimator: Any, config: Any = None, *, group_size:
 
 
 def _loss_call(
-    loss: Any, data: Mapping[str, Any], mask: Any, *, mode: str, normalizer: Any, config: Any, weights: Any = None
+    loss: Any,
+    data: Mapping[str, Any],
+    mask: Any,
+    *,
+    mode: str,
+    normalizer: Any,
+    config: Any,
+    weights: Any = None,
+    stats: Mapping[str, Any] | None = None,
 ) -> tuple[Any, dict]:
     extra = {k: data[k] for k in getattr(loss, "requires", ())}
+    extra.update(stats or {})
     return loss(
         data["old_log_probs"],
         data["log_probs"],
@@ -212,6 +222,50 @@ def _loss_call(
     )
 
 
+def _policy_loss_stats(loss: Any, data: Mapping[str, Any], config: Any, what: str, step: int = 0) -> dict:
+    """The loss's ``minibatch_stats`` on the whole of ``data`` (``{}`` for a loss without them),
+    checked: a mapping of detached ``(B, T)`` finite tensors, the same for the same context, none
+    named like an input the objective passes."""
+    import torch
+
+    from .objective import _RESERVED
+    from .types import MiniBatchContext
+
+    stats_fn = getattr(loss, "minibatch_stats", None)
+    if stats_fn is None:
+        return {}
+    assert callable(stats_fn), f"{what}: minibatch_stats must be a callable or None, got {type(stats_fn).__name__}"
+    mask = data["response_mask"]
+
+    def call() -> Any:
+        return stats_fn(
+            data["old_log_probs"].detach(),
+            data["log_probs"].detach(),
+            data["advantages"].detach(),
+            mask,
+            config=config,
+            context=MiniBatchContext(seed=1, optimizer_step=step),
+        )
+
+    stats = call()
+    assert isinstance(stats, Mapping), f"{what}: minibatch_stats must return a dict, got {type(stats).__name__}"
+    clash = sorted(set(stats) & (_RESERVED | set(getattr(loss, "requires", ()) or ())))
+    assert not clash, f"{what}: minibatch_stats returned {clash}, names the objective passes itself; rename them"
+    again = call()
+    for key, value in stats.items():
+        assert isinstance(value, torch.Tensor) and value.shape == mask.shape, (
+            f"{what}: minibatch_stats[{key!r}] must be a (B, T) = {tuple(mask.shape)} tensor, got "
+            f"{getattr(value, 'shape', type(value).__name__)}"
+        )
+        assert not value.requires_grad, f"{what}: minibatch_stats[{key!r}] must be detached"
+        assert bool(torch.isfinite(value).all()), f"{what}: minibatch_stats[{key!r}] is not finite"
+        assert torch.equal(value, again[key]), (
+            f"{what}: minibatch_stats[{key!r}] differs between two calls with the same context; seed its "
+            "randomness from the MiniBatchContext, not the global RNG"
+        )
+    return dict(stats)
+
+
 def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | None = None, atol: float = 1e-5) -> None:
     """Run the policy-loss kit on ``loss`` (the registered object, or its name).
 
@@ -221,7 +275,11 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
     with at least ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl``; values on padded positions
     change neither the loss nor the gradient; two micro-batches with the whole mini-batch's
     ``normalizer`` sum to the whole-batch loss and gradient; ``rollout_is_weights`` of 1.0 equal
-    ``None`` and weights of 0.0 give a zero loss and gradient; inputs unchanged.
+    ``None`` and weights of 0.0 give a zero loss and gradient; inputs unchanged. A loss with
+    ``minibatch_stats`` gets them computed on the whole batch (checked: ``(B, T)`` detached finite
+    tensors, deterministic for a context, not named like the objective's inputs) and passed as
+    keyword arguments, sliced by rows for the two micro-batches, as the update loop does, so the
+    micro-batch check covers its whole-mini-batch statistics.
     """
     import torch
     from omegaconf import OmegaConf
@@ -246,7 +304,8 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
             before = _clone(data)
             lp = data["log_probs"].clone().requires_grad_(True)
             run = dict(data, log_probs=lp)
-            value, metrics = _loss_call(loss, run, mask, mode=mode, normalizer=norm, config=config)
+            stats = _policy_loss_stats(loss, data, config, what)
+            value, metrics = _loss_call(loss, run, mask, mode=mode, normalizer=norm, config=config, stats=stats)
             assert isinstance(value, torch.Tensor) and value.dim() == 0, f"{what}: the loss must be a scalar tensor"
             assert bool(torch.isfinite(value)), f"{what}: loss {value} is not finite"
             assert isinstance(metrics, dict), f"{what}: metrics must be a dict, got {type(metrics).__name__}"
@@ -265,7 +324,10 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
             for key in ("old_log_probs", "log_probs", "advantages"):
                 noisy[key] = torch.where(pad, torch.full_like(noisy[key], 7.0), noisy[key])
             lp2 = noisy["log_probs"].clone().requires_grad_(True)
-            v2, _ = _loss_call(loss, dict(noisy, log_probs=lp2), mask, mode=mode, normalizer=norm, config=config)
+            noisy_stats = _policy_loss_stats(loss, noisy, config, what)
+            v2, _ = _loss_call(
+                loss, dict(noisy, log_probs=lp2), mask, mode=mode, normalizer=norm, config=config, stats=noisy_stats
+            )
             (g2,) = torch.autograd.grad(v2, lp2, allow_unused=True)
             g2 = torch.zeros_like(lp2) if g2 is None else g2
             assert torch.allclose(v2.detach(), value.detach(), atol=atol), (
@@ -279,7 +341,13 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
                 sub = {k: v[rows] for k, v in data.items() if isinstance(v, torch.Tensor) and v.shape[:1] == (B,)}
                 lp3 = sub["log_probs"].clone().requires_grad_(True)
                 part, _ = _loss_call(
-                    loss, dict(sub, log_probs=lp3), sub["response_mask"], mode=mode, normalizer=norm, config=config
+                    loss,
+                    dict(sub, log_probs=lp3),
+                    sub["response_mask"],
+                    mode=mode,
+                    normalizer=norm,
+                    config=config,
+                    stats={k: v[rows] for k, v in stats.items()},
                 )
                 (g3,) = torch.autograd.grad(part, lp3, allow_unused=True)
                 total = total + part.detach()
@@ -292,7 +360,7 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
             assert torch.allclose(grads, grad, atol=atol), f"{what}: micro-batching changed the gradient"
             # rollout importance weights: 1 changes nothing, 0 removes every token
             ones, _ = _loss_call(
-                loss, data, mask, mode=mode, normalizer=norm, config=config, weights=torch.ones_like(mask)
+                loss, data, mask, mode=mode, normalizer=norm, config=config, weights=torch.ones_like(mask), stats=stats
             )
             assert torch.allclose(ones.detach(), value.detach(), atol=atol), (
                 f"{what}: rollout_is_weights of 1.0 changed the loss ({value.item()} -> {ones.item()})"
@@ -306,6 +374,7 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
                 normalizer=norm,
                 config=config,
                 weights=torch.zeros_like(mask),
+                stats=stats,
             )
             assert abs(float(zero.detach())) <= atol, (
                 f"{what}: rollout_is_weights of 0.0 left a loss of {float(zero.detach())}; apply them"
@@ -344,6 +413,57 @@ def check_kl_penalty(penalty: Any) -> None:
         assert grad is None or bool(torch.isfinite(grad).all()), f"{what}: non-finite gradient"
         same = penalty(lp.clone(), lp.clone())
         assert bool((same.abs() <= 1e-7).all()), f"{what}: KL of a policy with itself must be 0, got {same}"
+
+
+def check_batch_filter(batch_filter: Any, config: Any = None, *, group_size: int = 4) -> None:
+    """Run the batch-filter kit on ``batch_filter`` (the registered object, or its name).
+
+    ``config``: the ``algorithm`` section (default :func:`rlplug.testing.algorithm_config` with
+    ``filter_groups.metric=score``). The inputs are :func:`rlplug.testing.make_batch` batches with
+    the fields a filter receives (``index``, ``response_mask``, ``token_level_scores``,
+    ``token_level_rewards``, ``reward_components`` with the columns ``acc``, ``format``,
+    ``reward_failed``), on a random batch, a single token, all-equal rewards and empty responses.
+    Checks the Protocol, that the result is a ``(B,) bool`` tensor, inputs unchanged, and that the
+    same inputs give the same result (no hidden global RNG use).
+    """
+    import torch
+
+    from .batch import Fields
+    from .testing import REWARD_COMPONENT_NAMES, algorithm_config, make_batch
+
+    batch_filter = _resolve("batch_filter", batch_filter)
+    check_protocol("batch_filter", batch_filter)
+    if config is None:
+        config = algorithm_config()
+        config.filter_groups.metric = "score"
+    names = (*REWARD_COMPONENT_NAMES, "reward_failed")
+    keys = ("index", "response_mask", "token_level_scores", "token_level_rewards", "reward_components")
+    for label, raw in _degenerate_batches(make_batch, group_size):
+        B = raw["response_mask"].shape[0]
+        comps = torch.cat([raw["reward_components"], torch.zeros(B, 1)], dim=1)
+        tensors = {k: raw[k] for k in keys[:-1]}
+
+        def fields(rows: torch.Tensor, tensors: dict = tensors, comps: torch.Tensor = comps) -> Fields:
+            t = {k: v[rows].clone() for k, v in tensors.items()}
+            return Fields({**t, "reward_components": comps[rows].clone()}, {"reward_components": names})
+
+        what = f"batch filter on {label}"
+        data = fields(torch.arange(B))
+        before = _clone(data)
+        keep = batch_filter(data, config)
+        assert isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and tuple(keep.shape) == (B,), (
+            f"{what} must return a (B,) = ({B},) bool tensor, got "
+            + (f"{keep.dtype} {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else type(keep).__name__)
+        )
+        _assert_unmodified(before, data, what)
+        assert torch.equal(batch_filter(fields(torch.arange(B)), config), keep), (
+            f"{what}: the same inputs gave different outputs"
+        )
+        for g in data["index"].unique().tolist():
+            group = keep[data["index"] == g]
+            assert bool(group.all()) or not bool(group.any()), (
+                f"{what}: keeps only part of group {g} ({group.tolist()}); keep or drop whole groups"
+            )
 
 
 def check_reward_function(

@@ -9,6 +9,7 @@ kind                  protocol                               the registered obje
 advantage_estimator   :class:`~rlplug.types.AdvantageEstimatorProtocol`  the estimator itself
 policy_loss           :class:`~rlplug.types.PolicyLossProtocol`          the loss itself
 kl_penalty            :class:`~rlplug.types.KLPenaltyProtocol`           the estimator itself
+batch_filter          :class:`~rlplug.types.BatchFilterProtocol`         the filter itself
 reward_function       :class:`~rlplug.types.RewardFunction`              the function itself
 rollout_backend       :class:`~rlplug.types.RolloutBackend`              a factory (class or ``builds=``)
 training_backend      :class:`~rlplug.types.TrainingBackend`             a factory (class or ``builds=``)
@@ -58,7 +59,7 @@ class KindContract:
 
 def _wrapped_fn(obj: Any) -> Any:
     # rlplug's wrapper dataclasses (AdvantageEstimator, PolicyLoss, KLPenalty) forward __call__ to fn
-    if isinstance(obj, (T.AdvantageEstimator, T.PolicyLoss, T.KLPenalty)):
+    if isinstance(obj, (T.AdvantageEstimator, T.PolicyLoss, T.KLPenalty, T.BatchFilter)):
         return obj.fn
     return obj
 
@@ -67,6 +68,7 @@ CONTRACTS: dict[str, KindContract] = {
     "advantage_estimator": KindContract("advantage_estimator", T.AdvantageEstimatorProtocol, call_target=_wrapped_fn),
     "policy_loss": KindContract("policy_loss", T.PolicyLossProtocol, call_target=_wrapped_fn),
     "kl_penalty": KindContract("kl_penalty", T.KLPenaltyProtocol, call_target=_wrapped_fn),
+    "batch_filter": KindContract("batch_filter", T.BatchFilterProtocol, call_target=_wrapped_fn),
     "reward_function": KindContract("reward_function", T.RewardFunction),
     "rollout_backend": KindContract("rollout_backend", T.RolloutBackend, factory=True),
     "training_backend": KindContract(

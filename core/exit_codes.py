@@ -12,6 +12,8 @@ code   meaning
 4      stopped: ``trainer.max_consecutive_bad_steps`` steps in a row had no usable reward (every
        response's reward function raised, timed out or returned NaN/None); the message gives the
        first error
+5      stopped by an alert rule with ``action: stop`` (``trainer.alerts``) after saving the checkpoint
+       of the step; the message names the rule and the value; rerun the same command to resume
 75     stopped by SIGTERM or SIGINT after finishing the step and saving a checkpoint; rerun the same
        command to resume (``EX_TEMPFAIL``: "try again later", so a scheduler can requeue the job)
 130    interrupted by a second SIGINT/SIGTERM: stopped at once, without saving the step in progress
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ExitCode", "TrainingStopped", "RewardFailuresStopped"]
+__all__ = ["ExitCode", "TrainingStopped", "RewardFailuresStopped", "AlertStopped"]
 
 
 class ExitCode(enum.IntEnum):
@@ -33,6 +35,7 @@ class ExitCode(enum.IntEnum):
     BAD_INPUT = 2
     NON_FINITE = 3
     REWARD_FAILURES = 4
+    ALERT_STOP = 5
     STOPPED_BY_SIGNAL = 75
     INTERRUPTED = 130
 
@@ -49,3 +52,10 @@ class RewardFailuresStopped(TrainingStopped):
     """``trainer.max_consecutive_bad_steps`` steps in a row in which every reward failed."""
 
     exit_code: int = ExitCode.REWARD_FAILURES
+
+
+class AlertStopped(TrainingStopped):
+    """A ``trainer.alerts`` rule with ``action: stop`` fired; the checkpoint of the step is saved
+    (:mod:`rlplug.alerts`)."""
+
+    exit_code: int = ExitCode.ALERT_STOP

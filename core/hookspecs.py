@@ -60,8 +60,14 @@ def register_policy_losses(register: Register) -> None:
     :class:`rlplug.types.PolicyLossProtocol`): ``fn(old_log_probs, log_probs, advantages,
     response_mask, *, config, loss_agg_mode, normalizer, max_response_length=None,
     rollout_is_weights=None) -> (loss: scalar tensor, metrics: dict[str, float])``; the loss
-    applies the per-token ``rollout_is_weights (B, T) float32`` when given. Selected by
-    ``actor.policy_loss``.
+    applies the per-token ``rollout_is_weights (B, T) float32`` when given. A loss whose
+    per-token terms need statistics of the whole mini-batch sets ``PolicyLoss(minibatch_stats=...)``:
+    ``minibatch_stats(old_log_probs, log_probs, advantages, response_mask, *, config, context) ->
+    {name: (B_mini, T) tensor}``, called once per mini-batch with the whole mini-batch's detached
+    tensors (``log_probs`` from a no-grad forward with the current weights) and a
+    :class:`rlplug.types.MiniBatchContext` (``seed``, ``optimizer_step``, ``epoch``,
+    ``mini_batch``: seed any randomness from it); its tensors reach ``fn`` sliced by rows with the
+    micro-batches, as keyword arguments ``name=``. Selected by ``actor.policy_loss``.
     """
 
 
@@ -74,6 +80,21 @@ def register_kl_penalties(register: Register) -> None:
     (nats, not masked).
     Selected by ``algorithm.kl_penalty`` (KL in the reward) and ``actor.kl_loss_type``
     (KL as a loss).
+    """
+
+
+@hookspec
+def register_batch_filters(register: Register) -> None:
+    """Register batch filters (dynamic sampling).
+
+    Call ``register(name, batch_filter)`` with a :class:`rlplug.types.BatchFilter` (contract:
+    :class:`rlplug.types.BatchFilterProtocol`): ``fn(data, config) -> keep (B,) bool`` (the same
+    value for every response of a group: whole groups are kept or dropped), where ``data`` holds one scored generation batch (``index (B,) int64``, ``response_mask``,
+    ``token_level_scores`` and ``token_level_rewards`` ``(B, T) float32``, ``reward_components
+    (B, K) float32``) and ``config`` is the ``algorithm`` section. The trainer generates more
+    batches until ``data.train_batch_size`` prompts are kept (at most
+    ``algorithm.filter_groups.max_num_gen_batches``). Selected by ``algorithm.batch_filter``, or by
+    ``algorithm.filter_groups`` with ``enable=true`` (verl's spelling, which selects ``filter_groups``).
     """
 
 

@@ -23,6 +23,7 @@ from .config import config_get
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "VALUE_LOSS_TYPES",
     "config_value",
     "masked_sum",
     "masked_mean",
@@ -45,6 +46,9 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+
+#: The value losses of :func:`value_loss` (``critic.loss_type``).
+VALUE_LOSS_TYPES: tuple[str, ...] = ("mse", "huber")
 
 
 # --------------------------------------------------------------------------- config access
@@ -248,25 +252,40 @@ def value_loss(
     loss_agg_mode: str = "token-mean",
     normalizer: float | torch.Tensor | None = None,
     max_response_length: int | None = None,
+    loss_type: str = "mse",
+    huber_delta: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss (PPO critic).
 
     ``values`` ``(B, T) float32`` current critic predictions, ``old_values`` ``(B, T)`` the
     critic's values before the update, ``returns`` ``(B, T)`` targets. Per token
     ``v_clip = clamp(v, v_old - cliprange_value, v_old + cliprange_value)`` and
-    ``0.5 * max((v - R)^2, (v_clip - R)^2)``, aggregated with :func:`agg_loss`.
-    Metric ``vf_clipfrac``: share of valid tokens of this micro-batch where the clipped term is
-    larger. Source: verl ``compute_value_loss``.
+    ``max(l(v - R), l(v_clip - R))``, aggregated with :func:`agg_loss`, where ``l`` is, by
+    ``loss_type``: ``"mse"`` ``0.5 * e^2`` (verl ``compute_value_loss``); ``"huber"`` the Huber loss
+    with threshold ``huber_delta`` ``d`` (``torch.nn.functional.huber_loss``): ``0.5 * e^2`` for
+    ``|e| <= d``, ``d * (|e| - 0.5 * d)`` beyond, so a large error pulls with a bounded gradient
+    ``d`` (not in verl; it equals ``"mse"`` for ``d`` larger than every error). Metric
+    ``vf_clipfrac``: share of valid tokens of this micro-batch where the clipped term is larger.
+    Raises ``ValueError`` for mismatched shapes, an unknown ``loss_type`` or ``huber_delta <= 0``.
     """
+    if loss_type not in VALUE_LOSS_TYPES:
+        raise ValueError(f"value_loss: loss_type={loss_type!r}; use one of {', '.join(VALUE_LOSS_TYPES)}.")
+    if loss_type == "huber" and not huber_delta > 0:
+        raise ValueError(f"value_loss: huber_delta={huber_delta} must be > 0 (the Huber threshold, in return units).")
     for name, t in (("old_values", old_values), ("returns", returns), ("response_mask", response_mask)):
         if t.shape != values.shape:
             raise ValueError(
                 f"value_loss: {name} has shape {tuple(t.shape)}, values has {tuple(values.shape)}; all must be (B, T)."
             )
     v_clip = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
-    l1 = (values - returns) ** 2
-    l2 = (v_clip - returns) ** 2
-    per_token = 0.5 * torch.maximum(l1, l2)
+    if loss_type == "huber":
+        l1 = torch.nn.functional.huber_loss(values, returns, reduction="none", delta=float(huber_delta))
+        l2 = torch.nn.functional.huber_loss(v_clip, returns, reduction="none", delta=float(huber_delta))
+        per_token = torch.maximum(l1, l2)
+    else:  # verl's form, kept operation for operation (bitwise the values it always gave)
+        l1 = (values - returns) ** 2
+        l2 = (v_clip - returns) ** 2
+        per_token = 0.5 * torch.maximum(l1, l2)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, max_response_length)
     with torch.no_grad():
         clipfrac = masked_mean((l2 > l1).float(), response_mask)

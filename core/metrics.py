@@ -107,8 +107,10 @@ def step_metrics(
 
     Returns ``critic/score/*`` (sequence scores), ``critic/rewards/*`` (summed token-level rewards,
     after the in-reward KL), ``critic/advantages/*`` and ``critic/returns/*`` (valid tokens),
-    with a critic ``critic/values/*`` and ``critic/vf_explained_var`` (``1 - Var(returns - values)
-    / Var(returns)`` over valid tokens, as verl), ``critic/<name>/mean`` per reward component
+    with a critic ``critic/values/*``, ``critic/vf_explained_var`` (``1 - Var(returns - values)
+    / Var(returns)`` over valid tokens, as verl) and ``critic/value_r2`` (``1 - SS_res / SS_tot`` =
+    ``1 - mean((returns - values)^2) / Var(returns)`` over valid tokens, +1e-8 in the denominator;
+    not in verl), ``critic/<name>/mean`` per reward component
     (the mean of the finite values, in float64), ``response_length/*`` (tokens),
     ``response_length/clip_ratio`` (share of responses cut at ``max_tokens``),
     ``response_length/empty`` (count of empty responses) and ``prompt_length/*`` (tokens).
@@ -134,13 +136,19 @@ def step_metrics(
             ret, val = returns[valid], batch["values"][valid]
             var_r = ret.var(unbiased=False)
             out["critic/vf_explained_var"] = (1.0 - (ret - val).var(unbiased=False) / (var_r + 1e-8)).item()
+            # R^2 = 1 - SS_res / SS_tot (both divided by the token count): unlike the explained variance
+            # it also counts a constant offset of the values
+            out["critic/value_r2"] = (1.0 - ((ret - val) ** 2).mean() / (var_r + 1e-8)).item()
     kept = keep.tolist()
     for name, values in components.items():
         pool = values if name == FAILED else [v for v, k in zip(values, kept) if k]  # the failure rate: all rows
         finite = [v for v in pool if v is not None and not math.isnan(v)]
         if finite:
             out[f"critic/{name}/mean"] = float(np.mean(finite))
-    out.update(stats("response_length", full_mask.sum(-1)))
+    # from the attention mask, as verl does: rollout correction's rejection (rollout_rs) zeroes
+    # response_mask tokens, which must not shorten the reported lengths
+    attention = batch["attention_mask"][:, -full_mask.shape[1] :] if "attention_mask" in batch else full_mask
+    out.update(stats("response_length", attention.sum(-1)))
     out["response_length/clip_ratio"] = float(np.mean(rollout.truncated_flags))
     out["response_length/empty"] = float(sum(1 for n in rollout.response_lengths if n == 0))
     out.update(stats("prompt_length", torch.tensor([len(p) for p in prompt_ids], dtype=torch.float32)))
@@ -430,6 +438,13 @@ class Trackers:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         for t in self.items:
             t.log_artifact(path, artifact_path)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set run tags on the trackers that have the optional ``set_tags`` method (``mlflow``); others skip them."""
+        for t in self.items:
+            set_tags = getattr(t, "set_tags", None)
+            if callable(set_tags):
+                set_tags(tags)
 
     def log_train_generations(
         self,

@@ -132,6 +132,7 @@ def actor_objective(
     max_response_length: int | None = None,
     kl_penalty: KLPenaltyProtocol | None = None,
     on_policy_reuse: bool = False,
+    minibatch_stats: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's contribution to the actor loss, and its metrics.
 
@@ -166,11 +167,18 @@ def actor_objective(
         on_policy_reuse: the batch has no ``old_log_probs`` because the update is on-policy (one
             epoch, one mini-batch): ``log_probs.detach()`` are the old log-probs (the weights have
             not moved yet; verl's ``on_policy`` shortcut).
+        minibatch_stats: this micro-batch's rows of what ``policy_loss.minibatch_stats`` returned
+            for the whole mini-batch (``{name: (B, T) tensor}``, see :class:`rlplug.types.PolicyLoss`),
+            passed to the policy loss as keyword arguments; ``None`` for a loss without them.
 
-    With ``actor.rollout_is_threshold = C`` the truncated importance weights
-    :func:`truncated_is_weights` ``(old_log_probs, rollout_log_probs, C)`` go to the policy loss as
-    ``rollout_is_weights``; the loss applies them (the objective never scales advantages or
-    losses itself), and ``mean:rollout_is_weight`` reports their masked mean.
+    The batch field ``rollout_is_weights`` ``(B, T) float32`` (the trainer's rollout correction,
+    computed once per step: :func:`rlplug.rollout_correction.apply_rollout_correction`) goes to the
+    policy loss as ``rollout_is_weights``; without it, ``actor.rollout_is_threshold = C`` gives the
+    truncated weights :func:`truncated_is_weights` ``(old_log_probs, rollout_log_probs, C)`` per
+    micro-batch (the same values: the formula is per token). The loss applies them (the objective
+    never scales advantages or losses itself), and ``mean:rollout_is_weight`` reports their masked
+    mean. Metrics the loss reports under ``rollout_corr/`` (the ``bypass_mode`` loss's masked means)
+    are passed on as ``mean:rollout_corr/...``.
 
     Returns:
         ``(loss, parts)``: the scalar loss tensor to backpropagate, and ``dict[str, float]``
@@ -181,8 +189,9 @@ def actor_objective(
 
     Raises:
         MissingInputError: a field the configuration needs is not in ``tensors``.
-        ValueError: ``entropy`` is ``None`` with a nonzero ``actor.entropy_coeff``, or a policy
-            loss ``requires`` a name the objective passes itself; the loss's own errors
+        ValueError: ``entropy`` is ``None`` with a nonzero ``actor.entropy_coeff``, a policy
+            loss ``requires`` a name the objective passes itself (or ``minibatch_stats`` repeats
+            one of those names or a ``requires``); the loss's own errors
             (shapes, aggregation mode).
     """
     mask = _require(tensors, "response_mask", "the valid response tokens")
@@ -202,8 +211,10 @@ def actor_objective(
         )
     parts: dict[str, float] = {}
     threshold = config_get(config, "rollout_is_threshold", None)
-    weights = None
-    if threshold is not None:
+    weights = tensors.get("rollout_is_weights")  # the trainer's, once per step (rlplug.rollout_correction)
+    if weights is not None:
+        parts["mean:rollout_is_weight"] = float(masked_mean(weights, mask))
+    elif threshold is not None:
         rollout_log_probs = _require(
             tensors,
             "rollout_log_probs",
@@ -219,6 +230,13 @@ def actor_objective(
             "itself; remove them from PolicyLoss.requires."
         )
     extra = {key: _require(tensors, key, "required by the policy loss") for key in requires}
+    clash = sorted(set(minibatch_stats or {}) & (_RESERVED | set(requires)))
+    if clash:
+        raise ValueError(
+            f"the policy loss's minibatch_stats returned {clash}, names the actor objective already passes to the "
+            "loss (its own inputs or its requires); rename them."
+        )
+    extra.update(minibatch_stats or {})
     pg_loss, pg_metrics = policy_loss(
         old_log_probs,
         log_probs,
@@ -242,7 +260,10 @@ def actor_objective(
     parts["pg_loss"] = float(pg_loss.detach())
     if entropy_agg is not None:
         parts["entropy"] = float(entropy_agg.detach())
-    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+    for key in (
+        *("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"),
+        *sorted(k for k in pg_metrics if k.startswith("rollout_corr/")),
+    ):
         if key in pg_metrics:
             parts["mean:" + key] = float(pg_metrics[key])
     if kl_penalty is not None:
@@ -262,13 +283,16 @@ def critic_objective(
     loss_agg_mode: str,
     normalizer: float,
     max_response_length: int | None = None,
+    loss_type: str = "mse",
+    huber_delta: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's contribution to the critic loss, and its metrics.
 
     The clipped value loss :func:`rlplug.losses.value_loss`: per token
-    ``0.5 * max((v - R)^2, (clamp(v, v_old - c, v_old + c) - R)^2)`` aggregated with
-    :func:`rlplug.losses.agg_loss` and the whole mini-batch's ``normalizer``. Source: verl
-    ``compute_value_loss`` (``dp_critic.update_critic``).
+    ``0.5 * max((v - R)^2, (clamp(v, v_old - c, v_old + c) - R)^2)`` (``loss_type="mse"``,
+    ``critic.loss_type``; with ``"huber"`` the max of the two Huber losses with threshold
+    ``huber_delta``, ``critic.huber_delta``) aggregated with :func:`rlplug.losses.agg_loss` and the
+    whole mini-batch's ``normalizer``. Source: verl ``compute_value_loss`` (``dp_critic.update_critic``).
 
     Args:
         values: ``(B, T) float32`` current critic values, with grad.
@@ -300,5 +324,7 @@ def critic_objective(
         loss_agg_mode=loss_agg_mode,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        loss_type=loss_type,
+        huber_delta=huber_delta,
     )
     return loss, {"vf_loss": float(loss.detach()), "mean:vf_clipfrac": float(m["vf_clipfrac"])}

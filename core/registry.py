@@ -36,6 +36,7 @@ KINDS: dict[str, str] = {
     "advantage_estimator": "register_advantage_estimators",
     "policy_loss": "register_policy_losses",
     "kl_penalty": "register_kl_penalties",
+    "batch_filter": "register_batch_filters",
     "reward_function": "register_reward_functions",
     "rollout_backend": "register_rollout_backends",
     "training_backend": "register_training_backends",

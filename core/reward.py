@@ -80,6 +80,8 @@ __all__ = [
     "RewardConfigError",
     "RewardFailureGuard",
     "components_tensor",
+    "overlong_config",
+    "overlong_penalty",
     "scored_rows",
     "FAILED",
 ]
@@ -326,6 +328,64 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
+    """DAPO's overlong reward shaping (Yu et al. 2025, "DAPO", Eq. 13; verl's ``DAPORewardManager``):
+    ``min(-(length - (max_resp_len - buffer_len)) / buffer_len * penalty_factor, 0)``.
+
+    ``length`` is the response's length in tokens (EOS included when generated, verl's
+    ``valid_response_length``), ``max_resp_len`` the generation limit (``data.max_response_length``)
+    and ``buffer_len`` (tokens, > 0) the stretch before it in which the penalty falls linearly from 0
+    to ``-penalty_factor``. E.g. 16, 8, 1.0: 8 tokens -> 0, 12 -> -0.5, 16 -> -1.0.
+    """
+    return min(-(length - (max_resp_len - buffer_len)) / buffer_len * penalty_factor, 0.0)
+
+
+def overlong_config(reward: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The overlong shaping settings of the ``reward`` section (a plain dict, resolved), or ``None``
+    when it is off: ``reward.overlong_buffer`` (``enable``, ``len``, ``penalty_factor``, ``log``,
+    ``max_resp_len``: default ``data.max_response_length``) or verl's spelling
+    ``reward.reward_kwargs.overlong_buffer_cfg`` (with ``reward.reward_kwargs.max_resp_len``).
+
+    Raises :class:`RewardConfigError` for both spellings enabled at once, an unknown
+    ``reward.reward_kwargs`` key, ``len <= 0``, or ``len > max_resp_len`` (verl's checks).
+    """
+    own = dict(reward.get("overlong_buffer") or {})
+    rk = dict(reward.get("reward_kwargs") or {})
+    unknown = sorted(set(rk) - {"overlong_buffer_cfg", "max_resp_len"})
+    if unknown:
+        raise RewardConfigError(
+            f"reward.reward_kwargs has {unknown}; rlplug reads only verl's overlong_buffer_cfg and max_resp_len "
+            "there (DAPO's overlong shaping, also spelled reward.overlong_buffer). Per-function keyword arguments "
+            "go in reward.kwargs.<function name>."
+        )
+    alias = dict(rk.get("overlong_buffer_cfg") or {})
+    if alias.get("enable") and own.get("enable"):
+        raise RewardConfigError(
+            "The overlong shaping is enabled twice: reward.overlong_buffer.enable and "
+            "reward.reward_kwargs.overlong_buffer_cfg.enable (verl's spelling of the same thing). Keep one."
+        )
+    where = "reward.reward_kwargs.overlong_buffer_cfg" if alias.get("enable") else "reward.overlong_buffer"
+    chosen = alias if alias.get("enable") else own
+    if not chosen.get("enable"):
+        return None
+    max_len = rk.get("max_resp_len") if alias.get("enable") else None
+    max_len = max_len if max_len is not None else own.get("max_resp_len", chosen.get("max_resp_len"))
+    if max_len is None:
+        raise RewardConfigError(
+            f"{where}.enable=true needs the generation limit: set data.max_response_length (or reward.overlong_buffer."
+            "max_resp_len when the reward section is used on its own)."
+        )
+    # len unset: a fifth of the limit, the proportion of DAPO's recipe (4096 of 20480 tokens)
+    buf = int(max_len) // 5 if chosen.get("len") is None else int(chosen["len"])
+    factor = float(chosen.get("penalty_factor", 1.0))
+    if buf <= 0 or buf > int(max_len):
+        raise RewardConfigError(
+            f"{where}.len={buf}: the overlong buffer must be > 0 and at most max_resp_len={max_len} tokens "
+            f"(e.g. len={max(1, int(max_len) // 4)}); to turn the penalty off set {where}.enable=false."
+        )
+    return {"len": buf, "penalty_factor": factor, "log": bool(chosen.get("log", False)), "max_resp_len": int(max_len)}
+
+
 class RewardManager:
     """Scores responses with the configured reward functions.
 
@@ -397,6 +457,8 @@ class RewardManager:
             self._fns[self.custom.label] = self.custom
             self.fn_kwargs[self.custom.label] = dict(_section(cfg["custom_reward_function"]).get("reward_kwargs") or {})
         self._reported = False  # check_data_sources' one-time warnings
+        #: DAPO's overlong shaping ({len, penalty_factor, log, max_resp_len}) or None (off): overlong_config()
+        self.overlong = overlong_config(cfg)
 
     # ------------------------------------------------------------------ resolution
     def _resolve(self, name: str, where: str, kwargs: dict | None = None) -> Callable:
@@ -564,7 +626,12 @@ class RewardManager:
         return ds, gts, extras
 
     def score(
-        self, rows_or_fields: Any, responses: Sequence[str], *, report_acc: bool = False
+        self,
+        rows_or_fields: Any,
+        responses: Sequence[str],
+        *,
+        report_acc: bool = False,
+        lengths: Sequence[int] | None = None,
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         """Score ``responses`` (decoded text, special tokens removed) against their rows.
 
@@ -578,6 +645,10 @@ class RewardManager:
                 key, or is declared binary: ``fn.binary = True``, see :class:`rlplug.types.RewardFunction`),
                 else 0.0 (its ``acc`` is then only its score). Validation and ``rlplug eval`` ask for it
                 to name their metric ``acc`` or ``reward`` (:func:`rlplug.metrics.validation_metrics`).
+            lengths: the ``B`` response lengths in tokens (EOS included when generated). With the
+                overlong shaping on (``reward.overlong_buffer.enable``), each score gets
+                :func:`overlong_penalty` added and ``extra`` gets ``overlong_reward`` (and ``overlong``,
+                1.0 where the penalty is < 0, with ``log``). ``None`` (validation, ``rlplug eval``): no penalty.
 
         Returns:
             ``(scores, extra, metrics)``: ``scores`` ``B`` floats (correctness + weighted shaping);
@@ -656,6 +727,15 @@ class RewardManager:
         extra_out: dict[str, list[float]] = {"acc": acc, "correctness": correctness}
         for label, _, _, _ in self.shaping:
             extra_out[f"shaping/{label}"] = shaping_vals[label]
+        if self.overlong is not None and lengths is not None:
+            if len(lengths) != n:
+                raise ValueError(f"score(): {len(lengths)} lengths for {n} responses; pass one length per response.")
+            ov = self.overlong
+            penalty = [overlong_penalty(int(L), ov["max_resp_len"], ov["len"], ov["penalty_factor"]) for L in lengths]
+            scores = [x + p for x, p in zip(scores, penalty)]
+            extra_out["overlong_reward"] = penalty
+            if ov["log"]:
+                extra_out["overlong"] = [float(p < 0) for p in penalty]
         for k, values in other.items():
             extra_out.setdefault(k, values)
         extra_out[FAILED] = failed
@@ -674,7 +754,12 @@ class RewardManager:
         )
 
     def score_async(
-        self, rows_or_fields: Any, responses: Sequence[str] | Callable[[], Sequence[str]], *, overlap: bool = True
+        self,
+        rows_or_fields: Any,
+        responses: Sequence[str] | Callable[[], Sequence[str]],
+        *,
+        overlap: bool = True,
+        lengths: Sequence[int] | None = None,
     ) -> cf.Future[tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]]:
         """Start :meth:`score` on a background thread and return its future, so scoring overlaps
         other work (the trainer's log-prob and value passes).
@@ -686,13 +771,13 @@ class RewardManager:
         processes, and torch releases the GIL inside its kernels, so both proceed together. One
         thread serves the manager: calls run one after another. With ``overlap=False`` the scoring
         runs here, before returning (an error raises here), and the future is already done.
-        :meth:`close` waits for a running call.
+        :meth:`close` waits for a running call. ``lengths`` as in :meth:`score`.
         """
         t0 = time.perf_counter()
 
         def work() -> tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]:
             texts = responses() if callable(responses) else responses
-            return self.score(rows_or_fields, texts), time.perf_counter() - t0
+            return self.score(rows_or_fields, texts, lengths=lengths), time.perf_counter() - t0
 
         if not overlap:
             done: cf.Future = cf.Future()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from .conformance import (
     check_advantage_estimator,
+    check_batch_filter,
     check_kl_penalty,
     check_policy_loss,
     check_protocol,
@@ -60,6 +61,7 @@ __all__ = [
     "check_advantage_estimator",
     "check_policy_loss",
     "check_kl_penalty",
+    "check_batch_filter",
     "check_reward_function",
     "check_rollout_backend",
     "check_training_backend",

@@ -3,9 +3,13 @@
 One loop runs every algorithm preset; the plugins decide the math::
 
     rollout [-> greedy baseline rollout] -> [reward scoring on a thread, overlapping:] old log-probs
-            -> ref log-probs -> values -> in-reward KL -> advantages
+            -> ref log-probs -> values -> in-reward KL -> rollout correction -> advantages
             -> critic update -> actor update (after critic_warmup) -> push weights to rollout
             -> validation (every trainer.test_freq) -> checkpoint (every trainer.save_freq)
+
+A batch filter (kind ``batch_filter``, :mod:`rlplug.batch_filter`) changes only the first part: each
+generation batch is scored before the next, and prompts are generated until the filter keeps
+``data.train_batch_size`` of them (DAPO's dynamic sampling); the passes then run on the kept batch.
 
 Which of these stages run follows from the config and from what the selected plugins require
 (:func:`rlplug.validate.plan_batch`); the trainer never special-cases a plugin by name. It talks
@@ -41,7 +45,9 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig
 
+from .alerts import AlertEngine, kl_seq_sum_metrics, needs_old_log_probs
 from .batch import build_batch, estimate_on_rows, padded_rows, rows_left_out
+from .batch_filter import collect_rollouts
 from .checkpoint import (  # noqa: F401
     CheckpointManager,
     _fault_point,
@@ -69,6 +75,8 @@ from .metrics import (
 )
 from .registry import Registry, get_registry
 from .reward import RewardFailureGuard, components_tensor, scored_rows
+from .reward_norm import ScoreNormalizer
+from .rollout_correction import apply_rollout_correction, bypasses_old_log_probs, use_rollout_log_probs_as_old
 from .types import RolloutOutput, SamplingParams
 from .validate import BatchPlan, plan_batch
 
@@ -100,15 +108,19 @@ def set_threads(n: int | None) -> None:
 def skips_old_log_probs(cfg: DictConfig, plan: BatchPlan, capabilities: frozenset[str]) -> bool:
     """Whether the old-log-prob pass is skipped (``actor.skip_old_log_prob_on_policy``): one optimizer
     step over the whole batch, nothing reading ``old_log_probs`` or a per-token quantity before the
-    update (the in-reward KL, a plugin's ``requires``), and a backend declaring
-    ``"reuses_on_policy_log_probs"``: the actor update then uses its own detached log-probs."""
-    return bool(
+    update (the in-reward KL, a plugin's ``requires``, a KL-guard alert without the engine's log-probs:
+    :func:`rlplug.alerts.needs_old_log_probs`), and a backend declaring
+    ``"reuses_on_policy_log_probs"``: the actor update then uses its own detached log-probs. Also
+    skipped in bypass mode (``algorithm.rollout_correction.bypass_mode``), where the engine's
+    log-probs are the old ones (:func:`rlplug.rollout_correction.use_rollout_log_probs_as_old`)."""
+    return bypasses_old_log_probs(cfg) or bool(
         cfg.actor.skip_old_log_prob_on_policy
         and int(cfg.actor.ppo_epochs) == 1
         and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
         and not cfg.algorithm.use_kl_in_reward
         and not plan.needs_old_log_prob_pass
         and "reuses_on_policy_log_probs" in capabilities
+        and not needs_old_log_probs(cfg, plan.use_ref)  # the KL guard (trainer.alerts) compares them with ref
     )
 
 
@@ -169,6 +181,20 @@ def token_level_rewards(
     batch["token_level_rewards"] = rewards
     metrics.update(kl_metrics)
     kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=int(scored.sum()))
+
+
+def checkpointed_state(trainer: Trainer) -> dict[str, Any]:
+    """The objects whose ``state_dict`` goes into ``trainer_state.json`` of every checkpoint, by name:
+    the data loader, the KL controller, the reward-failure guard and the score normaliser
+    (``reward.normalize``, :class:`rlplug.reward_norm.ScoreNormalizer`) and the alert rules' counts and
+    scales (``trainer.alerts``, :class:`rlplug.alerts.AlertEngine`)."""
+    return {
+        "data_loader": trainer.loader,
+        "kl_ctrl": trainer.kl_ctrl,
+        "reward_guard": trainer.reward_guard,
+        "score_norm": trainer.score_norm,
+        "alerts": trainer.alerts,
+    }
 
 
 def on_main_then_broadcast(method: Callable) -> Callable:
@@ -246,6 +272,8 @@ class Trainer:
         )
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.reward_guard = RewardFailureGuard(cfg.trainer.max_consecutive_bad_steps)
+        self.alerts = AlertEngine.from_config(cfg, self.plan, self.registry)  # trainer.alerts, checked names
+        self.score_norm = ScoreNormalizer(cfg.reward.normalize)  # reward.normalize (off: scores unchanged)
 
         # ---- models and engines
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
@@ -279,7 +307,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def _stateful(self) -> dict[str, Any]:
-        return {"data_loader": self.loader, "kl_ctrl": self.kl_ctrl, "reward_guard": self.reward_guard}
+        return checkpointed_state(self)
 
     def _resume(self) -> None:
         path = self.start.begin(is_main=self.is_main)  # trainer.overwrite=true: the old run is moved aside first
@@ -346,8 +374,9 @@ class Trainer:
         thread with ``reward.overlap=false``); returns the future, joined by :meth:`_finish_scoring`."""
         if not self.is_main:
             return None
+        rows_out, overlap = [rows[i] for i in out.prompt_index], bool(self.cfg.reward.overlap)
         return self.reward.score_async(
-            [rows[i] for i in out.prompt_index], lambda: self._decode(out), overlap=bool(self.cfg.reward.overlap)
+            rows_out, lambda: self._decode(out), overlap=overlap, lengths=out.response_lengths
         )
 
     def _finish_scoring(self, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
@@ -363,20 +392,19 @@ class Trainer:
         cfg, step, metrics = self.cfg, self.global_step + 1, cast(dict[str, float], {})
         t_step = time.perf_counter()
         _fault_point("step_start")
-        rows, epoch = self.loader.next_batch()
-        prompt_ids = [r["prompt_ids"] for r in rows]
-        with stage(metrics, "gen", fault=None):
-            out = self._generate(prompt_ids, self.sampling_params(step=step))
+        # a batch filter (algorithm.batch_filter) generates and scores more prompts until enough are kept
+        rows, epoch, prompt_ids, out, scoring = collect_rollouts(self, step, metrics)
         batch = build_batch(prompt_ids, out.response_ids, out.prompt_index, self.pad_id)
         if self.plan.baseline:
             with stage(metrics, "gen_baseline", fault=None):
                 batch["reward_baselines"] = self._baseline_scores(rows, prompt_ids, out)
-        scoring = self._start_scoring(rows, out)  # overlaps the passes below; joined before the advantages
+        scoring = scoring or self._start_scoring(rows, out)  # overlaps the passes below; joined before the advantages
         if out.log_probs is not None:
             batch["rollout_log_probs"] = padded_rows(out.log_probs, batch["response_mask"].shape[1])
         if not self.skip_old_log_prob:
             with stage(metrics, "old_log_prob"):
                 self._old_log_probs(batch, metrics)
+        use_rollout_log_probs_as_old(batch, cfg)  # bypass mode only: the engine's log-probs are the old ones
         if self.use_ref:
             with stage(metrics, "ref"):
                 batch["ref_log_probs"] = self.backend.compute_log_probs(batch, which="ref")["log_probs"]
@@ -387,13 +415,15 @@ class Trainer:
             scores, extra, reward_metrics = self._finish_scoring(scoring, metrics)
         metrics.update(reward_metrics)
         scored = scored_rows(extra, len(scores), batch.get("reward_baselines"))  # failed: left out of training
-        batch["token_level_scores"] = compute_token_level_scores(
-            torch.tensor(scores, dtype=torch.float32) * scored, batch["response_mask"]
-        )
+        seq_scores = self.score_norm(torch.tensor(scores, dtype=torch.float32), scored, batch, metrics)
+        batch["token_level_scores"] = compute_token_level_scores(seq_scores * scored, batch["response_mask"])
         batch.set_columns("reward_components", *components_tensor(extra, len(scores)))
         with stage(metrics, "adv"):
             token_level_rewards(batch, metrics, self.kl_in_reward, self.kl_ctrl, scored)
+            metrics.update(kl_seq_sum_metrics(batch))  # the KL guard (with a reference model)
             batch["advantages"], batch["returns"] = estimate_on_rows(self.estimator, batch, cfg.algorithm, scored)
+            # IS weights and rejection, once per step, after the estimator: a rejected last token keeps its score
+            metrics.update(apply_rollout_correction(batch, cfg))
         first_error = functools.partial(self.coordinator.broadcast, self.reward.last_error)  # same on every process
         update = self.reward_guard.allows_update(scored, step, first_error, self.ckpt.root)
         with rows_left_out(batch, ~scored):
@@ -496,11 +526,13 @@ class Trainer:
                     if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                         with stage(metrics, "testing", fault=None):
                             metrics.update(self._run_validation(log_now=False))
+                    metrics.update(self.alerts.observe(step, metrics, self))  # trainer.alerts: alerts/<name>
                     self.trackers.log_metrics(metrics, step)
                     self.registry.hook.on_step_end(step=step, metrics=metrics)
                     _fault_point("step_end")
                     bar.update(1)
                     bar.set_postfix(progress_postfix(metrics))
+                    self.alerts.stop_if_fired(self)  # a stop rule fired: save this step, raise AlertStopped
                     if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal:
                         with stage(metrics, "save_checkpoint", fault=None):
                             self.save_checkpoint()
@@ -553,7 +585,7 @@ class Trainer:
 def run(cfg: DictConfig) -> int:
     """Train with ``cfg`` (composed and validated); returns the process exit code
     (:class:`rlplug.exit_codes.ExitCode`: 0 finished, 75 stopped by a signal after saving a
-    checkpoint, 3/4 stopped by :class:`TrainingStopped`)."""
+    checkpoint, 3/4 stopped by :class:`TrainingStopped`, 5 stopped by an alert rule)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with contextlib.suppress(Exception):
         import transformers

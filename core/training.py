@@ -24,7 +24,10 @@ of ``ppo_mini_batch_size * rollout.n`` responses; each mini-batch is one optimiz
 loss normaliser (valid tokens or sequences, :func:`rlplug.losses.agg_normalizer`) is computed on
 the whole mini-batch, so splitting it into micro-batches of ``micro_batch_size_per_device``
 responses (gradient accumulation) does not change the gradient. Gradients are clipped to
-``grad_clip`` by global norm; a non-finite loss or gradient norm skips the optimizer step.
+``grad_clip`` by global norm; a non-finite loss or gradient norm skips the optimizer step. A
+policy loss with ``minibatch_stats`` (:class:`rlplug.types.PolicyLoss`) gets them computed once per
+mini-batch from a no-grad forward of the whole (global) mini-batch, before its micro-batches
+(:func:`minibatch_stats_batch`), so its token selection is micro-batch invariant too.
 
 Numerics: fp32 master weights and optimizer states; ``model.compute_dtype`` ``auto`` (the default) is
 bf16 where bf16 matmuls are fast and fp32 elsewhere (:func:`rlplug.precision.resolve_dtype`); with bf16 the
@@ -51,7 +54,7 @@ import logging
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +64,10 @@ from .batch import Batch
 from .config import config_get
 from .coordinator import SINGLE_PROCESS
 from .logprob import response_token_stats, trim_padding_columns
-from .losses import agg_normalizer
+from .losses import agg_normalizer, seq_norm_length
 from .objective import CRITIC_INPUT_FIELDS, SEQUENCE_FIELDS, actor_objective, critic_objective
 from .precision import resolve_dtype
-from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
+from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES, MiniBatchContext
 
 __all__ = [
     "TrainingBackendBase",
@@ -74,10 +77,15 @@ __all__ = [
     "resolve_device",
     "unique_state",
     "check_batch_fields",
+    "minibatch_stats_batch",
     "STATE_FILE",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Prefix of the batch tensors that carry a policy loss's ``minibatch_stats`` through the rank
+#: slice and the micro-batch split (rows stay aligned with every other tensor).
+_STATS_PREFIX = "minibatch_stats/"
 
 #: The counters file a backend checkpoint holds (``consecutive_bad_steps`` per role, ...).
 STATE_FILE = "backend_state.json"
@@ -101,7 +109,7 @@ def resolve_device(trainer: Any, backend: str) -> str:
 
 
 def build_lr_lambda(
-    warmup_steps: int, total_steps: int, style: str = "constant", min_lr_ratio: float = 0.0
+    warmup_steps: int, total_steps: int, style: str = "constant", min_lr_ratio: float = 0.0, hold_steps: int = 0
 ) -> Callable[[int], float]:
     """Learning-rate multiplier per optimizer step, for ``torch.optim.lr_scheduler.LambdaLR``.
 
@@ -109,22 +117,39 @@ def build_lr_lambda(
     ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, so the first step already moves
     **(differs from verl, whose first warmup step has learning rate 0)**. Afterwards
     ``"constant"``: 1.0; ``"cosine"``: ``min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + cos(pi *
-    progress))`` with ``progress = (step - warmup) / (total - warmup)`` capped at 1 (verl's
-    ``get_cosine_schedule_with_warmup`` with half a cycle).
+    progress))`` with ``progress = (step - warmup) / (total - hold - warmup)`` capped at 1 (verl's
+    ``get_cosine_schedule_with_warmup`` with half a cycle), so the decay reaches the floor
+    ``min_lr_ratio`` at step ``total - hold_steps`` and the last ``hold_steps`` steps stay there
+    (``optim.lr_hold_ratio``; not in verl, whose schedule is this one with ``hold_steps=0``).
 
-    Raises ``ValueError`` for an unknown style.
+    Raises ``ValueError`` for an unknown style, ``hold_steps > 0`` with ``"constant"`` (no floor to
+    hold), or ``warmup_steps + hold_steps > total_steps`` with a hold (they would overlap).
     """
     if style not in ("constant", "cosine"):
         raise ValueError(f"Unknown optim.warmup_style {style!r}; expected 'constant' or 'cosine'.")
     warmup_steps = max(0, int(warmup_steps))
     total_steps = max(1, int(total_steps))
+    hold_steps = max(0, int(hold_steps))
+    if hold_steps and style != "cosine":
+        raise ValueError(
+            f"optim.lr_hold_ratio holds the cosine floor for {hold_steps} steps, but warmup_style={style!r} has none; "
+            "use warmup_style=cosine."
+        )
+    if hold_steps and warmup_steps + hold_steps > total_steps:
+        raise ValueError(
+            f"The LR warmup ({warmup_steps} optimizer steps) and hold ({hold_steps} steps, optim.lr_hold_ratio) "
+            f"overlap in a schedule of {total_steps} optimizer steps; lower optim.lr_warmup_steps or lr_hold_ratio."
+        )
 
     def lr_lambda(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         if style == "constant":
             return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay_steps = total_steps - hold_steps - warmup_steps
+        if hold_steps and decay_steps <= 0:  # warmup + hold fill the schedule: the floor right after warmup
+            return min_lr_ratio
+        progress = min(1.0, (step - warmup_steps) / max(1, decay_steps))
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return lr_lambda
@@ -154,6 +179,48 @@ def check_batch_fields(batch: Batch, keys: tuple[str, ...], what: str, hint: str
         )
 
 
+def minibatch_stats_batch(
+    stats_fn: Callable[..., Any],
+    mini: Batch,
+    log_probs: torch.Tensor,
+    config: Any,
+    context: MiniBatchContext,
+    *,
+    reuse: bool = False,
+) -> Batch:
+    """``mini`` plus a policy loss's whole-mini-batch statistics, ready to be split into micro-batches.
+
+    Calls ``stats_fn(old_log_probs, log_probs, advantages, response_mask, config=config,
+    context=context)`` (:attr:`rlplug.types.PolicyLoss.minibatch_stats`) with ``mini``'s detached
+    ``(B_mini, T) float32`` tensors and the current actor's ``log_probs`` (nats, no grad; with
+    ``reuse`` they also stand in for the missing ``old_log_probs``), and returns a new batch whose
+    tensors also hold each returned ``(B_mini, T)`` tensor under ``"minibatch_stats/<name>"``; the
+    update loop's rank slice and micro-batch split keep those rows aligned, and the actor objective
+    hands them to the loss as ``<name>=``. Raises ``ValueError`` when ``stats_fn`` does not return
+    a mapping of ``(B_mini, T)`` tensors.
+    """
+    tensors = mini.tensors
+    mask = tensors["response_mask"]
+    log_probs = log_probs.detach().to(mask.device)
+    old = log_probs if reuse else tensors["old_log_probs"].detach()
+    stats = stats_fn(old, log_probs, tensors["advantages"].detach(), mask, config=config, context=context)
+    if not isinstance(stats, Mapping):
+        raise ValueError(
+            f"the policy loss's minibatch_stats returned {type(stats).__name__}; it must return a dict of "
+            f"(B, T) = {tuple(mask.shape)} tensors, one per keyword argument of the loss."
+        )
+    extra: dict[str, torch.Tensor] = {}
+    for name, value in stats.items():
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"the policy loss's minibatch_stats returned {name!r} with shape "
+                f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}; every value must be a (B, T) = "
+                f"{tuple(mask.shape)} tensor of the whole mini-batch (rows are sliced with the micro-batches)."
+            )
+        extra[_STATS_PREFIX + str(name)] = value.detach()
+    return Batch({**tensors, **extra}, dict(mini.meta), dict(mini.columns))
+
+
 class Role:
     """One trained model (actor or critic) with its optimizer, schedule and update settings.
 
@@ -162,8 +229,9 @@ class Role:
     ``ppo_epochs``; ``loss_agg_mode``; ``grad_clip`` (global-norm bound, ``None``/0: none). Builds
     AdamW over ``model``'s trainable parameters from ``optim_cfg`` (``lr``, ``betas``, ``eps``,
     ``weight_decay``) and a ``LambdaLR`` schedule (:func:`build_lr_lambda`) of
-    ``total_optimizer_steps`` steps, ``lr_warmup_steps`` (or ``lr_warmup_steps_ratio`` of the total)
-    of them warmup. ``consecutive_bad_steps`` counts optimizer steps skipped in a row.
+    ``total_optimizer_steps`` steps, ``lr_warmup_steps`` (when > 0, else ``lr_warmup_steps_ratio`` of
+    the total, as verl) of them warmup and the last ``lr_hold_ratio`` of them (rounded down) held at
+    the cosine floor. ``consecutive_bad_steps`` counts optimizer steps skipped in a row.
     Raises ``ValueError`` for non-positive sizes or epochs.
     """
 
@@ -202,7 +270,7 @@ class Role:
             weight_decay=float(config_get(optim_cfg, "weight_decay", 0.0)),
         )
         warmup = int(config_get(optim_cfg, "lr_warmup_steps", -1))
-        if warmup < 0:
+        if warmup <= 0:  # as verl: lr_warmup_steps wins when > 0, else the ratio of the total
             warmup = int(float(config_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_optimizer_steps)
         self.total_optimizer_steps = total_optimizer_steps
         self.warmup_steps = warmup
@@ -213,6 +281,7 @@ class Role:
                 total_optimizer_steps,
                 str(config_get(optim_cfg, "warmup_style", "constant")),
                 float(config_get(optim_cfg, "min_lr_ratio", 0.0)),
+                int(float(config_get(optim_cfg, "lr_hold_ratio", 0.0)) * total_optimizer_steps),
             ),
         )
 
@@ -268,9 +337,14 @@ class TrainingBackendBase:
         backend_name: the name in messages (``"local"``, ``"fsdp2"``).
         log: the logger warnings go to (each plugin passes its own module's logger).
         coordinator: :data:`rlplug.coordinator.SINGLE_PROCESS` (multi-process subclasses set their own).
-        capabilities: ``{"reuses_on_policy_log_probs"}``: :meth:`update_actor` accepts an on-policy
-            batch without ``old_log_probs`` (the trainer then skips the old-log-prob pass).
+        capabilities: ``{"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"}``:
+            :meth:`update_actor` accepts an on-policy batch without ``old_log_probs`` (the trainer
+            then skips the old-log-prob pass), calls the policy loss's ``minibatch_stats`` once
+            per mini-batch (:func:`minibatch_stats_batch`), and :meth:`scale_lr` scales a role's
+            learning rate (the ``trainer.alerts`` action).
         per_token_outputs: ``{"entropy", "sum_pi_squared"}``: what :meth:`compute_log_probs` can return.
+        metrics: the update metrics :meth:`update_actor` / :meth:`update_critic` log (the names
+            ``trainer.alerts`` rules may watch, :func:`rlplug.alerts.declared_metrics`).
 
     Attributes:
         consecutive_bad_steps: optimizer steps skipped in a row because of a non-finite loss or
@@ -285,8 +359,13 @@ class TrainingBackendBase:
     backend_name: str = "local"
     log: logging.Logger = logger
     coordinator: Any = SINGLE_PROCESS
-    capabilities: frozenset[str] = frozenset({"reuses_on_policy_log_probs"})
+    capabilities: frozenset[str] = frozenset({"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"})
     per_token_outputs: frozenset[str] = frozenset({"entropy", "sum_pi_squared"})
+    metrics: tuple[str, ...] = (
+        *(f"actor/{k}" for k in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")),
+        *(f"actor/{k}" for k in ("kl_coef", "rollout_is_weight", "grad_norm", "lr", "nonfinite_skipped")),
+        *(f"critic/{k}" for k in ("vf_loss", "vf_clipfrac", "grad_norm", "lr", "nonfinite_skipped")),
+    )
 
     def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
         from .models import load_causal_lm, load_value_model
@@ -447,6 +526,20 @@ class TrainingBackendBase:
                 "train mode, so the PPO ratio starts away from 1. Set the model's dropout to 0 for RL.",
                 max(ps),
             )
+
+    def scale_lr(self, role: str, factor: float) -> float:
+        """Multiply ``role``'s (``"actor"`` or ``"critic"``) learning rate by ``factor`` from the next optimizer
+        step on, for the rest of the schedule: the schedule's base rates and the current rates are scaled, and
+        both are in the optimizer and scheduler checkpoint. Returns the new current rate. Used by the alert
+        action ``scale_lr`` (:mod:`rlplug.alerts`). Raises ``ValueError`` for a role this backend does not train."""
+        r = {"actor": self.actor, "critic": self.critic}.get(role)
+        if r is None:
+            roles = "actor, critic" if self.critic else "actor"
+            raise ValueError(f"scale_lr: this backend trains no {role!r} (roles: {roles}).")
+        r.scheduler.base_lrs = [float(b) * factor for b in r.scheduler.base_lrs]  # type: ignore[attr-defined]
+        for group in r.optimizer.param_groups:
+            group["lr"] = float(group["lr"]) * factor
+        return r.lr
 
     @property
     def consecutive_bad_steps(self) -> int:
@@ -625,13 +718,17 @@ class TrainingBackendBase:
         role: Role,
         batch: Batch,
         micro_loss: Callable[[dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]],
+        mini_stats: Callable[[Batch, int, int], Batch] | None = None,
     ) -> dict[str, float]:
         """The shared epoch / mini-batch / micro-batch loop.
 
         ``micro_loss(tensors, normalizer)`` returns this micro-batch's contribution to the
         mini-batch loss (to backpropagate) and metrics already summed-compatible: loss terms as
         contributions (their sum over micro-batches is the mini-batch value) and masked means of
-        the micro-batch (weighted here by its share of valid tokens).
+        the micro-batch (weighted here by its share of valid tokens). ``mini_stats(mini, epoch,
+        index)`` (or ``None``) returns the WHOLE mini-batch with extra per-row tensors (a policy
+        loss's ``minibatch_stats``); it runs on every process before the rank slice, so the rows
+        of each process and micro-batch carry the global mini-batch's statistics.
         Returns the mean of each metric over the good mini-batches of all epochs, plus
         ``grad_norm``, ``lr`` and ``nonfinite_skipped`` (count), prefixed ``<role>/``.
 
@@ -672,6 +769,8 @@ class TrainingBackendBase:
                     )
                     self._scheduler_step(role)
                     continue
+                if mini_stats is not None:  # statistics of the whole (global) mini-batch, then this rank's rows
+                    local = self._rank_slice(mini_stats(mini, epoch, index), role)
                 role.optimizer.zero_grad(set_to_none=True)
                 mini_metrics: dict[str, float] = defaultdict(float)
                 bad_stage: str | None = None
@@ -767,7 +866,10 @@ class TrainingBackendBase:
         :func:`rlplug.objective.actor_objective`: ``policy_loss + kl_loss_coef * agg(kl) -
         entropy_coeff * agg(entropy)``, every term aggregated with the whole mini-batch's
         normaliser; with ``actor.rollout_is_threshold`` the policy loss receives verl's truncated
-        importance weights ``min(exp(old_log_probs - rollout_log_probs), C)``.
+        importance weights ``min(exp(old_log_probs - rollout_log_probs), C)``. A policy loss with
+        ``minibatch_stats`` costs one extra no-grad forward per mini-batch (and epoch): its
+        statistics come from the whole mini-batch under the current weights
+        (:meth:`_minibatch_stats_fn`), and each micro-batch passes its rows to the loss.
 
         Metrics (each the mean over the mini-batches and epochs of this call):
         ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
@@ -813,6 +915,7 @@ class TrainingBackendBase:
 
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
             out = self._forward_log_probs(model, tensors, t, True)
+            stats = {k[len(_STATS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(_STATS_PREFIX)}
             return actor_objective(
                 out["log_probs"],
                 out["entropy"],
@@ -824,19 +927,40 @@ class TrainingBackendBase:
                 max_response_length=self.max_response_length,
                 kl_penalty=self.kl_loss,
                 on_policy_reuse=reuse,
+                minibatch_stats=stats or None,
             )
 
-        metrics = self._run_update(self.actor, batch, micro_loss)
+        metrics = self._run_update(self.actor, batch, micro_loss, self._minibatch_stats_fn(reuse))
         if self.kl_loss is not None:
             metrics["actor/kl_coef"] = float(config_get(cfg, "kl_loss_coef", 0.0))
         return metrics
+
+    def _minibatch_stats_fn(self, reuse: bool) -> Callable[[Batch, int, int], Batch] | None:
+        """The ``mini_stats`` callback of :meth:`_run_update` for a policy loss with
+        ``minibatch_stats`` (``None`` without): a no-grad forward of the whole mini-batch with the
+        current weights (:meth:`compute_log_probs`, which gathers every process's rows), then
+        :func:`minibatch_stats_batch`. ``reuse``: the batch has no ``old_log_probs`` (on-policy),
+        so the current log-probs stand in for them."""
+        stats_fn = getattr(self.policy_loss, "minibatch_stats", None)
+        if stats_fn is None:
+            return None
+        role, seed = self.actor, int(config_get(self.config.trainer, "seed", 0))
+
+        def add_stats(mini: Batch, epoch: int, index: int) -> Batch:
+            current = self.compute_log_probs(mini, which="actor")["log_probs"]
+            role.model.train()  # compute_log_probs switched it to eval mode
+            context = MiniBatchContext(seed, int(role.scheduler.last_epoch), epoch, index)  # type: ignore[attr-defined]
+            return minibatch_stats_batch(stats_fn, mini, current, self.config.actor, context, reuse=reuse)
+
+        return add_stats
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss update on ``batch``; returns ``critic/*`` metrics.
 
         Needs the sequence tensors, ``response_mask``, ``values`` (the critic's values before the
         update, the clipping anchor) and ``returns``; the loss is
-        :func:`rlplug.objective.critic_objective` (clipped, ``critic.cliprange_value``). Metrics (means over mini-batches and epochs):
+        :func:`rlplug.objective.critic_objective` (clipped, ``critic.cliprange_value``; squared error or
+        Huber, ``critic.loss_type`` / ``critic.huber_delta``). Metrics (means over mini-batches and epochs):
         ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/grad_norm``, ``critic/lr``,
         ``critic/nonfinite_skipped``. Raises ``ValueError`` without a critic or a tensor.
         """
@@ -846,6 +970,8 @@ class TrainingBackendBase:
         t = self._response_length(batch)
         role = self.critic
         cliprange = float(config_get(self.config.critic, "cliprange_value", 0.5))
+        loss_type = str(config_get(self.config.critic, "loss_type", "mse"))
+        huber_delta = float(config_get(self.config.critic, "huber_delta", 1.0))
 
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
             values = self._values(role.model, tensors, t)
@@ -855,7 +981,10 @@ class TrainingBackendBase:
                 cliprange_value=cliprange,
                 loss_agg_mode=role.loss_agg_mode,
                 normalizer=normalizer,
-                max_response_length=self.max_response_length,
+                # the critic follows actor.loss_scale_factor, as verl's critic defaults to the actor's
+                max_response_length=seq_norm_length(self.config.actor, self.max_response_length),
+                loss_type=loss_type,
+                huber_delta=huber_delta,
             )
 
         return self._run_update(role, batch, micro_loss)

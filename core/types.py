@@ -26,8 +26,11 @@ __all__ = [
     "AdvantageEstimatorProtocol",
     "PolicyLoss",
     "PolicyLossProtocol",
+    "MiniBatchContext",
     "KLPenalty",
     "KLPenaltyProtocol",
+    "BatchFilter",
+    "BatchFilterProtocol",
     "RewardFunction",
     "Coordinator",
     "SamplingParams",
@@ -74,6 +77,8 @@ BATCH_FIELD_PRODUCERS: dict[str, str] = {
     "values": "the critic (turned on by an estimator that requires values, or critic.enable=true)",
     "reward_baselines": "a greedy baseline rollout, scored like the samples (turned on by an estimator that requires it)",
     "rollout_log_probs": "the rollout engine (set rollout.calculate_log_probs=true)",
+    "rollout_is_weights": "the rollout correction, once per step from old_log_probs and rollout_log_probs "
+    "(algorithm.rollout_correction.rollout_is or actor.rollout_is_threshold; rlplug.rollout_correction)",
     "sum_pi_squared": "the training backend's old-log-prob pass (sum over the vocabulary of the squared token probabilities)",
 }
 
@@ -161,10 +166,13 @@ class PolicyLossProtocol(Protocol):
     loss_agg_mode=..., normalizer=..., max_response_length=..., rollout_is_weights=...,
     **{field: tensor for field in requires})`` and returns ``(loss, metrics)``; see
     :class:`PolicyLoss`. ``validate(actor_config)`` (or ``None``) runs at config time.
+    ``minibatch_stats`` (or ``None``) computes per-token inputs from the whole mini-batch once
+    before its micro-batches; see :class:`PolicyLoss`.
     """
 
     requires: tuple[str, ...]
     validate: Callable[[Any], None] | None
+    minibatch_stats: Callable[..., Mapping[str, torch.Tensor]] | None
 
     def __call__(
         self,
@@ -201,15 +209,51 @@ class PolicyLoss:
     ``requires`` names extra batch fields (e.g. ``entropy``) passed to ``fn`` as keyword
     arguments of the same name. ``validate(config)`` is called once at config time and raises
     ``ValueError`` for invalid settings (e.g. ``clip_ratio_c <= 1``).
+
+    ``minibatch_stats`` (optional) is for losses whose per-token terms depend on statistics of
+    the whole mini-batch (e.g. a covariance over all its tokens, a top-k selection): called as
+    ``minibatch_stats(old_log_probs, log_probs, advantages, response_mask, *, config, context)``
+    ONCE per mini-batch (per epoch) with the whole mini-batch's detached ``(B_mini, T) float32``
+    tensors (``log_probs``: the current actor's, from a no-grad forward before the micro-batch
+    passes; with data parallelism, the global mini-batch on every rank), the ``actor`` config
+    and a :class:`MiniBatchContext`, it returns ``{name: (B_mini, T) tensor}``. The update loop
+    slices each tensor by rows with the micro-batches and passes it to ``fn`` as the keyword
+    argument ``name``, so micro-batching cannot change what it selects. It must be deterministic
+    given its inputs and ``context`` (randomness from a ``torch.Generator`` seeded from
+    ``context``, never the global RNG), so a resumed run is bitwise equal. Training backends
+    declare the capability ``"policy_loss_minibatch_stats"`` when they call it (the config check
+    refuses a loss that has one with a backend that does not).
+
+    ``metrics`` (optional) declares the step metric names (or ``fnmatch`` patterns) the loss adds
+    beyond the update's own ``actor/*`` metrics, so ``trainer.alerts`` rules can watch them.
     """
 
     fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
     validate: Callable[[Any], None] | None = None
     description: str = ""
     requires: tuple[str, ...] = ()
+    minibatch_stats: Callable[..., Mapping[str, torch.Tensor]] | None = None
+    metrics: tuple[str, ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
         return self.fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class MiniBatchContext:
+    """Where a mini-batch sits in the run, for :attr:`PolicyLoss.minibatch_stats`.
+
+    ``seed``: ``trainer.seed``. ``optimizer_step``: the actor's optimizer steps planned before
+    this mini-batch over the whole run (taken or skipped; the count of its learning-rate schedule,
+    restored from checkpoints), unique per (training step, epoch, mini-batch). ``epoch``: the
+    ``ppo_epochs`` pass of this update (0-based). ``mini_batch``: the mini-batch's index within the
+    epoch (0-based). A loss seeds its ``torch.Generator`` from ``(seed, optimizer_step)``.
+    """
+
+    seed: int = 0
+    optimizer_step: int = 0
+    epoch: int = 0
+    mini_batch: int = 0
 
 
 # --------------------------------------------------------------------------- KL penalties
@@ -237,6 +281,53 @@ class KLPenalty:
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.fn(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- batch filters
+@runtime_checkable
+class BatchFilterProtocol(Protocol):
+    """What a batch filter registers (kind ``batch_filter``); :class:`BatchFilter` implements it.
+
+    ``batch_filter(data, config) -> keep`` with ``keep`` a ``(B,) bool`` tensor (True: the response
+    stays), the same for every response of a group (``index``): whole groups are kept or dropped,
+    anything else is a ``ValueError``; see :class:`BatchFilter`. ``validate(algorithm_config)`` (or ``None``) runs at config time.
+    """
+
+    validate: Callable[[Any], None] | None
+
+    def __call__(self, data: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class BatchFilter:
+    """A batch filter (kind ``batch_filter``): it sits between the reward and the advantages and
+    may make the trainer generate more (DAPO's dynamic sampling, Yu et al. 2025).
+
+    ``fn(data, config) -> keep`` where
+
+    * ``data`` maps field names to the tensors of one generation batch, scored but before any
+      log-prob pass: ``index`` ``(B,) int64`` (group ids), ``response_mask`` ``(B, T) float32``,
+      ``token_level_scores`` ``(B, T) float32`` (the score on the last valid token),
+      ``token_level_rewards`` ``(B, T) float32`` (equal to the scores: the in-reward KL comes
+      later) and ``reward_components`` ``(B, K) float32`` (its column names in
+      ``data.columns["reward_components"]``: ``acc``, ``correctness``, ``reward_failed`` ...).
+    * ``config`` is the ``algorithm`` config section (e.g. ``config.filter_groups.metric``).
+    * ``keep`` is ``(B,) bool``: the responses that stay. The trainer counts a prompt (a group)
+      as kept when any of its responses is, and keeps generating batches of the next prompts
+      (``algorithm.filter_groups.max_num_gen_batches`` of them at most, 0: no limit) until
+      ``data.train_batch_size`` prompts are kept, then trims to exactly that many
+      (:func:`rlplug.batch_filter.collect_rollouts`).
+
+    It is a pure function of its inputs (no global state, deterministic), like every algorithm
+    plugin. ``validate(algorithm_config)`` (or ``None``) runs at config time and raises ``ValueError``.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    validate: Callable[[Any], None] | None = None
+    description: str = ""
+
+    def __call__(self, data: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
+        return self.fn(data, config)
 
 
 # --------------------------------------------------------------------------- reward functions
@@ -401,7 +492,13 @@ class TrainingBackend(Protocol):
       ``compute_log_probs`` can return; a plugin requiring another one is a config error.
     * ``capabilities: frozenset[str]``: optional behaviours, checked at config time. Known:
       ``"reuses_on_policy_log_probs"`` (``update_actor`` accepts an on-policy batch without
-      ``old_log_probs``; the trainer then skips the old-log-prob pass).
+      ``old_log_probs``; the trainer then skips the old-log-prob pass),
+      ``"policy_loss_minibatch_stats"`` (``update_actor`` calls :attr:`PolicyLoss.minibatch_stats`
+      once per mini-batch and passes its micro-batch rows to the loss), ``"scale_lr"`` (a method
+      ``scale_lr(role, factor) -> float`` multiplies the ``"actor"`` or ``"critic"`` learning rate
+      from the next step on, kept in its checkpoint; the ``trainer.alerts`` action ``scale_lr``).
+    * optional ``metrics: tuple[str, ...]``: the metric names (or :mod:`fnmatch` patterns) the
+      updates log, which ``trainer.alerts`` rules may watch (:func:`rlplug.alerts.declared_metrics`).
     """
 
     consecutive_bad_steps: int
@@ -431,7 +528,7 @@ class TrainingBackend(Protocol):
 
 
 #: The capabilities a training backend may declare (see :class:`TrainingBackend`).
-TRAINING_CAPABILITIES: tuple[str, ...] = ("reuses_on_policy_log_probs",)
+TRAINING_CAPABILITIES: tuple[str, ...] = ("reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr")
 
 
 @runtime_checkable
@@ -445,6 +542,8 @@ class Tracker(Protocol):
     * ``log_table(name: str, rows: list[dict], step: int)``: e.g. validation samples.
     * ``log_artifact(path, artifact_path=None)``: a file to keep with the run.
     * ``close(status="FINISHED")``: ``FINISHED``, ``KILLED`` or ``FAILED``; idempotent.
+    * optional ``set_tags(tags: dict[str, str])``: run tags (the ``trainer.alerts`` warnings,
+      ``rlplug.alert.<name>``); a tracker without it gets no tags.
 
     Names: metrics are named ``<group>/<metric>`` as verl names them (``val-core/gsm8k/acc/mean@8``).
     A tracker that rejects some characters maps names with :func:`rlplug.metrics.tracker_name`, the

@@ -19,13 +19,16 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from .alerts import check_alert_config
 from .config import ConfigError
 from .contracts import built_classes
 from .kl_control import KL_CONTROLLER_TYPES
-from .losses import LOSS_AGG_MODES
+from .losses import LOSS_AGG_MODES, VALUE_LOSS_TYPES
 from .precision import DTYPE_CHOICES
 from .registry import PluginError, Registry, get_registry
 from .reward import load_custom_reward_function
+from .reward_norm import check_normalize_config
+from .rollout_correction import rollout_correction_requires, validate_rollout_correction
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
 
 __all__ = ["PluginChoice", "BatchPlan", "plan_batch", "uses_critic", "validate_config"]
@@ -64,8 +67,10 @@ class BatchPlan:
     """The stages of the training step that run, decided from the config and from what the
     selected plugins require (:func:`plan_batch`).
 
-    * ``requires``: the batch fields the advantage estimator and the policy loss declare, in
-      declaration order, without repeats.
+    * ``requires``: the batch fields the advantage estimator and the policy loss declare, then
+      those the rollout correction reads (:func:`rlplug.rollout_correction.rollout_correction_requires`:
+      ``old_log_probs`` and ``rollout_log_probs`` with weights or rejection, which keeps the
+      old-log-prob pass on), in declaration order, without repeats.
     * ``use_critic``: train a critic and put ``values`` on the batch (``critic.enable``, else
       whether ``values`` is required).
     * ``use_ref``: load the reference model and put ``ref_log_probs`` on the batch
@@ -132,6 +137,10 @@ def plan_batch(cfg: DictConfig, registry: Registry | None = None) -> BatchPlan:
             _check_producible(cfg, registry, f"{key}={name}", what, str(f), later)
             if f not in requires:
                 requires.append(str(f))
+    for f in rollout_correction_requires(cfg):  # algorithm.rollout_correction reads these (once per step)
+        _check_producible(cfg, registry, "algorithm.rollout_correction", "rollout correction", f, {})
+        if f not in requires:
+            requires.append(f)
     use_critic = bool(cfg.critic.enable) if cfg.critic.enable is not None else "values" in requires
     return BatchPlan(
         requires=tuple(requires),
@@ -164,11 +173,7 @@ def _check_producible(cfg: DictConfig, registry: Registry, who: str, what: str, 
         )
     if f in PER_TOKEN_QUANTITIES:
         name = cfg.trainer.backend
-        try:
-            reg = registry.registration("training_backend", str(name))
-        except PluginError as exc:
-            raise ConfigError(f"trainer.backend={name}: {exc}") from exc
-        classes = built_classes(reg.obj, reg.extra)
+        reg, classes = _backend_classes(cfg, registry)
         lacking = [c for c in classes if f not in frozenset(getattr(c, "per_token_outputs", ()) or ())]
         if lacking or not classes:
             outputs = sorted(frozenset(getattr(lacking[0], "per_token_outputs", ()) or ())) if lacking else []
@@ -179,6 +184,31 @@ def _check_producible(cfg: DictConfig, registry: Registry, who: str, what: str, 
                 f"{outputs or 'nothing'}. Choose a training backend that lists '{f}' in per_token_outputs, "
                 f"or another {what}."
             )
+
+
+def _backend_classes(cfg: DictConfig, registry: Registry) -> tuple[Any, list[type]]:
+    """``trainer.backend``'s registration and the classes it builds; :class:`ConfigError` for an unknown name."""
+    name = cfg.trainer.backend
+    try:
+        reg = registry.registration("training_backend", str(name))
+    except PluginError as exc:
+        raise ConfigError(f"trainer.backend={name}: {exc}") from exc
+    return reg, list(built_classes(reg.obj, reg.extra))
+
+
+def _check_capability(cfg: DictConfig, registry: Registry, who: str, capability: str) -> None:
+    """Raise :class:`ConfigError` unless every class ``trainer.backend`` builds declares ``capability``."""
+    name = cfg.trainer.backend
+    reg, classes = _backend_classes(cfg, registry)
+    lacking = [c for c in classes if capability not in frozenset(getattr(c, "capabilities", ()) or ())]
+    if lacking or not classes:
+        label = ", ".join(c.__qualname__ for c in lacking) or repr(reg.obj)
+        raise ConfigError(
+            f"{who} computes statistics of the whole mini-batch (PolicyLoss.minibatch_stats), but trainer.backend="
+            f"{name} ({label}, {reg.distribution} {reg.version}) does not declare the capability '{capability}', "
+            "so it would never call them. Choose a training backend that declares it (local, fsdp2: they build on "
+            "rlplug.training.TrainingBackendBase) or another policy loss."
+        )
 
 
 def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[PluginChoice]:
@@ -213,7 +243,10 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     for key, name in reward_names.items():
         _resolve(registry, "reward_function", key, name, choices)
     load_custom_reward_function(cfg.reward.custom_reward_function)  # its file, function and reward_kwargs
+    _check_batch_filter(cfg, registry, choices)
     plan = plan_batch(cfg, registry)  # every required batch field has a producer
+    validate_rollout_correction(cfg, plan.per_token)  # algorithm.rollout_correction and its alias
+    check_alert_config(cfg, plan, registry)  # trainer.alerts: rules and the metrics they name
 
     # ---- algorithm constraints
     if getattr(estimator, "group_based", False) and r.n < 2:
@@ -232,6 +265,8 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
             loss.validate(a)
         except ValueError as exc:
             raise ConfigError(f"actor.policy_loss={a.policy_loss}: {exc}") from exc
+    if getattr(loss, "minibatch_stats", None) is not None:
+        _check_capability(cfg, registry, f"actor.policy_loss={a.policy_loss}", "policy_loss_minibatch_stats")
     for key, mode in (("actor.loss_agg_mode", a.loss_agg_mode), ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
         if mode is not None and mode not in LOSS_AGG_MODES:
             raise ConfigError(f"{key}={mode} is not a loss aggregation mode. Use one of: {', '.join(LOSS_AGG_MODES)}.")
@@ -302,6 +337,9 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     for key, optim in (("actor.optim", a.optim), ("critic.optim", cfg.critic.optim)):
         if optim.warmup_style not in ("constant", "cosine"):
             raise ConfigError(f"{key}.warmup_style={optim.warmup_style}: use 'constant' or 'cosine'.")
+        _check_lr_schedule(key, optim)
+    check_normalize_config(cfg.reward.normalize)  # reward.normalize: momentum, clip, eps
+    _check_critic_loss(cfg.critic)
     device = str(cfg.trainer.device)
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise ConfigError(
@@ -351,6 +389,27 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     return choices
 
 
+def _check_batch_filter(cfg: DictConfig, registry: Registry, choices: list[PluginChoice]) -> None:
+    """Resolve and validate the batch filter (``algorithm.batch_filter``, or ``filter_groups`` with
+    ``algorithm.filter_groups.enable``; :func:`rlplug.batch_filter.batch_filter_name`) and the overlong
+    shaping settings (:func:`rlplug.reward.overlong_config`); raises :class:`ConfigError`."""
+    from .batch_filter import batch_filter_name
+    from .reward import _section, overlong_config
+
+    overlong_config(_section(cfg.reward))
+    name = batch_filter_name(cfg.algorithm)
+    if name is None:
+        return
+    # algorithm.filter_groups.enable=true is verl's spelling of algorithm.batch_filter=filter_groups
+    setting = f"algorithm.batch_filter={name}" if cfg.algorithm.batch_filter else "algorithm.filter_groups.enable=true"
+    batch_filter = _resolve(registry, "batch_filter", "algorithm.batch_filter", name, choices)
+    if getattr(batch_filter, "validate", None) is not None:
+        try:
+            batch_filter.validate(cfg.algorithm)
+        except ValueError as exc:
+            raise ConfigError(f"{setting}: {exc}") from exc
+
+
 def _check_critic_warmup(cfg: DictConfig, plan: BatchPlan) -> None:
     """``trainer.critic_warmup`` (steps in which only the critic is updated) needs a critic.
 
@@ -372,6 +431,46 @@ def _check_critic_warmup(cfg: DictConfig, plan: BatchPlan) -> None:
             f"learns the reward scale, but no critic is trained here ({why}), so those steps would "
             "train nothing. Set trainer.critic_warmup=0, or train a critic (critic.enable=true, or an estimator "
             "that needs values, e.g. algorithm=ppo)."
+        )
+
+
+def _check_lr_schedule(key: str, optim: Any) -> None:
+    """The ratios of an ``optim`` section (``actor.optim`` / ``critic.optim``, named ``key``):
+    ``lr_warmup_steps_ratio`` and ``lr_hold_ratio`` in [0, 1) with a sum of at most 1,
+    ``min_lr_ratio`` in [0, 1] (verl asserts the same), and a hold only with the cosine schedule
+    (the constant one has no floor to hold). Raises :class:`ConfigError`."""
+    warmup, hold, floor = float(optim.lr_warmup_steps_ratio), float(optim.lr_hold_ratio), float(optim.min_lr_ratio)
+    for name, value in (("lr_warmup_steps_ratio", warmup), ("lr_hold_ratio", hold)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(
+                f"{key}.{name}={value}: a share of the run's optimizer steps, so it must be in [0, 1) (e.g. 0.1)."
+            )
+    if not 0.0 <= floor <= 1.0:
+        raise ConfigError(
+            f"{key}.min_lr_ratio={floor}: the cosine floor as a share of lr must be in [0, 1] (e.g. 0.1)."
+        )
+    if hold > 0 and optim.warmup_style != "cosine":
+        raise ConfigError(
+            f"{key}.lr_hold_ratio={hold} holds the learning rate at the cosine schedule's floor (min_lr_ratio), but "
+            f"{key}.warmup_style={optim.warmup_style} has no floor. Set {key}.warmup_style=cosine, or lr_hold_ratio=0."
+        )
+    if int(optim.lr_warmup_steps) <= 0 and warmup + hold > 1.0:
+        raise ConfigError(
+            f"{key}.lr_warmup_steps_ratio={warmup} + lr_hold_ratio={hold} > 1: warmup and hold would overlap. "
+            "Lower one of them so that they leave room for the cosine decay."
+        )
+
+
+def _check_critic_loss(critic: Any) -> None:
+    """``critic.loss_type`` is ``mse`` or ``huber``, and ``critic.huber_delta > 0``. Raises :class:`ConfigError`."""
+    if critic.loss_type not in VALUE_LOSS_TYPES:
+        raise ConfigError(
+            f"critic.loss_type={critic.loss_type}: use one of {', '.join(VALUE_LOSS_TYPES)} (mse: verl's clipped "
+            "squared error; huber: the clipped Huber loss with threshold critic.huber_delta)."
+        )
+    if critic.loss_type == "huber" and not float(critic.huber_delta) > 0:
+        raise ConfigError(
+            f"critic.huber_delta={critic.huber_delta}: the Huber threshold (in return units) must be > 0 (e.g. 1.0)."
         )
 
 

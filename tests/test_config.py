@@ -11,7 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rlplug.config import ConfigError, RunConfig, compose, config_dir, config_get
 from rlplug.coordinator import SINGLE_PROCESS
 from rlplug.registry import Registry
-from rlplug.types import AdvantageEstimator, KLPenalty, PolicyLoss
+from rlplug.types import AdvantageEstimator, BatchFilter, KLPenalty, PolicyLoss
 from rlplug.validate import validate_config
 
 CONFIGS = config_dir()
@@ -80,7 +80,7 @@ def stub_registry() -> Registry:
         )
     r.register("advantage_estimator", "reinforce_plus_plus", AdvantageEstimator(_noop), "rlplug", "0.1.0")
     r.register("advantage_estimator", "remax", AdvantageEstimator(_noop, ("reward_baselines",)), "rlplug", "0.1.0")
-    for name in ("vanilla", "dual_clip", "gspo", "sapo", "gpg", "geo_mean", "cispo"):
+    for name in ("vanilla", "dual_clip", "gspo", "sapo", "gpg", "geo_mean", "cispo", "clip_cov", "kl_cov"):
         r.register("policy_loss", name, PolicyLoss(_noop), "rlplug", "0.1.0")
     for name in ("kl", "low_var_kl"):
         r.register("kl_penalty", name, KLPenalty(_noop), "rlplug", "0.1.0")
@@ -92,6 +92,7 @@ def stub_registry() -> Registry:
         r.register("tracker", name, _StubTracker, "rlplug", "0.1.0")
     for name in ("gsm8k", "reasoning_gym", "math_verify", "length_penalty"):  # length_penalty: debug=tiny
         r.register("reward_function", name, _noop, "rlplug", "0.1.0")
+    r.register("batch_filter", "filter_groups", BatchFilter(_noop), "rlplug", "0.1.0")  # algorithm=dapo
     return r
 
 

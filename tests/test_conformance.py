@@ -12,6 +12,7 @@ from rlplug.registry import get_registry
 from rlplug.testing import (
     algorithm_config,
     check_advantage_estimator,
+    check_batch_filter,
     check_kl_penalty,
     check_policy_loss,
     check_protocol,
@@ -50,6 +51,11 @@ def test_packaged_policy_losses(name):
 @pytest.mark.parametrize("name", _names("kl_penalty"))
 def test_packaged_kl_penalties(name):
     check_kl_penalty(name)
+
+
+@pytest.mark.parametrize("name", _names("batch_filter"))
+def test_packaged_batch_filters(name):
+    check_batch_filter(name)
 
 
 RG_EXTRA = {"rg_task": "basic_arithmetic", "question": "Calculate 1 + 2.", "answer": "3"}

@@ -156,7 +156,10 @@ def test_unknown_training_capability_is_rejected():
         capabilities = frozenset({"reuses_on_policy_log_probs", "time_travel"})
 
     problems = check_object("training_backend", Odd, is_class=True)
-    assert problems == ["Odd.capabilities lists unknown ['time_travel']; known: ['reuses_on_policy_log_probs']"]
+    assert problems == [
+        "Odd.capabilities lists unknown ['time_travel']; known: "
+        "['reuses_on_policy_log_probs', 'policy_loss_minibatch_stats', 'scale_lr']"
+    ]
 
 
 def test_algorithm_objects_are_checked_through_their_function():

@@ -85,7 +85,9 @@ def test_meets_the_training_backend_protocol():
     rlplug.get_registry().registration("training_backend", "fsdp2")  # raises when a member is missing
     assert issubclass(FSDP2TrainingBackend, TrainingBackendBase)
     assert not issubclass(FSDP2TrainingBackend, LocalTrainingBackend)  # library code, not another plugin
-    assert FSDP2TrainingBackend.capabilities == frozenset({"reuses_on_policy_log_probs"})
+    assert FSDP2TrainingBackend.capabilities == frozenset(
+        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"}
+    )
     assert FSDP2TrainingBackend.per_token_outputs == frozenset({"entropy", "sum_pi_squared"})
 
 

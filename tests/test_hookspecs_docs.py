@@ -28,6 +28,7 @@ SELECTED_BY = {
     "rollout_backend": "rollout.name",
     "training_backend": "trainer.backend",
     "tracker": "trainer.logger",
+    "batch_filter": "algorithm.filter_groups",
 }
 
 

@@ -193,7 +193,9 @@ def test_meets_the_training_backend_protocol(model_path):
 
     reg = rlplug.get_registry()
     reg.registration("training_backend", "local")  # raises PluginContractError when a member is missing
-    assert LocalTrainingBackend.capabilities == frozenset({"reuses_on_policy_log_probs"})
+    assert LocalTrainingBackend.capabilities == frozenset(
+        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"}
+    )
     assert LocalTrainingBackend.per_token_outputs == frozenset(PER_TOKEN_QUANTITIES)
     backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
     assert isinstance(backend, TrainingBackend)
@@ -551,6 +553,19 @@ def test_critic_values_and_update(model_path):
         torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-6, msg=name)
     assert m1["critic/vf_loss"] == pytest.approx(m0["critic/vf_loss"], rel=1e-5)
     assert m1["critic/grad_norm"] == pytest.approx(m0["critic/grad_norm"], rel=1e-4)
+
+
+def test_critic_follows_actor_loss_scale_factor(model_path):
+    # seq-mean-token-sum-norm divides each sequence's token sum by H: H = data.max_response_length (T)
+    # by default, actor.loss_scale_factor when set (verl's critic defaults to the actor's factor), so
+    # H = 4 T gives a quarter of the value loss on the same batch.
+    losses = []
+    for factor in (None, 4 * T):
+        cfg = make_cfg(**{"critic.loss_agg_mode": "seq-mean-token-sum-norm", "actor.loss_scale_factor": factor})
+        backend = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
+        losses.append(backend.update_critic(prepared_batch(backend))["critic/vf_loss"])
+        backend.close()
+    assert losses[1] == pytest.approx(losses[0] / 4, rel=1e-5)
 
 
 # --------------------------------------------------------------------------- weights, save/load, export

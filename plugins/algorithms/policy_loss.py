@@ -1,5 +1,6 @@
 """Policy losses (kind ``policy_loss``): PPO's clipped surrogate, its dual-clip variant, and the
-other losses of verl's ``core_algos.py`` (gspo, sapo, gpg, geo_mean, dro, cispo, dppo_tv, dppo_kl).
+other losses of verl's ``core_algos.py`` (gspo, sapo, gpg, geo_mean, dro, cispo, dppo_tv, dppo_kl,
+clip_cov, kl_cov).
 
 Every loss has the one policy-loss signature (:class:`rlplug.types.PolicyLoss`)::
 
@@ -51,9 +52,21 @@ defaulting to ``actor.clip_ratio``), per valid token unless said otherwise:
   ``dppo_kl`` by the binary KL ``p_old log(p_old/p) + (1 - p_old) log((1 - p_old)/(1 - p)) > eps``
   moving in the advantage's direction. ``pg_clipfrac``: share with ``v = 0``;
   ``pg_clipfrac_lower``: share with ``v = 1`` and ``r > clip_ratio_c``.
+* ``bypass_mode`` (verl's rollout-correction bypass mode): ``old_log_probs`` are the engine's;
+  ``algorithm.rollout_correction.loss_type=ppo_clip`` is ``vanilla`` on the mask after rejection,
+  ``reinforce`` is ``-A * log_probs * w`` with ``w`` the truncated importance weights of the current
+  policy against the engine (computed per micro-batch, no gradient).
+* ``clip_cov`` / ``kl_cov`` (Cui et al. 2025, arXiv 2505.22617): with ``cov = (A - mean A) *
+  (log_probs - mean log_probs)`` over the WHOLE mini-batch's valid tokens (their
+  ``PolicyLoss.minibatch_stats``, computed once per mini-batch by the update loop), ``clip_cov``
+  cuts the gradient (loss 0) of ``max(int(clip_cov_ratio * N), 1)`` tokens picked at random (a
+  generator seeded from the run seed and the optimizer step) among the unclipped ones with
+  ``clip_cov_lb < cov < clip_cov_ub``, else vanilla; ``kl_cov`` is ``-A r`` (no clip) plus
+  ``ppo_kl_coef * |log_probs - old_log_probs|`` on the ``max(1, int(kl_cov_ratio * N))`` tokens
+  of largest ``cov``. ``pg_clipfrac``: share of the tokens cut / penalised.
 
 Source: verl ``compute_policy_loss_vanilla``, ``_gspo``, ``_sapo``, ``_gpg``, ``_geo_mean``, ``_dro``,
-``_cispo``, ``_dppo_tv``, ``_dppo_kl`` (``verl/trainer/ppo/core_algos.py``). Unlike verl, ``vanilla``
+``_cispo``, ``_dppo_tv``, ``_dppo_kl``, ``_clip_cov``, ``_kl_cov`` (``verl/trainer/ppo/core_algos.py``). Unlike verl, ``vanilla``
 has no dual clip (``dual_clip`` adds it); ``gspo``, ``sapo`` and ``geo_mean`` aggregate with
 ``actor.loss_agg_mode`` like every loss (verl forces a sequence mean; the presets set
 ``seq-mean-token-mean``, which equals it); see ``docs/algorithms.md`` for every difference.
@@ -61,6 +74,7 @@ has no dual clip (``dual_clip`` adds it); ``gspo``, ``sapo`` and ``geo_mean`` ag
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -68,9 +82,11 @@ import torch
 import rlplug
 from rlplug.config import config_get
 from rlplug.losses import agg_loss, masked_mean, seq_norm_length
-from rlplug.types import PolicyLoss
+from rlplug.types import MiniBatchContext, PolicyLoss
 
 __all__ = [
+    "bypass_mode_policy_loss",
+    "validate_bypass_mode",
     "vanilla_policy_loss",
     "dual_clip_policy_loss",
     "validate_dual_clip",
@@ -85,6 +101,13 @@ __all__ = [
     "dppo_tv_policy_loss",
     "dppo_kl_policy_loss",
     "validate_dppo",
+    "clip_cov_policy_loss",
+    "clip_cov_minibatch_stats",
+    "clip_cov_generator",
+    "validate_clip_cov",
+    "kl_cov_policy_loss",
+    "kl_cov_minibatch_stats",
+    "validate_kl_cov",
 ]
 
 
@@ -647,6 +670,343 @@ def dppo_kl_policy_loss(
     )
 
 
+# --------------------------------------------------------------------------- Clip-Cov / KL-Cov
+# Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models"
+# (arXiv 2505.22617). Both pick tokens by the centred covariance of advantage and log-prob over the
+# WHOLE mini-batch (PolicyLoss.minibatch_stats), not per micro-batch as verl does.
+
+
+def _ratio_in(config: Any, key: str, default: float, loss: str, what: str) -> float:
+    """``actor.<key>`` as a number in (0, 1], else ``ValueError`` saying what it means."""
+    value = _number(config, key, default, loss, "in (0, 1]")
+    if not (0.0 < value <= 1.0):
+        raise ValueError(
+            f"actor.{key} = {value} but the {loss} policy loss needs it in (0, 1]: it is the share of the "
+            f"mini-batch's valid tokens {what}; set actor.{key}, e.g. {default}."
+        )
+    return value
+
+
+def validate_clip_cov(config: Any) -> None:
+    """Raise ``ValueError`` unless ``actor.clip_cov_ratio`` (0.0002) is in (0, 1] and
+    ``actor.clip_cov_lb`` (1.0) < ``actor.clip_cov_ub`` (5.0), both finite numbers."""
+    _ratio_in(config, "clip_cov_ratio", 0.0002, "clip_cov", "whose gradient is cut")
+    lb = _number(config, "clip_cov_lb", 1.0, "clip_cov", "below actor.clip_cov_ub")
+    ub = _number(config, "clip_cov_ub", 5.0, "clip_cov", "above actor.clip_cov_lb")
+    if not (math.isfinite(lb) and math.isfinite(ub) and lb < ub):
+        raise ValueError(
+            f"actor.clip_cov_lb = {lb} and actor.clip_cov_ub = {ub}, but the clip_cov policy loss picks tokens with "
+            "lb < covariance < ub, so it needs finite bounds with lb < ub; set them, e.g. clip_cov_lb=1.0 "
+            "clip_cov_ub=5.0."
+        )
+
+
+def validate_kl_cov(config: Any) -> None:
+    """Raise ``ValueError`` unless ``actor.kl_cov_ratio`` (0.0002) is in (0, 1] and
+    ``actor.ppo_kl_coef`` (0.1) is a finite number >= 0."""
+    _ratio_in(config, "kl_cov_ratio", 0.0002, "kl_cov", "that get the |log-ratio| penalty")
+    coef = _number(config, "ppo_kl_coef", 0.1, "kl_cov", ">= 0")
+    if not (math.isfinite(coef) and coef >= 0.0):
+        raise ValueError(
+            f"actor.ppo_kl_coef = {coef} but the kl_cov policy loss needs a finite coefficient >= 0 for its "
+            "penalty ppo_kl_coef * |log_probs - old_log_probs|; set actor.ppo_kl_coef, e.g. 1.0 (the paper's)."
+        )
+
+
+def _centred_cov(adv: torch.Tensor, log_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(A - mean(A)) * (log_probs - mean(log_probs))`` per token, the means over the valid tokens
+    (no grad); ``(B, T) float32``, meaningless on padding."""
+    mask = valid.to(adv.dtype)
+    return (adv - masked_mean(adv, mask)) * (log_probs - masked_mean(log_probs, mask))
+
+
+def clip_cov_generator(context: MiniBatchContext | None) -> torch.Generator:
+    """The CPU ``torch.Generator`` of clip_cov's random pick: seeded with ``seed * 1_000_003 +
+    optimizer_step`` of ``context`` (:class:`rlplug.types.MiniBatchContext`; ``None``: seed 0,
+    step 0), so the pick depends on the run seed and the position in the run only, never on the
+    global RNG (a resumed run picks the same tokens)."""
+    ctx = context or MiniBatchContext()
+    return torch.Generator(device="cpu").manual_seed((int(ctx.seed) * 1_000_003 + int(ctx.optimizer_step)) % (2**63))
+
+
+def clip_cov_minibatch_stats(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    context: MiniBatchContext | None = None,
+) -> dict[str, torch.Tensor]:
+    """Clip-Cov's token pick over a whole mini-batch: ``{"clip_cov_mask": (B, T) float32}``, 1.0 on
+    the tokens whose gradient is cut.
+
+    Inputs ``(B, T) float32`` (log-probs in nats; ``log_probs`` the current actor's, detached).
+    Candidates: valid tokens that the PPO clip leaves alone (``L2 <= L1``, see
+    :func:`vanilla_policy_loss`) with ``clip_cov_lb < cov < clip_cov_ub``, ``cov = (A - mean A) *
+    (log_probs - mean log_probs)`` (means over the valid tokens). ``n = max(int(clip_cov_ratio *
+    N), 1)`` of them (``N`` valid tokens) are picked uniformly at random (all of them when fewer):
+    the candidates in row-major order, permuted by ``torch.randperm`` with
+    :func:`clip_cov_generator` ``(context)``. Source: verl ``compute_policy_loss_clip_cov``
+    **(which computes this per micro-batch with the global RNG)**. Raises ``ValueError`` for bad
+    hyperparameters or mismatched shapes.
+    """
+    validate_clip_cov(config)
+    with torch.no_grad():
+        old, new, adv = _prepare(old_log_probs, log_probs.detach(), advantages, response_mask)
+        valid = response_mask != 0
+        l1, l2, _ = _surrogate(old, new, adv, config)
+        lb = float(config_get(config, "clip_cov_lb", 1.0))
+        ub = float(config_get(config, "clip_cov_ub", 5.0))
+        cov = _centred_cov(adv, new, valid)
+        candidates = valid & ~(l2 > l1) & (cov > lb) & (cov < ub)
+        picked = torch.zeros_like(new)
+        n_valid = int(valid.sum())
+        idx = torch.nonzero(candidates).cpu()  # (K, 2) row-major, as verl
+        if n_valid and len(idx):
+            n = max(int(float(config_get(config, "clip_cov_ratio", 0.0002)) * n_valid), 1)
+            chosen = idx[torch.randperm(len(idx), generator=clip_cov_generator(context))[:n]].to(picked.device)
+            picked[chosen[:, 0], chosen[:, 1]] = 1.0
+    return {"clip_cov_mask": picked}
+
+
+def clip_cov_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    clip_cov_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617): PPO with the gradient of a few high-covariance
+    tokens cut.
+
+    Per-token loss ``max(L1, L2) * (1 - clip_cov_mask)`` (``L1``, ``L2`` as in
+    :func:`vanilla_policy_loss`, with ``clip_ratio_low`` / ``clip_ratio_high``) times
+    ``rollout_is_weights`` (or not), aggregated with ``loss_agg_mode``. ``clip_cov_mask`` ``(B, T)``
+    (1.0: cut) is this micro-batch's rows of :func:`clip_cov_minibatch_stats` over the whole
+    mini-batch (the update loop passes it); without it the pick is made on this call's inputs with
+    :func:`clip_cov_generator` ``(None)`` (verl's per-call behaviour). Metrics: ``pg_clipfrac``:
+    share of valid tokens cut (verl's), ``pg_clipfrac_lower`` 0.0, ``ppo_kl``. Source: verl
+    ``compute_policy_loss_clip_cov`` **(whose ratio is not clamped to exp(+-20))**. Raises
+    ``ValueError`` for bad hyperparameters (:func:`validate_clip_cov`), mismatched shapes or a bad
+    aggregation.
+    """
+    validate_clip_cov(config)
+    if clip_cov_mask is None:
+        stats = clip_cov_minibatch_stats(old_log_probs, log_probs, advantages, response_mask, config=config)
+        clip_cov_mask = stats["clip_cov_mask"]
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    if clip_cov_mask.shape != new.shape:
+        raise ValueError(
+            f"clip_cov_mask has shape {tuple(clip_cov_mask.shape)} but the policy loss inputs are "
+            f"{tuple(new.shape)}; pass this micro-batch's rows of clip_cov_minibatch_stats(...)['clip_cov_mask']."
+        )
+    cut = clip_cov_mask.detach().to(new.dtype)
+    l1, l2, per_token = _surrogate(old, new, adv, config)
+    per_token = per_token * (1.0 - cut)
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {
+        "pg_clipfrac": _share(cut != 0, response_mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": _ppo_kl(torch.clamp(new - old, -20.0, 20.0), response_mask),
+    }
+
+
+def kl_cov_minibatch_stats(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    context: MiniBatchContext | None = None,
+) -> dict[str, torch.Tensor]:
+    """KL-Cov's token selection over a whole mini-batch: ``{"kl_cov_mask": (B, T) float32}``, 1.0 on
+    the tokens that get the KL penalty.
+
+    The ``k = max(1, int(kl_cov_ratio * N))`` valid tokens (``N`` of them) with the largest
+    ``cov = (A - mean A) * (log_probs - mean log_probs)`` (means over the valid tokens;
+    ``torch.topk`` on the CPU over the valid tokens in row-major order, as verl). Deterministic;
+    ``context`` is not used. Source: verl ``compute_policy_loss_kl_cov`` **(which selects per
+    micro-batch)**. Raises ``ValueError`` for bad hyperparameters or mismatched shapes.
+    """
+    validate_kl_cov(config)
+    with torch.no_grad():
+        _, new, adv = _prepare(old_log_probs, log_probs.detach(), advantages, response_mask)
+        valid = response_mask != 0
+        selected = torch.zeros_like(new)
+        flat_valid = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+        n_valid = len(flat_valid)
+        if n_valid:
+            cov = _centred_cov(adv, new, valid).reshape(-1)[flat_valid].cpu()
+            k = max(1, int(n_valid * float(config_get(config, "kl_cov_ratio", 0.0002))))
+            top = flat_valid[torch.topk(cov, k, largest=True).indices.to(flat_valid.device)]
+            selected.view(-1)[top] = 1.0
+    return {"kl_cov_mask": selected}
+
+
+def kl_cov_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    kl_cov_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617): the unclipped policy gradient with a KL penalty on
+    the highest-covariance tokens.
+
+    ``r = exp(clamp(log_probs - old_log_probs, -20, 20))``, per-token loss ``-A r +
+    kl_cov_mask * ppo_kl_coef * |log_probs - old_log_probs|`` (no clip anywhere) times
+    ``rollout_is_weights`` (or not), aggregated with ``loss_agg_mode``. ``kl_cov_mask`` ``(B, T)`` is
+    this micro-batch's rows of :func:`kl_cov_minibatch_stats` over the whole mini-batch (the update
+    loop passes it); without it the selection is made on this call's inputs (verl's per-call
+    behaviour). Metrics: ``pg_clipfrac``: share of valid tokens penalised **(verl reports none)**,
+    ``pg_clipfrac_lower`` 0.0, ``ppo_kl`` = masked mean of ``old_log_probs - log_probs`` **(verl
+    reports the masked mean of ``|log_probs - old_log_probs|`` under that name)**. Source: verl
+    ``compute_policy_loss_kl_cov``. Raises ``ValueError`` for bad hyperparameters
+    (:func:`validate_kl_cov`), mismatched shapes or a bad aggregation.
+    """
+    validate_kl_cov(config)
+    if kl_cov_mask is None:
+        kl_cov_mask = kl_cov_minibatch_stats(old_log_probs, log_probs, advantages, response_mask, config=config)[
+            "kl_cov_mask"
+        ]
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    if kl_cov_mask.shape != new.shape:
+        raise ValueError(
+            f"kl_cov_mask has shape {tuple(kl_cov_mask.shape)} but the policy loss inputs are "
+            f"{tuple(new.shape)}; pass this micro-batch's rows of kl_cov_minibatch_stats(...)['kl_cov_mask']."
+        )
+    selected = kl_cov_mask.detach().to(new.dtype)
+    coef = float(config_get(config, "ppo_kl_coef", 0.1))
+    log_ratio = new - old
+    ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
+    per_token = -adv * ratio + selected * coef * log_ratio.abs()
+    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    return loss, {
+        "pg_clipfrac": _share(selected != 0, response_mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": _ppo_kl(torch.clamp(log_ratio, -20.0, 20.0), response_mask),
+    }
+
+
+# --------------------------------------------------------------------------- bypass mode (rollout correction)
+#: the bypass_mode loss's rollout_corr/ metrics: masked means over valid tokens, so the update loop's
+#: token-weighted mean over micro-batches is the mini-batch's value; always reported (0.0 when off)
+_BYPASS_METRICS = ("kl", "k3_kl", "rollout_is_mean", "rollout_rs_masked_fraction")
+
+
+def _bypass_settings(config: Any) -> Any:
+    """The rollout-correction settings the ``actor`` section mirrors (``actor.rollout_correction``,
+    an interpolation of ``algorithm.rollout_correction``) with ``actor.rollout_is_threshold`` applied;
+    defaults when it is absent or unresolvable (a bare ``ActorConfig``)."""
+    from omegaconf import OmegaConf
+
+    from rlplug.rollout_correction import parse_rollout_correction, with_threshold_alias
+
+    if OmegaConf.is_config(config):
+        node = OmegaConf.select(config, "rollout_correction", default=None, throw_on_resolution_failure=False)
+    else:
+        node = config_get(config, "rollout_correction", None)
+    node = node if OmegaConf.is_config(node) or isinstance(node, dict) else None
+    # actor.rollout_is_threshold (the older spelling) counts here too, as in the trainer's settings
+    return with_threshold_alias(parse_rollout_correction(node), config_get(config, "rollout_is_threshold", None), node)
+
+
+def validate_bypass_mode(config: Any) -> None:
+    """Raise ``ValueError`` for a bad ``algorithm.rollout_correction`` section (as seen through
+    ``actor.rollout_correction``) or ``rollout_is_batch_normalize=true``, which bypass mode refuses:
+    its weights are computed per micro-batch, so a batch mean would depend on the split."""
+    if _bypass_settings(config).batch_normalize:
+        raise ValueError(
+            "algorithm.rollout_correction.rollout_is_batch_normalize=true: the bypass_mode loss computes its weights "
+            "per micro-batch, so normalising them would make the update depend on the micro-batch size. Set "
+            "rollout_is_batch_normalize=false."
+        )
+
+
+def bypass_mode_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: Any = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's bypass-mode loss: ``old_log_probs`` ARE the engine's log-probs (no old-log-prob pass).
+
+    With ``algorithm.rollout_correction`` (read through ``config.rollout_correction``) it first
+    computes, without gradient and per micro-batch against the CURRENT policy, the importance weights
+    ``w = pi_theta / pi_rollout`` (``rollout_is``, :func:`rlplug.rollout_correction.rollout_is_weights`
+    of ``log_probs - old_log_probs``) and the rejection mask (``rollout_rs``), then by ``loss_type``:
+
+    * ``ppo_clip``: :func:`vanilla_policy_loss` against the engine's log-probs on the mask after
+      rejection; ``w`` is not applied (the ratio already is the correction; verl's metrics-only weights).
+    * ``reinforce`` (verl's ``compute_policy_loss_reinforce``): per token ``-A * log_probs * w``
+      (``w`` = 1 without ``rollout_is``), aggregated on the mask after rejection; ``pg_clipfrac`` and
+      ``pg_clipfrac_lower`` are 0.0, ``ppo_kl`` the masked mean of ``old_log_probs - log_probs``.
+
+    ``rollout_is_weights`` passed in (``None`` in bypass mode, where the trainer computes none) multiply
+    each token's loss on top, as for every loss. The normaliser stays the mini-batch's (as verl's
+    ``global_batch_info``, from the mask before rejection). Metrics add ``rollout_corr/kl``,
+    ``rollout_corr/k3_kl``, ``rollout_corr/rollout_is_mean`` and ``rollout_corr/rollout_rs_masked_fraction``
+    (token masked means of this micro-batch; 0.0 when off). Source: verl
+    ``compute_policy_loss_bypass_mode`` (``core_algos.py``). Raises ``ValueError`` for mismatched shapes
+    or a bad ``rollout_correction`` section.
+    """
+    from rlplug.rollout_correction import compute_rollout_correction, offpolicy_metrics
+
+    _check_shapes(old_log_probs, log_probs, advantages, response_mask)
+    settings = _bypass_settings(config)
+    validate_bypass_mode(config)
+    extra = dict.fromkeys(_BYPASS_METRICS, 0.0)
+    mask, w = response_mask, None
+    if bool(response_mask.bool().any()):
+        w, mask, m = compute_rollout_correction(
+            log_probs.detach(), old_log_probs, response_mask, settings, with_offpolicy_metrics=False
+        )
+        m = {k.removeprefix("rollout_corr/"): v for k, v in m.items()}
+        m.update(offpolicy_metrics(log_probs.detach(), old_log_probs, response_mask))
+        extra.update({k: float(m[k]) for k in _BYPASS_METRICS if k in m})
+    if settings.loss_type == "ppo_clip":
+        loss, metrics = vanilla_policy_loss(
+            old_log_probs,
+            log_probs,
+            advantages,
+            mask,
+            config=config,
+            loss_agg_mode=loss_agg_mode,
+            normalizer=normalizer,
+            max_response_length=max_response_length,
+            rollout_is_weights=rollout_is_weights,
+        )
+    else:
+        per_token = -advantages * log_probs
+        if w is not None:
+            per_token = per_token * w
+        per_token = _weighted(per_token, rollout_is_weights)
+        loss = agg_loss(per_token, mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
+        metrics = {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(log_probs - old_log_probs, mask)}
+    metrics.update({f"rollout_corr/{k}": v for k, v in extra.items()})
+    return loss, metrics
+
+
 @rlplug.hookimpl
 def register_policy_losses(register):
     register(
@@ -708,5 +1068,32 @@ def register_policy_losses(register):
             dppo_kl_policy_loss,
             validate=validate_dppo,
             description="DPPO-Binary-KL: trust region on the binary KL, truncated IS (arXiv 2602.04879)",
+        ),
+    )
+    register(
+        "clip_cov",
+        PolicyLoss(
+            clip_cov_policy_loss,
+            validate=validate_clip_cov,
+            minibatch_stats=clip_cov_minibatch_stats,
+            description="Clip-Cov: PPO, gradient cut on random high-covariance tokens (Cui et al. 2025)",
+        ),
+    )
+    register(
+        "kl_cov",
+        PolicyLoss(
+            kl_cov_policy_loss,
+            validate=validate_kl_cov,
+            minibatch_stats=kl_cov_minibatch_stats,
+            description="KL-Cov: policy gradient, |log-ratio| penalty on top-covariance tokens (Cui et al. 2025)",
+        ),
+    )
+    register(
+        "bypass_mode",
+        PolicyLoss(
+            bypass_mode_policy_loss,
+            validate=validate_bypass_mode,
+            description="verl's bypass mode: engine log-probs as old, loss_type ppo_clip or IS-weighted reinforce",
+            metrics=("actor/rollout_corr/*",),
         ),
     )

@@ -8,7 +8,9 @@ is a factory ``factory(config) -> tracker`` taking the whole resolved run config
   ``<group>/<metric>`` (``actor/pg_loss``, ``val-core/<data_source>/acc/mean@N`` ...);
 * ``log_table(name: str, rows: list[dict], step: int) -> None``: e.g. validation generations;
 * ``log_artifact(path, artifact_path=None) -> None``: a file or folder;
-* ``close(status="FINISHED") -> None``: ``"FINISHED"``, ``"KILLED"`` or ``"FAILED"``; idempotent.
+* ``close(status="FINISHED") -> None``: ``"FINISHED"``, ``"KILLED"`` or ``"FAILED"``; idempotent;
+* optional ``set_tags(tags: dict[str, str]) -> None``: run tags (``mlflow``; the alert rules of
+  ``trainer.alerts`` tag a warning as ``rlplug.alert.<name>``).
 
 ``console`` prints one line per step with the key metrics (the trainer owns the progress bar).
 
@@ -395,6 +397,15 @@ class MlflowTracker:
 
         tags = [RunTag(k, v) for k, v in source_tags().items()]
         self.client.log_batch(self.run_id, tags=tags, synchronous=True)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set run tags (e.g. ``rlplug.alert.<name>`` when a ``trainer.alerts`` rule warns); keys are
+        sanitized (:func:`sanitize_name`), values truncated to 5000 characters (MLflow's tag limit)."""
+        from mlflow.entities import RunTag
+
+        batch = [RunTag(sanitize_name(k), str(v)[:5000]) for k, v in tags.items()]
+        if batch:
+            self.client.log_batch(self.run_id, tags=batch, synchronous=True)
 
     def _log_config_yaml(self, config: Any) -> None:
         try:
