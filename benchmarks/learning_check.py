@@ -93,7 +93,7 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str]) ->
     log_path = run_dir / "train.log"
     t0 = time.time()
     with (
-        open(log_path, "a") as log,
+        open(log_path, "a", buffering=1) as log,  # line-buffered: tail -f works
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc,
     ):
         assert proc.stdout is not None
@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="seeds trained at once")
     p.add_argument("--out", default="checkpoints/learning_check")
     p.add_argument("overrides", nargs="*", help="extra rlplug overrides (after --)")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args.overrides = [*args.overrides, *extra]
     _, key, default_threshold = RECIPES[args.recipe]
     threshold = default_threshold if args.threshold is None else args.threshold
     scale = 100.0 if "/acc/" in key else 1.0  # accuracy in percentage points
