@@ -90,7 +90,7 @@ def stub_registry() -> Registry:
         r.register("training_backend", name, _StubTraining, "rlplug", "0.1.0")
     for name in ("console", "mlflow"):
         r.register("tracker", name, _StubTracker, "rlplug", "0.1.0")
-    for name in ("gsm8k", "reasoning_gym", "math_verify", "length_penalty"):  # length_penalty: debug=tiny
+    for name in ("gsm8k", "reasoning_gym", "math_verify", "length_penalty", "format"):  # debug=tiny, grpo_arithmetic
         r.register("reward_function", name, _noop, "rlplug", "0.1.0")
     r.register("batch_filter", "filter_groups", BatchFilter(_noop), "rlplug", "0.1.0")  # algorithm=dapo
     return r
