@@ -313,16 +313,23 @@ def rollout_correction_requires(cfg: Any) -> tuple[str, ...]:
     return ("old_log_probs", "rollout_log_probs") if settings.active else ()
 
 
-def validate_rollout_correction(cfg: Any, per_token: tuple[str, ...] = ()) -> None:
+def validate_rollout_correction(
+    cfg: Any, per_token: tuple[str, ...] = (), *, loss_is_bypass: bool | None = None
+) -> None:
     """Config-time checks of the rollout correction; ``cfg`` is the whole run config and
     ``per_token`` the per-token quantities the plan keeps from the old-log-prob pass.
 
     Raises :class:`rlplug.config.ConfigError` for a bad section, an inconsistent alias, weights or
-    rejection or bypass mode with ``rollout.calculate_log_probs=false``, and in bypass mode: a policy
-    loss other than ``bypass_mode``, ``rollout_is_batch_normalize=true``, or a plugin that needs a
+    rejection or bypass mode with ``rollout.calculate_log_probs=false``, a bypass loss
+    (``loss_is_bypass``: the selected :class:`rlplug.types.PolicyLoss` has ``bypass_mode=True``; None: the
+    loss is the packaged ``bypass_mode``) without bypass mode, and in bypass mode: a policy loss that is
+    not a bypass loss, ``rollout_is_batch_normalize=true``, or a plugin that needs a
     per-token quantity of the (skipped) old-log-prob pass.
     """
     settings = rollout_correction_settings(cfg)
+    loss_name = config_get(cfg, "actor.policy_loss", None)
+    if loss_is_bypass is None:
+        loss_is_bypass = loss_name == "bypass_mode"
     what = "bypass_mode=true" if settings.bypass_mode else "rollout_is / rollout_rs"
     if (settings.active or settings.bypass_mode) and not config_get(cfg, "rollout.calculate_log_probs", False):
         raise ConfigError(
@@ -330,13 +337,13 @@ def validate_rollout_correction(cfg: Any, per_token: tuple[str, ...] = ()) -> No
             "rollout.calculate_log_probs=false, so the engine returns none. Set rollout.calculate_log_probs=true."
         )
     if not settings.bypass_mode:
-        if config_get(cfg, "actor.policy_loss", None) == "bypass_mode":
+        if loss_is_bypass:
             raise ConfigError(
-                f"actor.policy_loss=bypass_mode uses the engine's log-probs as the old log-probs, but "
+                f"actor.policy_loss={loss_name} uses the engine's log-probs as the old log-probs, but "
                 f"{_KEY}.bypass_mode=false. Set {_KEY}.bypass_mode=true, or choose another policy loss."
             )
         return
-    if config_get(cfg, "actor.policy_loss", None) != "bypass_mode":
+    if not loss_is_bypass:
         raise ConfigError(
             f"{_KEY}.bypass_mode=true: the old log-probs are the engine's and the correction happens in the policy "
             f"loss, but actor.policy_loss={config_get(cfg, 'actor.policy_loss', None)}. Set actor.policy_loss=bypass_mode "

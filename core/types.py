@@ -234,6 +234,10 @@ class PolicyLoss:
     requires: tuple[str, ...] = ()
     minibatch_stats: Callable[..., Mapping[str, torch.Tensor]] | None = None
     metrics: tuple[str, ...] = ()
+    #: a loss for verl's bypass mode (``algorithm.rollout_correction.bypass_mode=true``): it computes the
+    #: rollout correction itself, with the engine's log-probs as the old ones; the config check pairs
+    #: such a loss with bypass mode, and bypass mode with such a loss
+    bypass_mode: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
         return self.fn(*args, **kwargs)

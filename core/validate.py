@@ -245,7 +245,8 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     load_custom_reward_function(cfg.reward.custom_reward_function)  # its file, function and reward_kwargs
     _check_batch_filter(cfg, registry, choices)
     plan = plan_batch(cfg, registry)  # every required batch field has a producer
-    validate_rollout_correction(cfg, plan.per_token)  # algorithm.rollout_correction and its alias
+    # algorithm.rollout_correction and its alias; a loss with PolicyLoss.bypass_mode pairs with bypass mode
+    validate_rollout_correction(cfg, plan.per_token, loss_is_bypass=bool(getattr(loss, "bypass_mode", False)))
     check_alert_config(cfg, plan, registry)  # trainer.alerts: rules and the metrics they name
 
     # ---- algorithm constraints

@@ -524,3 +524,18 @@ def test_bypass_mode_loss_reads_the_actor_rollout_is_threshold_alias():
     settings = _bypass_settings(cfg.actor)
     assert (settings.rollout_is, settings.is_upper, settings.is_lower) == ("token", 2.0, None)
     assert _bypass_settings(compose([f"{RC}.bypass_mode=true"]).actor).rollout_is is None
+
+
+def test_a_third_party_bypass_loss_is_recognised_by_its_attribute_not_its_name():
+    from rlplug.rollout_correction import validate_rollout_correction
+    from rlplug.types import PolicyLoss
+
+    assert get_registry().get("policy_loss", "bypass_mode").bypass_mode is True
+    assert PolicyLoss(lambda *a, **k: None).bypass_mode is False
+    cfg = compose([f"{RC}.bypass_mode=true", "rollout.calculate_log_probs=true", "actor.policy_loss=my_bypass"])
+    validate_rollout_correction(cfg, (), loss_is_bypass=True)  # PolicyLoss(..., bypass_mode=True): accepted
+    with pytest.raises(ConfigError, match="actor.policy_loss=my_bypass. Set actor.policy_loss=bypass_mode"):
+        validate_rollout_correction(cfg, (), loss_is_bypass=False)
+    off = compose(["rollout.calculate_log_probs=true", "actor.policy_loss=my_bypass"])
+    with pytest.raises(ConfigError, match="actor.policy_loss=my_bypass uses the engine's log-probs"):
+        validate_rollout_correction(off, (), loss_is_bypass=True)

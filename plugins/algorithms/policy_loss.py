@@ -1095,5 +1095,6 @@ def register_policy_losses(register):
             validate=validate_bypass_mode,
             description="verl's bypass mode: engine log-probs as old, loss_type ppo_clip or IS-weighted reinforce",
             metrics=("actor/rollout_corr/*",),
+            bypass_mode=True,
         ),
     )
