@@ -43,9 +43,10 @@ def _compose_and_validate(overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
     from .config import compose
-    from .validate import validate_config
 
-    cfg = compose(list(overrides))
+    cfg = compose(list(overrides))  # a bad key or group option fails here, before torch is imported
+    from .validate import validate_config  # imports torch (the plugins' checks)
+
     choices = validate_config(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg, choices
