@@ -13,11 +13,11 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from test_local_backend import make_cfg
 
 import rlplug
 from rlplug.batch import Batch
-from rlplug.config import ActorConfig, ConfigError, RunConfig, TinyModelConfig, compose
+from rlplug.config import ActorConfig, ConfigError, TinyModelConfig, compose
 from rlplug.losses import agg_normalizer
 from rlplug.objective import actor_objective
 from rlplug.plugins.algorithms.policy_loss import (
@@ -373,21 +373,9 @@ def model_path() -> str:
 
 
 def _cfg(**overrides):
-    """The tiny model, 4 prompts x 2 responses, mini-batches of 2 prompts (4 rows, 2 optimizer steps)."""
-    cfg = OmegaConf.structured(RunConfig)
-    cfg.model.source = "tiny"
-    cfg.model.compute_dtype = "fp32"
-    cfg.trainer.device = "cpu"
-    cfg.data.train_batch_size = B // N_SAMPLES
-    cfg.data.max_response_length = T
-    cfg.rollout.n = N_SAMPLES
-    cfg.rollout.temperature = 0.8
-    cfg.actor.ppo_mini_batch_size = 2
-    cfg.actor.optim.lr = 1e-2
-    cfg.actor.optim.eps = 1.0  # AdamW's first steps ~ proportional to the gradient (see test_local_backend)
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key, value, merge=False)
-    return cfg
+    """The tiny model, 4 prompts x 2 responses, mini-batches of 2 prompts (4 rows, 2 optimizer steps):
+    test_local_backend's config (AdamW eps 1, so its first steps are ~ proportional to the gradient)."""
+    return make_cfg(**overrides)
 
 
 def _batch(backend, seed: int = 0) -> Batch:
