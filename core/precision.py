@@ -63,7 +63,10 @@ def resolve_dtype(name: Any, device: torch.device | str, key: str) -> str:
     """
     text = str(name).lower()
     if text not in DTYPE_CHOICES:
-        raise ValueError(f"{key}={name!r}: expected one of {', '.join(DTYPE_CHOICES)}.")
+        raise ValueError(
+            f"{key}={name!r}: expected one of {', '.join(DTYPE_CHOICES)}. Set {key}=auto (bf16 where bf16 "
+            "matmuls are fast, else fp32), or bf16/fp32 explicitly."
+        )
     if text == "auto":
         return "bf16" if bf16_is_fast(device) else "fp32"
     text = _CANONICAL.get(text, text)
