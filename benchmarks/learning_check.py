@@ -10,8 +10,9 @@ thread and a one-thread rollout engine, validation before training and at step N
 directory is ``<out>/<recipe>/seed_<S>``: rerunning the same command resumes an interrupted seed
 from its checkpoint (validations already seen are kept in ``validations.jsonl`` there).
 
-Prints per seed the held-out metric before and after (``val-core/<source>/acc/mean@1``: verl's
-strict accuracy) and a PASS/FAIL line: every seed must gain at least ``--threshold`` percentage
+Prints per seed the held-out metric before and after (``--metric acc``, the default:
+``val-core/<source>/acc/mean@1``, verl's strict accuracy; ``format``: the share of answers with a
+``#### <number>`` line; ``reward``: the training reward) and a PASS/FAIL line: every seed must gain at least ``--threshold`` percentage
 points. Writes ``<out>/<recipe>/summary.json``. Exit code
 0 when every seed passes, 1 otherwise.
 
@@ -32,10 +33,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-#: recipe -> (rlplug train overrides, metric prefix, default threshold)
-RECIPES: dict[str, tuple[list[str], str, float]] = {
-    "ppo": ([], "val-core/basic_arithmetic/acc/mean@1", 10.0),
-    "grpo": (["experiment=grpo_arithmetic"], "val-core/basic_arithmetic/acc/mean@1", 10.0),
+#: recipe -> (rlplug train overrides, default threshold for the default metric)
+RECIPES: dict[str, tuple[list[str], float]] = {
+    "ppo": ([], 10.0),
+    "grpo": (["experiment=grpo_arithmetic"], 10.0),
+}
+#: ``--metric`` -> (validation metric, whether it is a rate reported in percentage points)
+METRICS: dict[str, tuple[str, bool]] = {
+    # verl's strict score: "#### <right answer>" (the metric the recipes are judged by)
+    "acc": ("val-core/basic_arithmetic/acc/mean@1", True),
+    # share of answers with a "#### <number>" line: rises within a few steps, the short check's metric
+    "format": ("val-aux/basic_arithmetic/format/mean@1", True),
+    # the training reward (correctness plus shaping) on the held-out set
+    "reward": ("val-aux/basic_arithmetic/reward/mean@1", False),
 }
 _VAL = re.compile(r"^validation @ step (\d+): (.*)$")
 
@@ -65,9 +75,9 @@ def parse_validation(line: str) -> tuple[int, dict[str, float]] | None:
     return int(m.group(1)), metrics
 
 
-def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict:
-    """Train one seed (resuming its directory), return ``{seed, before, after, log}``."""
-    overrides, key, _ = RECIPES[recipe]
+def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str], key: str, threads: int = 1) -> dict:
+    """Train one seed (resuming its directory), return ``{seed, before, after, log}`` of metric ``key``."""
+    overrides, _ = RECIPES[recipe]
     run_dir = out / recipe / f"seed_{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -82,13 +92,13 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str]) ->
         f"trainer.test_freq={steps}",
         f"trainer.save_freq={max(1, min(5, steps))}",
         "trainer.max_wall_time_s=null",
-        "trainer.num_threads=1",
-        "rollout.num_threads=1",
+        f"trainer.num_threads={threads}",
+        f"rollout.num_threads={threads}",
         "trainer.logger=[console]",
         f"trainer.default_local_dir={run_dir}",
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     history = run_dir / "validations.jsonl"
     log_path = run_dir / "train.log"
     t0 = time.time()
@@ -104,11 +114,7 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str]) ->
                 with open(history, "a") as h:
                     h.write(json.dumps({"step": parsed[0], "metrics": parsed[1]}) + "\n")
         rc = proc.wait()
-    vals = {}
-    if history.is_file():
-        for line in history.read_text().splitlines():
-            item = json.loads(line)
-            vals[int(item["step"])] = item["metrics"]
+    vals = read_history(history)
     before, after = vals.get(0, {}).get(key), vals.get(steps, {}).get(key)
     return {
         "seed": seed,
@@ -120,29 +126,127 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str]) ->
     }
 
 
+def read_history(path: Path) -> dict[int, dict[str, float]]:
+    """``{step: metrics}`` from a ``validations.jsonl`` (one ``{"step", "metrics"}`` object per line).
+
+    A step seen twice (a seed resumed after its validation was logged) keeps the last line.
+    """
+    vals: dict[int, dict[str, float]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                item = json.loads(line)
+                vals[int(item["step"])] = item["metrics"]
+    return vals
+
+
+def seed_histories(folder: Path) -> dict[int, dict[int, dict[str, float]]]:
+    """Every seed's validations under ``folder``: ``seed_<S>/validations.jsonl`` (a run directory
+    of this script) or ``seed_<S>_validations.jsonl`` (copied into ``benchmarks/results``)."""
+    out: dict[int, dict[int, dict[str, float]]] = {}
+    for path in sorted(folder.glob("seed_*")):
+        m = re.fullmatch(r"seed_(\d+)(?:_validations\.jsonl)?", path.name)
+        if m is None:
+            continue
+        hist = read_history(path / "validations.jsonl" if path.is_dir() else path)
+        if hist:
+            out[int(m.group(1))] = hist
+    return out
+
+
+def curve(histories: dict[int, dict[int, dict[str, float]]], key: str) -> list[dict]:
+    """Per validation step: the mean, min and max of ``key`` over the seeds that reached it.
+
+    Returns ``[{"step", "n_seeds", "mean", "min", "max", "per_seed": {seed: value}}]`` sorted by
+    step; a step only some seeds reached reports those (``n_seeds`` says how many).
+    """
+    steps = sorted({s for h in histories.values() for s in h})
+    rows = []
+    for step in steps:
+        per_seed = {seed: h[step][key] for seed, h in sorted(histories.items()) if key in h.get(step, {})}
+        if not per_seed:
+            continue
+        v = list(per_seed.values())
+        rows.append(
+            {
+                "step": step,
+                "n_seeds": len(v),
+                "mean": sum(v) / len(v),
+                "min": min(v),
+                "max": max(v),
+                "per_seed": per_seed,
+            }
+        )
+    return rows
+
+
+def curve_markdown(rows: list[dict], scale: float) -> str:
+    """A markdown table of :func:`curve` rows (values times ``scale``: 100 for rates in %)."""
+    unit = "%" if scale == 100.0 else ""
+    fmt = (lambda x: f"{x * scale:.1f}{unit}") if scale == 100.0 else (lambda x: f"{x:.3f}")
+    seeds = sorted({s for r in rows for s in r["per_seed"]})
+    head = "| step | seeds | mean | min - max | " + " | ".join(f"seed {s}" for s in seeds) + " |"
+    sep = "|" + "---|" * (4 + len(seeds))
+    lines = [head, sep]
+    for r in rows:
+        cells = [fmt(r["per_seed"][s]) if s in r["per_seed"] else "" for s in seeds]
+        lines.append(
+            f"| {r['step']} | {r['n_seeds']} | **{fmt(r['mean'])}** | {fmt(r['min'])} - {fmt(r['max'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", choices=sorted(RECIPES))
     p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--threshold", type=float, default=None, help="minimum gain per seed (default: the recipe's)")
+    p.add_argument("--metric", choices=sorted(METRICS), default="acc", help="held-out metric judged (default: acc)")
+    p.add_argument(
+        "--threshold", type=float, default=None, help="minimum gain per seed (default: the recipe's, for acc)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch and engine threads per seed (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="seeds trained at once")
     p.add_argument("--out", default="checkpoints/learning_check")
+    p.add_argument(
+        "--summarize",
+        metavar="DIR",
+        default=None,
+        help="train nothing: print the curve (mean, min-max per step) of the seeds under DIR "
+        "(seed_<S>/validations.jsonl or seed_<S>_validations.jsonl) and write DIR/curve_<metric>.json",
+    )
     p.add_argument("overrides", nargs="*", help="extra rlplug overrides (after --)")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     args.overrides = [*args.overrides, *extra]
-    _, key, default_threshold = RECIPES[args.recipe]
+    _, default_threshold = RECIPES[args.recipe]
+    key, is_rate = METRICS[args.metric]
+    if args.threshold is None and args.metric != "acc":
+        p.error(f"--metric {args.metric} needs --threshold (the default threshold is for acc)")
     threshold = default_threshold if args.threshold is None else args.threshold
-    scale = 100.0 if "/acc/" in key else 1.0  # accuracy in percentage points
+    scale = 100.0 if is_rate else 1.0  # rates in percentage points
+    if args.summarize is not None:
+        folder = Path(args.summarize)
+        histories = seed_histories(folder)
+        if not histories:
+            p.error(f"no seed_<S>/validations.jsonl or seed_<S>_validations.jsonl under {folder}")
+        rows = curve(histories, key)
+        print(f"{key} over seeds {sorted(histories)} ({folder}):")
+        print(curve_markdown(rows, scale))
+        (folder / f"curve_{args.metric}.json").write_text(json.dumps({"metric": key, "rows": rows}, indent=1))
+        return 0
     out = Path(args.out)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; recipe {args.recipe}, {args.steps} steps, seeds {seeds}")
     print(f"metric: {key}; pass: every seed gains >= {threshold:g}{' points' if scale == 100 else ''}", flush=True)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda s: run_seed(args.recipe, s, args.steps, out, args.overrides), seeds))
+        results = list(
+            pool.map(lambda s: run_seed(args.recipe, s, args.steps, out, args.overrides, key, args.threads), seeds)
+        )
     ok = True
     for r in results:
         if r["before"] is None or r["after"] is None:
@@ -169,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "threshold": threshold,
         "cpu": cpu_model(),
         "jobs": args.jobs,
+        "threads": args.threads,
         "overrides": args.overrides,
         "results": results,
         "pass": ok,

@@ -3,6 +3,12 @@
     python benchmarks/learning_curve.py export RUN_DIR --out benchmarks/results/ppo_arithmetic.csv
     python benchmarks/learning_curve.py plot benchmarks/results/ppo_arithmetic.csv \
         benchmarks/results/grpo_arithmetic.csv --out benchmarks/results/learning_curves.png
+    python benchmarks/learning_curve.py seeds benchmarks/results/learning_check/ppo/curve_acc.json \
+        benchmarks/results/learning_check/grpo/curve_acc.json --out benchmarks/results/learning_check/curves.png
+
+``seeds`` plots the curves over seeds that ``benchmarks/learning_check.py --summarize DIR`` writes
+(``DIR/curve_<metric>.json``): the mean over seeds per validation step and the min-max band, one
+line per recipe (the JSON's folder name), against steps.
 
 The CSV has one row per training step: ``step``, ``wall_s`` (seconds since the run started,
 from MLflow's metric timestamps), ``reward`` (``critic/score/mean``: the training reward incl.
@@ -84,6 +90,36 @@ def plot(csvs: list[str], out: str) -> Path:
     return out_p
 
 
+def plot_seeds(curves: list[str], out: str) -> Path:
+    """Plot mean and min-max band over seeds for each ``curve_<metric>.json`` against steps."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    metric = ""
+    for path in curves:
+        data = json.loads(Path(path).read_text())
+        metric = data["metric"]
+        n = max(r["n_seeds"] for r in data["rows"])
+        rows = [r for r in data["rows"] if r["n_seeds"] == n]  # steps every seed reached
+        steps = [r["step"] for r in rows]
+        line = ax.plot(steps, [r["mean"] for r in rows], marker="o", label=f"{Path(path).parent.name} ({n} seeds)")
+        ax.fill_between(
+            steps, [r["min"] for r in rows], [r["max"] for r in rows], color=line[0].get_color(), alpha=0.2, linewidth=0
+        )
+    ax.set(xlabel="training step", ylabel=metric, title="Held-out metric: mean and min-max over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_p = Path(out)
+    fig.savefig(out_p, dpi=110)
+    return out_p
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -94,8 +130,16 @@ def main() -> None:
     pl = sub.add_parser("plot")
     pl.add_argument("csvs", nargs="+")
     pl.add_argument("--out", required=True)
+    ps = sub.add_parser("seeds")
+    ps.add_argument("curves", nargs="+")
+    ps.add_argument("--out", required=True)
     args = p.parse_args()
-    print(export(args.run_dir, args.out, args.experiment) if args.cmd == "export" else plot(args.csvs, args.out))
+    if args.cmd == "export":
+        print(export(args.run_dir, args.out, args.experiment))
+    elif args.cmd == "plot":
+        print(plot(args.csvs, args.out))
+    else:
+        print(plot_seeds(args.curves, args.out))
 
 
 if __name__ == "__main__":

@@ -161,6 +161,15 @@ class Batch:
         for start in range(0, len(self), size):
             yield self.slice(start, start + size)
 
+    def split_sizes(self, sizes: Sequence[int]) -> Iterator[Batch]:
+        """Consecutive chunks of ``sizes[0]``, ``sizes[1]`` ... rows (they must sum to ``len(self)``)."""
+        if sum(sizes) != len(self) or any(n <= 0 for n in sizes):
+            raise ValueError(f"split sizes {list(sizes)} must be positive and sum to the {len(self)} rows")
+        start = 0
+        for n in sizes:
+            yield self.slice(start, start + n)
+            start += n
+
     def to(self, device: torch.device | str) -> Batch:
         """Every tensor moved to ``device`` (a no-op for tensors already there); metadata shared."""
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta), dict(self.columns))

@@ -90,6 +90,8 @@ COMPLETE = "COMPLETE"
 FINAL_MODEL = "final_model"
 #: where ``trainer.overwrite=true`` moves an earlier run's checkpoints (a dated folder inside)
 OVERWRITTEN = "overwritten"
+#: the run's own metric log (:class:`rlplug.metrics.MetricsLog`), set aside with the checkpoints
+METRICS_LOG = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -652,6 +654,9 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
       checkpoint holds), ``actor.use_kl_loss`` with ``actor.kl_loss_type`` and
       ``algorithm.use_kl_in_reward`` with ``algorithm.kl_penalty`` (the KL estimator is ``None`` when
       its term is off), ``critic.loss_type``: which pieces and which terms make the objective;
+    * schedule: ``algorithm.schedule`` as declared (every phase's until, preset and overrides) and
+      ``rollout.n_schedule``, each only when it is set (so runs without one keep their fingerprints); the current phase is not part of
+      it (it is checkpointed state, :class:`rlplug.schedule.Schedule`);
     * reward: ``reward.reward_fn_map`` (data source -> function), ``reward.default``, ``reward.kwargs``,
       ``reward.shaping`` (each entry's name, weight and kwargs), ``reward.normalize.enable`` and, when
       its ``path`` is set, ``reward.custom_reward_function`` (absolute path, name, reward_kwargs);
@@ -706,6 +711,8 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
         "data.task_kwargs": (get("data.task_kwargs") or {}) if generated else None,
         "data.instruction": get("data.instruction") if generated else None,
         "data.system_prompt": get("data.system_prompt"),
+        **({"algorithm.schedule": get("algorithm.schedule")} if get("algorithm.schedule") else {}),
+        **({"rollout.n_schedule": get("rollout.n_schedule")} if get("rollout.n_schedule.type") else {}),
     }
 
 
@@ -819,7 +826,7 @@ def check_fingerprint(path: Path, config: Any) -> None:
 
 def set_aside_checkpoints(manager: CheckpointManager) -> Path | None:
     """Move an earlier run out of the way (``trainer.overwrite=true``): its ``latest`` pointer,
-    ``final_model`` and every ``global_step_N`` directory (complete or partial) go into
+    ``final_model``, its ``metrics.jsonl`` and every ``global_step_N`` directory (complete or partial) go into
     ``<run dir>/overwritten/<YYYYmmdd-HHMMSS>/``, by renames on the same file system; nothing is
     deleted. Prints (and logs) where they went; returns that folder, or None when there was nothing.
 
@@ -830,7 +837,7 @@ def set_aside_checkpoints(manager: CheckpointManager) -> Path | None:
     if not root.is_dir():
         return None
     steps = [p for p in sorted(root.iterdir()) if p.is_dir() and p.name.startswith("global_step_")]
-    items = [p for p in (root / LATEST, root / FINAL_MODEL) if p.exists()] + steps
+    items = [p for p in (root / LATEST, root / FINAL_MODEL, root / METRICS_LOG) if p.exists()] + steps
     if not items:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")

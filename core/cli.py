@@ -10,6 +10,9 @@
     rlplug export CKPT --out DIR               checkpoint -> Hugging Face folder
     rlplug config [OVERRIDES...]               print the composed, validated config
 
+``train``, ``config``, ``eval`` and ``rollout`` also take verl's key names and a YAML file
+(``--config-path DIR --config-name NAME``, verl's layout or rlplug's); see ``docs/verl.md``.
+
 Exit codes: :class:`rlplug.exit_codes.ExitCode` (0 finished, 2 bad input, 3/4 stopped by bad
 steps, 5 stopped by an alert rule, 75 stopped by a signal after saving, 130 interrupted).
 """
@@ -52,6 +55,21 @@ def _compose_and_validate(overrides: Sequence[str]):
     return cfg, choices
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The command's overrides: the leaves of a ``--config-path/--config-name`` YAML file (verl's layout or
+    rlplug's, :func:`rlplug.verl_keys.file_overrides`), then the command line's, which win."""
+    from .verl_keys import config_file_path, file_overrides, merge_file_and_command_line
+
+    path = config_file_path(args.config_path, args.config_name)
+    return merge_file_and_command_line(file_overrides(path) if path is not None else [], list(args.overrides))
+
+
+def _add_overrides_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("overrides", nargs="*", help="Hydra overrides, rlplug's or verl's key names (docs/verl.md)")
+    sp.add_argument("--config-path", default=None, help="folder of a YAML config file (verl's or rlplug's keys)")
+    sp.add_argument("--config-name", default=None, help="that file's name (.yaml may be left out)")
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from .registry import get_registry
 
@@ -81,7 +99,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    cfg, choices = _compose_and_validate(args.overrides)
+    cfg, choices = _compose_and_validate(_overrides(args))
     print(OmegaConf.to_yaml(cfg))
     for c in choices:
         console.print(f"  {c}")
@@ -89,7 +107,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg, choices = _compose_and_validate(args.overrides)
+    cfg, choices = _compose_and_validate(_overrides(args))
     console.print("[bold]Plugins[/bold]: " + ", ".join(str(c) for c in choices))
     from .trainer import run
 
@@ -141,7 +159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate
 
-    cfg, _ = _compose_and_validate(args.overrides)
+    cfg, _ = _compose_and_validate(_overrides(args))
     rows = evaluate(cfg, checkpoint=args.checkpoint, k=args.k, temperature=args.temperature)
     k = rows[0]["k"] if rows else args.k
     # the trainer's validation numbers (rlplug.metrics.validation_metrics); best@k of a 0/1 acc is pass@k
@@ -157,7 +175,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_rollout(args: argparse.Namespace) -> int:
     from .evaluate import debug_rollout
 
-    cfg, _ = _compose_and_validate(args.overrides)
+    cfg, _ = _compose_and_validate(_overrides(args))
     for item in debug_rollout(
         cfg,
         prompts=args.prompt,
@@ -180,11 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_plugins)
 
     sp = sub.add_parser("train", help="train: rlplug train [hydra overrides], e.g. algorithm=grpo rollout.n=4")
-    sp.add_argument("overrides", nargs="*")
+    _add_overrides_args(sp)
     sp.set_defaults(func=cmd_train)
 
     sp = sub.add_parser("config", help="print the composed and validated config")
-    sp.add_argument("overrides", nargs="*")
+    _add_overrides_args(sp)
     sp.set_defaults(func=cmd_config)
 
     sp = sub.add_parser("data", help="dataset tools")
@@ -213,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: rollout.val_kwargs.temperature (rollout.temperature when that is greedy and k > 1)",
     )
-    sp.add_argument("overrides", nargs="*")
+    _add_overrides_args(sp)
     sp.set_defaults(func=cmd_eval)
 
     sp = sub.add_parser("rollout", help="generate for a few prompts and print each response with its reward")
@@ -221,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ground-truth", default=None)
     sp.add_argument("--data-source", default=None)
     sp.add_argument("--checkpoint", default=None)
-    sp.add_argument("overrides", nargs="*")
+    _add_overrides_args(sp)
     sp.set_defaults(func=cmd_rollout)
     return p
 

@@ -149,6 +149,15 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8
     #: responses per forward/backward; memory only, never changes results
     micro_batch_size_per_device: int = 4
+    #: pack micro-batches to a token budget instead of micro_batch_size_per_device rows (verl's
+    #: use_dynamic_bsz); for the actor update and the old/reference log-prob passes; memory and speed only
+    use_dynamic_bsz: bool = False
+    #: the actor update's budget with use_dynamic_bsz: padded tokens per forward/backward, i.e. rows x
+    #: (longest prompt + longest response) of the micro-batch (verl's ppo_max_token_len_per_gpu counts
+    #: unpadded tokens); at least data.max_prompt_length + data.max_response_length
+    max_token_len_per_device: int = 16384
+    #: the no-grad log-prob passes' budget (verl's log_prob_max_token_len_per_gpu); None: max_token_len_per_device
+    log_prob_max_token_len_per_device: int | None = None
     ppo_epochs: int = 1
     policy_loss: str = "vanilla"
     clip_ratio: float = 0.2
@@ -203,6 +212,12 @@ class CriticConfig:
     enable: bool | None = None
     ppo_mini_batch_size: int | None = None
     micro_batch_size_per_device: int | None = None
+    #: token-budget micro-batches for the critic (see actor.use_dynamic_bsz); None: the actor's setting
+    use_dynamic_bsz: bool | None = None
+    #: the critic update's budget (padded tokens); None: actor.max_token_len_per_device
+    max_token_len_per_device: int | None = None
+    #: the no-grad value pass's budget (verl's forward_max_token_len_per_gpu); None: critic.max_token_len_per_device
+    forward_max_token_len_per_device: int | None = None
     ppo_epochs: int | None = None
     cliprange_value: float = 0.5
     #: "mse": 0.5 * max((v - R)^2, (v_clip - R)^2) (verl's clipped value loss); "huber": the same max of
@@ -210,6 +225,10 @@ class CriticConfig:
     loss_type: str = "mse"
     #: the Huber threshold (in the units of the returns), > 0; used with loss_type=huber
     huber_delta: float = 1.0
+    #: what the critic regresses on: "returns" (the advantage estimator's returns, as verl) or "mc_return"
+    #: (the reward-to-go of token_level_rewards discounted by algorithm.gamma: Monte-Carlo returns, for a
+    #: critic trained beside a critic-free estimator, e.g. the GRPO phase of experiment=grpo_to_ppo)
+    value_target: str = "returns"
     loss_agg_mode: str | None = None
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -221,6 +240,17 @@ class ValSamplingConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+
+
+@dataclass
+class NScheduleConfig:
+    """``rollout.n_schedule``: the group size as a function of the step (:mod:`rlplug.schedule`)."""
+
+    #: None: off (rollout.n throughout); "linear": n = round(start + (end - start) * (step - 1) / (total_steps - 1)),
+    #: halves rounded up
+    type: str | None = None
+    start: int | None = None
+    end: int | None = None
 
 
 @dataclass
@@ -268,6 +298,9 @@ class RolloutConfig:
     #: generate exactly max_response_length tokens per response (EOS suppressed); for benchmarks
     ignore_eos: bool = False
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    #: the group size over training, e.g. {type: linear, start: 4, end: 16} (type null: rollout.n throughout);
+    #: a phase of algorithm.schedule that sets rollout.n in its overrides keeps that n (docs/schedules.md)
+    n_schedule: NScheduleConfig = field(default_factory=NScheduleConfig)
 
 
 @dataclass
@@ -315,6 +348,19 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class PhaseConfig:
+    """One phase of ``algorithm.schedule`` (:mod:`rlplug.schedule`, ``docs/schedules.md``)."""
+
+    #: the phase's last step: an int (a step) or a float in (0, 1] (a share of the run's steps, rounded
+    #: half up); None only for the last phase (to the end of the run)
+    until: Any = None
+    #: an algorithm preset of configs/algorithm/ (grpo, ppo, ...) whose keys the phase takes; None: none
+    algorithm: str | None = None
+    #: dotted keys set in this phase after the preset, e.g. {actor.clip_ratio: 0.3, rollout.n: 8}
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -335,6 +381,8 @@ class AlgorithmConfig:
     #: prompts until data.train_batch_size are kept (None: none; filter_groups.enable=true selects filter_groups)
     batch_filter: str | None = None
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    #: phases of training, each {until, algorithm, overrides} (rlplug.schedule; docs/schedules.md); empty: none
+    schedule: list[PhaseConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -455,6 +503,17 @@ class RewardConfig:
 
 
 @dataclass
+class PrometheusConfig:
+    """``trainer.prometheus``: a ``/metrics`` endpoint serving the latest step's metrics as Prometheus gauges
+    (the ``prometheus`` tracker, ``docs/trackers.md``)."""
+
+    #: the TCP port to serve /metrics on; setting it turns the endpoint on (None: off)
+    port: int | None = None
+    #: the address to listen on: loopback by default; "0.0.0.0" serves other machines too
+    host: str = "127.0.0.1"
+
+
+@dataclass
 class TrainerConfig:
     #: training backend plugin (Hydra group ``trainer=``)
     backend: str = "local"
@@ -479,6 +538,8 @@ class TrainerConfig:
     overwrite: bool = False
     max_ckpt_to_keep: int | None = 3
     logger: list[str] = field(default_factory=lambda: ["console", "mlflow"])
+    #: the Prometheus endpoint (port: None = off; rlplug.metrics.tracker_names adds the prometheus tracker)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
     #: "auto" (cuda if available else cpu), "cpu" or "cuda"
     device: str = "auto"
     seed: int = 42
@@ -536,7 +597,9 @@ class ConfigError(ValueError):
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """Compose the run config the Hydra way from ``configs/`` and ``overrides``.
 
-    ``overrides`` are Hydra override strings (``algorithm=grpo``, ``rollout.n=4``). Entries of the
+    ``overrides`` are Hydra override strings (``algorithm=grpo``, ``rollout.n=4``); verl's key names
+    (``actor_rollout_ref.actor.ppo_mini_batch_size=64``) are translated first and the notes of the inert
+    ones printed to stderr (:func:`rlplug.verl_keys.translate_overrides`, ``docs/verl.md``). Entries of the
     schema's open maps need no ``+`` and may use keys Hydra's key grammar cannot hold
     (``reward.reward_fn_map.openai/gsm8k=math_verify``): see :func:`rewrite_overrides`.
     Raises :class:`ConfigError` for an unknown key, an unknown group option or a bad value,
@@ -552,14 +615,17 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     from omegaconf.errors import OmegaConfBaseException
 
     register_schema()
-    rewritten = rewrite_overrides(overrides or [])
+    from .verl_keys import translate_overrides
+
+    translation = translate_overrides(overrides or [])  # verl's key names -> rlplug's (docs/verl.md)
+    rewritten = rewrite_overrides(translation.overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=rewritten, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as exc:
         msg = _explain_compose_error(exc)
-        for given, sent in zip(overrides or [], rewritten):  # quote the override as the user wrote it
+        for given, sent in zip(translation.sources, rewritten):  # quote the override as the user wrote it
             if given != sent:
                 msg = msg.replace(sent, given)
         raise ConfigError(msg) from exc
@@ -573,6 +639,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         from .checkpoint import experiment_name_for
 
         cfg.trainer.experiment_name = experiment_name_for(cfg, algorithm, prefix=debug)
+    translation.print_notes()  # the inert verl keys given: one line per reason, each key once
     return cfg
 
 
@@ -745,10 +812,11 @@ def _explain_compose_error(exc: Exception) -> str:
     where = f"'{parent}'" if parent else "the top level"
     import difflib
 
-    close = difflib.get_close_matches(parts[depth], valid, n=3, cutoff=0.6)
-    hint = (
-        (" Did you mean " + " or ".join(f"'{parent + '.' if parent else ''}{c}'" for c in close) + "?") if close else ""
-    )
+    from .verl_keys import suggest as verl_suggest
+
+    close = [f"'{parent + '.' if parent else ''}{c}'" for c in difflib.get_close_matches(parts[depth], valid, n=3)]
+    close += [f"verl's '{k}' (docs/verl.md)" for k in verl_suggest(key) if f"'{k}'" not in close]
+    hint = (" Did you mean " + " or ".join(close) + "?") if close else ""
     return f"Unknown config key '{missing}'.{hint} Valid keys in {where}: {', '.join(valid)}."
 
 

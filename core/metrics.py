@@ -12,6 +12,10 @@ validation and ``rlplug eval`` both use it. :class:`Trackers` is the run's group
 :func:`tracker_name` is the one mapping of names to the characters a tracker accepts (``@`` ->
 ``_at_``) and :func:`source_tags` the rlplug version and git commit trackers record.
 
+:class:`MetricsLog` writes the run's own metric log, ``<run_dir>/metrics.jsonl`` (one JSON line per
+logged step, whatever trackers are on; truncated to the resumed step at a resume), which
+:func:`read_metrics_jsonl` reads back; :class:`ProgressBar` is the step loop's progress bar.
+
 All values are Python floats. Statistics over ``(B, T)`` tensors count valid response tokens only
 (``response_mask``); ``/mean``, ``/max`` and ``/min`` are left out when nothing is valid.
 """
@@ -23,6 +27,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import re
 import subprocess
 import tempfile
@@ -52,6 +57,11 @@ __all__ = [
     "TRACKER_NAME_CHARS",
     "source_tags",
     "Trackers",
+    "METRICS_FILE",
+    "MetricsLog",
+    "read_metrics_jsonl",
+    "ProgressBar",
+    "tracker_names",
 ]
 
 
@@ -299,10 +309,278 @@ def train_generation_samples(
     return out
 
 
-def progress_postfix(metrics: dict[str, float]) -> dict[str, float]:
-    """The few step metrics the progress bar shows (score, policy loss, response length), short-named."""
-    keys = ("critic/score/mean", "actor/pg_loss", "response_length/mean")
-    return {(k.split("/")[-2] if k.count("/") > 1 else k): round(v, 3) for k, v in metrics.items() if k in keys}
+#: The step metrics the progress bar shows, with their short labels.
+PROGRESS_KEYS = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "response_length/mean": "resp_len"}
+
+
+def progress_postfix(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The few step metrics the progress bar shows, short-named (:data:`PROGRESS_KEYS`: ``score``, ``pg_loss``,
+    ``resp_len``), as floats (tqdm prints them with 3 significant digits)."""
+    return {label: float(metrics[key]) for key, label in PROGRESS_KEYS.items() if key in metrics}
+
+
+# ============================================================================ the run's own metric log
+
+#: The file under the run directory that holds every logged step's metrics, one JSON object a line.
+METRICS_FILE = "metrics.jsonl"
+#: How non-finite floats are spelled in :data:`METRICS_FILE` (strict JSON has no NaN or infinity).
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _metric_value(value: Any) -> float | None:
+    """``value`` as a Python float (bools, ints, floats, torch/numpy scalars), or None when it is not a number."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            v = item()
+        except (ValueError, RuntimeError):  # a tensor with several elements
+            return None
+        return float(v) if isinstance(v, (bool, int, float)) else None
+    return None
+
+
+def _json_number(v: float) -> float | str:
+    if math.isfinite(v):
+        return v
+    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+
+
+def metrics_jsonl_path(run_dir: str | Path) -> Path:
+    """``<run_dir>/metrics.jsonl``; a path that already ends in ``.jsonl`` is returned unchanged."""
+    p = Path(run_dir)
+    return p if p.suffix == ".jsonl" else p / METRICS_FILE
+
+
+def _parse_lines(text: str, path: Path) -> list[tuple[dict[str, Any], str]]:
+    """``(record, raw line)`` for each line of a metrics log; a cut-short last line is skipped."""
+    lines = text.split("\n")
+    records: list[tuple[dict[str, Any], str]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not an object with an integer 'step'")
+        except ValueError as exc:
+            if i == len(lines) - 1:  # an unterminated last line: a write cut short by a kill, skipped
+                break
+            raise ValueError(
+                f"{path}:{i + 1} is not a metrics record ({exc}): each line must be a JSON object with an "
+                "integer 'step', as the trainer writes them. Fix or delete that line."
+            ) from None
+        records.append(({k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}, line))
+    return records
+
+
+def read_metrics_jsonl(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl`` (:class:`MetricsLog`), in file order: one dict per logged step.
+
+    ``run_dir`` is the run directory (or the ``.jsonl`` file itself). Each record holds ``step`` (int, the
+    1-based global step; 0 for the validation before training), ``wall_time`` (float, Unix seconds when it
+    was logged) and every metric of that step under its verl name (``actor/pg_loss``,
+    ``val-core/<data_source>/acc/mean@N`` ...) as a float, NaN and infinities included. A last line without
+    its newline (a write cut short by a kill) is skipped. After a resume the file holds each step once,
+    as an uninterrupted run would (the trainer truncates it to the resumed step).
+
+    Raises ``FileNotFoundError`` when there is no such file, ``ValueError`` naming the line when a line
+    other than the last is not a record.
+    """
+    path = metrics_jsonl_path(run_dir)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"No metrics log at {path}: every rlplug training run writes {METRICS_FILE} in its run directory "
+            "(trainer.default_local_dir); pass that directory."
+        )
+    return [record for record, _ in _parse_lines(path.read_text(encoding="utf-8", errors="replace"), path)]
+
+
+class MetricsLog:
+    """Appends one JSON line per logged step to ``<run_dir>/metrics.jsonl``, whatever trackers are on.
+
+    Each line is ``{"step": int, "wall_time": float, "<metric>": float, ...}`` (numbers only; NaN and the
+    infinities are written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` so the file is strict
+    JSON, and :func:`read_metrics_jsonl` turns them back into floats). A line goes to the file in one
+    ``write`` on a descriptor opened with ``O_APPEND``, with no buffering in this process, so a process
+    killed at any moment leaves whole lines plus at most one cut-short last line.
+
+    ``MetricsLog(run_dir, resume_step)``: the run continues after step ``resume_step`` (0 for a fresh
+    start), so the lines of later steps (written by an attempt that stopped before its next checkpoint)
+    and a cut-short last line are dropped first; the file is rewritten through a temporary file and an
+    atomic rename, and afterwards reads like an uninterrupted run. A fresh start (0) drops every line (with
+    ``trainer.overwrite=true`` the earlier run's file was moved aside first:
+    :func:`rlplug.checkpoint.set_aside_checkpoints`).
+    """
+
+    def __init__(self, run_dir: str | Path, resume_step: int = 0) -> None:
+        self.path = metrics_jsonl_path(run_dir)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.truncate(int(resume_step))
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def truncate(self, resume_step: int) -> None:
+        """Keep the lines of steps ``0..resume_step`` (none when ``resume_step`` is 0) and drop the rest."""
+        if not self.path.exists():
+            return
+        text = self.path.read_text(encoding="utf-8", errors="replace")
+        records = _parse_lines(text, self.path)
+        kept = "".join(line + "\n" for record, line in records if 0 < resume_step and record["step"] <= resume_step)
+        if kept == text:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(kept, encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    @staticmethod
+    def _line(record: Mapping[str, Any]) -> str:
+        out = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
+        return json.dumps(out, allow_nan=False, separators=(",", ":")) + "\n"
+
+    def write(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Append the line of ``step`` with the numeric values of ``metrics`` (others are left out)."""
+        if self._fd is None:
+            return
+        record: dict[str, Any] = {"step": int(step), "wall_time": time.time()}
+        for key, value in metrics.items():
+            v = _metric_value(value)
+            if v is not None and str(key) not in record:  # a metric cannot be named "step" or "wall_time"
+                record[str(key)] = v
+        data = memoryview(self._line(record).encode("utf-8"))
+        while data:  # one write for a regular file; the loop covers a short write (e.g. a signal mid-write)
+            data = data[os.write(self._fd, data) :]
+
+    def close(self) -> None:
+        """Flush the file to disk and close it; idempotent."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+
+# ============================================================================ progress bar
+
+
+def _validation_headline(metrics: Mapping[str, float]) -> dict[str, float]:
+    """``{"val_acc": x}`` / ``{"val_reward": x}``: the mean over data sources of each ``val-core/<src>/<m>/mean@N``."""
+    by_kind: dict[str, list[float]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if key.startswith("val-core/") and len(parts) >= 4 and parts[-1].startswith("mean@"):
+            by_kind.setdefault(f"val_{parts[-2]}", []).append(float(value))
+    return {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind.items())}
+
+
+class _BarStdout:
+    """``sys.stdout`` while ``bar`` is shown: whole lines go above the bar (cleared, written, redrawn)."""
+
+    def __init__(self, stream: Any, bar: Any) -> None:
+        self.stream, self.bar, self._buf = stream, bar, ""
+
+    def write(self, s: str) -> int:
+        self._buf += s
+        if "\n" in self._buf:
+            lines, self._buf = self._buf.rsplit("\n", 1)
+            self.bar.clear()
+            self.stream.write(lines + "\n")
+            self.stream.flush()
+            self.bar.refresh()
+        return len(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def drain(self) -> None:
+        if self._buf:
+            self.stream.write(self._buf)
+            self._buf = ""
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding ... of the real stream
+        return getattr(self.stream, name)
+
+
+class ProgressBar:
+    """The step loop's progress: a ``tqdm`` bar with the ETA, the last score and the last validation result.
+
+    ``ProgressBar(total, initial, enabled=None)``: ``total`` steps, ``initial`` already done (a resumed run).
+    With ``enabled=None`` the bar is shown when both stdout and stderr (where it is drawn) are terminals;
+    otherwise nothing is drawn, and the console tracker's line per step (``step N | score ...``) is the
+    progress. While the bar is shown, lines printed to stdout (the console tracker, ``validation @ step``)
+    appear above it. ``TQDM_DISABLE=1`` turns it off (tqdm's own setting).
+
+    The postfix shows :func:`progress_postfix` of the step and ``val_acc`` (or ``val_reward``): the mean over
+    data sources of the last validation's ``val-core/<data_source>/<acc|reward>/mean@N``.
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool | None = None) -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        if enabled is None:
+            enabled = all(callable(getattr(s, "isatty", None)) and s.isatty() for s in (sys.stdout, sys.stderr))
+            # tqdm's own switch (its env defaults do not override an explicit disable=False)
+            enabled = enabled and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true", "yes")
+        self.last_validation: dict[str, float] = {}
+        self._stdout: _BarStdout | None = None
+        self.bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, disable=not enabled)
+        if enabled and not self.bar.disable:
+            self._stdout = _BarStdout(sys.stdout, self.bar)
+            sys.stdout = self._stdout
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Move the bar to ``step`` (done steps) and show this step's metrics."""
+        self.last_validation = _validation_headline(metrics) or self.last_validation
+        self.bar.update(max(0, int(step) - self.bar.n))
+        shown = progress_postfix(metrics)
+        score = {"score": shown.pop("score")} if "score" in shown else {}
+        self.bar.set_postfix({**score, **self.last_validation, **shown})  # score, val_acc, pg_loss, resp_len
+
+    def close(self) -> None:
+        """Close the bar and give stdout back; idempotent."""
+        import sys
+
+        self.bar.close()
+        if self._stdout is not None:
+            self._stdout.drain()
+            if sys.stdout is self._stdout:
+                sys.stdout = self._stdout.stream
+            self._stdout = None
+
+
+# ============================================================================ trackers
+
+
+def tracker_names(trainer: Any) -> list[str]:
+    """The trackers a run opens: ``trainer.logger`` (a list, or one name as a string as verl allows), plus
+    ``prometheus`` when ``trainer.prometheus.port`` is set, which is how the Prometheus endpoint is turned
+    on (listing ``prometheus`` in ``trainer.logger`` as well changes nothing).
+
+    Raises :class:`rlplug.config.ConfigError` when ``prometheus`` is listed but ``trainer.prometheus.port``
+    is null (the endpoint needs a port).
+    """
+    from .config import ConfigError, config_get
+
+    logger = config_get(trainer, "logger") or []
+    names = [str(logger)] if isinstance(logger, str) else [str(n) for n in logger]
+    port = config_get(trainer, "prometheus.port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(
+            f"trainer.prometheus.port={port!r}: expected a TCP port, an integer in 0..65535 (e.g. 9400), or null "
+            "for no Prometheus endpoint."
+        )
+    if port is None and "prometheus" in names:
+        raise ConfigError(
+            "trainer.logger lists 'prometheus' but trainer.prometheus.port is null: set the port to serve "
+            "/metrics on, e.g. trainer.prometheus.port=9400 (it turns the endpoint on by itself), or drop "
+            "'prometheus' from trainer.logger."
+        )
+    if port is not None and "prometheus" not in names:
+        names.append("prometheus")
+    return names
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -401,20 +679,30 @@ class Trackers:
     the flattened, resolved config as params; :meth:`close` maps the run status ``finished`` /
     ``interrupted`` / anything else to ``FINISHED`` / ``KILLED`` / ``FAILED`` and ignores errors,
     so no MLflow run is left ``RUNNING``. If building one fails, those already open are closed.
+    On the main process it also writes the run's own log, ``<run_dir>/metrics.jsonl`` (:class:`MetricsLog`,
+    opened by :meth:`open` after truncating it to the resumed ``step``), before the trackers get each step,
+    and owns the progress bar (:meth:`progress`), which :meth:`close` closes too.
     :meth:`log_train_generations` logs a few training rollouts every ``trainer.log_train_generations``
     steps and :meth:`log_final_model` records the exported model as a param and a pointer artifact.
     """
 
     def __init__(self) -> None:
         self.items: list[Any] = []
+        self.metrics_log: MetricsLog | None = None
+        self.bar: ProgressBar | None = None
 
-    def open(self, cfg: Any, registry: Any, *, model_path: str, is_main: bool) -> None:
+    def open(self, cfg: Any, registry: Any, *, model_path: str, is_main: bool, step: int = 0) -> None:
+        """Open ``metrics.jsonl`` (keeping the lines of steps up to ``step``, the step the run resumes
+        after; 0: a fresh start) and the trackers :func:`tracker_names` lists; main process only."""
         if not is_main:
             return
         from omegaconf import OmegaConf
 
+        from .trainer import run_dir_for
+
         try:
-            for name in cfg.trainer.logger:
+            self.metrics_log = MetricsLog(run_dir_for(cfg), step)
+            for name in tracker_names(cfg.trainer):
                 self.items.append(registry.get("tracker", name)(cfg))
         except BaseException:
             self.close("failed")
@@ -428,8 +716,16 @@ class Trackers:
             t.log_params(params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.metrics_log is not None:  # first: the run's own log does not depend on a tracker working
+            self.metrics_log.write(metrics, step)
         for t in self.items:
             t.log_metrics(metrics, step)
+
+    def progress(self, total: int, initial: int) -> ProgressBar:
+        """The step loop's :class:`ProgressBar` (``initial`` of ``total`` steps done); never drawn on a
+        process without trackers (the non-main processes of a multi-process run)."""
+        self.bar = ProgressBar(total, initial, enabled=None if self.metrics_log is not None else False)
+        return self.bar
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         for t in self.items:
@@ -484,6 +780,10 @@ class Trackers:
 
     def close(self, status: str) -> None:
         label = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
+        for obj in (self.bar, self.metrics_log):
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.close()
         for t in self.items:
             with contextlib.suppress(Exception):
                 t.close(status=label)

@@ -12,7 +12,9 @@ generation batch is scored before the next, and prompts are generated until the 
 ``data.train_batch_size`` of them (DAPO's dynamic sampling); the passes then run on the kept batch.
 
 Which of these stages run follows from the config and from what the selected plugins require
-(:func:`rlplug.validate.plan_batch`); the trainer never special-cases a plugin by name. It talks
+(:func:`rlplug.validate.plan_batch`); the trainer never special-cases a plugin by name. Under a
+schedule (``algorithm.schedule`` phases, ``rollout.n_schedule``) that config is the step's own:
+:meth:`rlplug.schedule.Schedule.enter` swaps it in at the start of each step. It talks
 to a training backend (kind ``training_backend``, :class:`rlplug.types.TrainingBackend`: log-prob
 and value passes, the updates, weights, checkpoints, ``coordinator`` for multi-process runs) and
 a rollout backend (kind ``rollout_backend``, :class:`rlplug.types.RolloutBackend`). Pieces that
@@ -40,7 +42,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -66,7 +68,6 @@ from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
 from .metrics import (
     Trackers,
     progress_metrics,
-    progress_postfix,
     stage,
     step_metrics,
     throughput_metrics,
@@ -77,6 +78,7 @@ from .registry import Registry, get_registry
 from .reward import RewardFailureGuard, components_tensor, scored_rows
 from .reward_norm import ScoreNormalizer
 from .rollout_correction import apply_rollout_correction, bypasses_old_log_probs, use_rollout_log_probs_as_old
+from .schedule import Schedule, value_targets
 from .types import RolloutOutput, SamplingParams
 from .validate import BatchPlan, plan_batch
 
@@ -186,14 +188,16 @@ def token_level_rewards(
 def checkpointed_state(trainer: Trainer) -> dict[str, Any]:
     """The objects whose ``state_dict`` goes into ``trainer_state.json`` of every checkpoint, by name:
     the data loader, the KL controller, the reward-failure guard and the score normaliser
-    (``reward.normalize``, :class:`rlplug.reward_norm.ScoreNormalizer`) and the alert rules' counts and
-    scales (``trainer.alerts``, :class:`rlplug.alerts.AlertEngine`)."""
+    (``reward.normalize``, :class:`rlplug.reward_norm.ScoreNormalizer`), the alert rules' counts and
+    scales (``trainer.alerts``, :class:`rlplug.alerts.AlertEngine`) and, with a schedule, its phase
+    (:class:`rlplug.schedule.Schedule`; without one the checkpoint is what it was before schedules)."""
     return {
         "data_loader": trainer.loader,
         "kl_ctrl": trainer.kl_ctrl,
         "reward_guard": trainer.reward_guard,
         "score_norm": trainer.score_norm,
         "alerts": trainer.alerts,
+        **({"schedule": trainer.schedule} if trainer.schedule.active else {}),
     }
 
 
@@ -247,7 +251,7 @@ class Trainer:
         from .models import load_tokenizer, resolve_model_path
         from .reward import RewardManager
 
-        self.cfg, self.registry = cfg, registry or get_registry()
+        self.cfg, self.registry = cfg, registry or get_registry()  # cfg: this step's (rlplug.schedule)
         self.run_dir = run_dir_for(cfg)  # another run's checkpoints there are refused now, before any model loads
         self.ckpt, self.start = open_run_dir(cfg, self.run_dir)
         set_threads(cfg.trainer.num_threads)
@@ -256,7 +260,6 @@ class Trainer:
         # ---- everything that can fail cheaply comes before any model loads
         self.plan = plan_batch(cfg, self.registry)  # which stages run, from the plugins' requires
         self.estimator = self.registry.get("advantage_estimator", cfg.algorithm.adv_estimator)
-        self.use_critic, self.use_ref, self.needs_baseline = self.plan.use_critic, self.plan.use_ref, self.plan.baseline
         self.kl_in_reward = (
             self.registry.get("kl_penalty", cfg.algorithm.kl_penalty) if cfg.algorithm.use_kl_in_reward else None
         )
@@ -270,6 +273,9 @@ class Trainer:
         self.total_steps = int(
             cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
         )
+        self.schedule = Schedule(cfg, self.registry, self.total_steps, self.plan)  # algorithm.schedule: checked now
+        self.plan = self.schedule.plan  # what any phase needs is built (one phase without a schedule)
+        self.use_critic, self.use_ref, self.needs_baseline = self.plan.use_critic, self.plan.use_ref, self.plan.baseline
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.reward_guard = RewardFailureGuard(cfg.trainer.max_consecutive_bad_steps)
         self.alerts = AlertEngine.from_config(cfg, self.plan, self.registry)  # trainer.alerts, checked names
@@ -335,7 +341,7 @@ class Trainer:
             stateful=self._stateful(),
             tokenizer=self.tokenizer,
             model_path=self.model_path,
-            config=self.cfg,
+            config=self.schedule.run_cfg,  # the run's config (and fingerprint), not the phase's
         )
         if self.is_main:
             self.registry.hook.on_checkpoint_saved(step=self.global_step, path=str(path))
@@ -389,7 +395,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        cfg, step, metrics = self.cfg, self.global_step + 1, cast(dict[str, float], {})
+        metrics = self.schedule.enter(self, self.global_step + 1)  # the step's phase and rollout.n: training/phase
+        cfg, step = self.cfg, self.global_step + 1
         t_step = time.perf_counter()
         _fault_point("step_start")
         # a batch filter (algorithm.batch_filter) generates and scores more prompts until enough are kept
@@ -422,6 +429,7 @@ class Trainer:
             token_level_rewards(batch, metrics, self.kl_in_reward, self.kl_ctrl, scored)
             metrics.update(kl_seq_sum_metrics(batch))  # the KL guard (with a reference model)
             batch["advantages"], batch["returns"] = estimate_on_rows(self.estimator, batch, cfg.algorithm, scored)
+            value_targets(batch, cfg)  # critic.value_target=mc_return: the critic regresses on the MC return
             # IS weights and rejection, once per step, after the estimator: a rejected last token keeps its score
             metrics.update(apply_rollout_correction(batch, cfg))
         first_error = functools.partial(self.coordinator.broadcast, self.reward.last_error)  # same on every process
@@ -430,7 +438,7 @@ class Trainer:
             if self.use_critic and update:
                 with stage(metrics, "update_critic"):
                     metrics.update(self.backend.update_critic(batch))
-            if step > cfg.trainer.critic_warmup and update:
+            if step > self.schedule.phase_start + cfg.trainer.critic_warmup and update:  # counted in the phase
                 with stage(metrics, "update_actor"):
                     metrics.update(self.backend.update_actor(batch))
                 check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root)
@@ -493,11 +501,11 @@ class Trainer:
 
     def fit(self) -> str:
         """Train until ``total_steps``; returns ``"finished"`` or ``"interrupted"``."""
-        from tqdm import tqdm
-
         cfg = self.cfg
         self._resume()
-        self.trackers.open(cfg, self.registry, model_path=self.model_path, is_main=self.is_main)
+        self.trackers.open(
+            cfg, self.registry, model_path=self.model_path, is_main=self.is_main, step=self.global_step
+        )  # step: metrics.jsonl keeps the lines up to the resumed step
         status = "failed"
         t_start = time.time()
         try:
@@ -505,9 +513,7 @@ class Trainer:
                 self.registry.hook.on_train_start(config=cfg, run_dir=str(self.run_dir))
                 if cfg.trainer.val_before_train and self.global_step == 0:
                     self._run_validation()
-                bar = tqdm(
-                    total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True, disable=None
-                )
+                bar = self.trackers.progress(self.total_steps, self.global_step)  # drawn in a terminal only
                 while self.global_step < self.total_steps:
                     metrics = self.train_step()
                     step = self.global_step
@@ -530,8 +536,7 @@ class Trainer:
                     self.trackers.log_metrics(metrics, step)
                     self.registry.hook.on_step_end(step=step, metrics=metrics)
                     _fault_point("step_end")
-                    bar.update(1)
-                    bar.set_postfix(progress_postfix(metrics))
+                    bar.update(step, metrics)
                     self.alerts.stop_if_fired(self)  # a stop rule fired: save this step, raise AlertStopped
                     if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last or self._stop_signal:
                         with stage(metrics, "save_checkpoint", fault=None):

@@ -67,6 +67,7 @@ from .logprob import response_token_stats, trim_padding_columns
 from .losses import agg_normalizer, seq_norm_length
 from .objective import CRITIC_INPUT_FIELDS, SEQUENCE_FIELDS, actor_objective, critic_objective
 from .precision import resolve_dtype
+from .token_budget import pack_rows, row_lengths, token_budgets
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES, MiniBatchContext
 
 __all__ = [
@@ -255,6 +256,8 @@ class Role:
         self.epochs = int(epochs)
         self.loss_agg_mode = str(loss_agg_mode)
         self.grad_clip = grad_clip
+        #: padded tokens per forward/backward (``use_dynamic_bsz``), or None: ``micro_batch`` rows
+        self.token_budget: int | None = None
         self.consecutive_bad_steps = 0
         if self.mini_batch <= 0 or self.micro_batch <= 0 or self.epochs <= 0:
             raise ValueError(
@@ -337,11 +340,12 @@ class TrainingBackendBase:
         backend_name: the name in messages (``"local"``, ``"fsdp2"``).
         log: the logger warnings go to (each plugin passes its own module's logger).
         coordinator: :data:`rlplug.coordinator.SINGLE_PROCESS` (multi-process subclasses set their own).
-        capabilities: ``{"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"}``:
+        capabilities: ``{"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase"}``:
             :meth:`update_actor` accepts an on-policy batch without ``old_log_probs`` (the trainer
             then skips the old-log-prob pass), calls the policy loss's ``minibatch_stats`` once
-            per mini-batch (:func:`minibatch_stats_batch`), and :meth:`scale_lr` scales a role's
-            learning rate (the ``trainer.alerts`` action).
+            per mini-batch (:func:`minibatch_stats_batch`), :meth:`scale_lr` scales a role's
+            learning rate (the ``trainer.alerts`` action), and :meth:`apply_phase` takes another
+            phase's actor and critic settings (``algorithm.schedule``, ``rollout.n_schedule``).
         per_token_outputs: ``{"entropy", "sum_pi_squared"}``: what :meth:`compute_log_probs` can return.
         metrics: the update metrics :meth:`update_actor` / :meth:`update_critic` log (the names
             ``trainer.alerts`` rules may watch, :func:`rlplug.alerts.declared_metrics`).
@@ -359,7 +363,9 @@ class TrainingBackendBase:
     backend_name: str = "local"
     log: logging.Logger = logger
     coordinator: Any = SINGLE_PROCESS
-    capabilities: frozenset[str] = frozenset({"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"})
+    capabilities: frozenset[str] = frozenset(
+        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase"}
+    )
     per_token_outputs: frozenset[str] = frozenset({"entropy", "sum_pi_squared"})
     metrics: tuple[str, ...] = (
         *(f"actor/{k}" for k in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")),
@@ -465,6 +471,14 @@ class TrainingBackendBase:
                 grad_clip=config_get(critic_cfg, "grad_clip", None),
                 total_optimizer_steps=max(1, self.total_steps * c_epochs * c_minis_per_step),
             )
+        self._set_token_budgets(config)
+
+    def _set_token_budgets(self, config: Any) -> None:
+        """``use_dynamic_bsz``: the token budget of each pass (:func:`rlplug.token_budget.token_budgets`)."""
+        self.budgets = token_budgets(config)
+        self.actor.token_budget = self.budgets["actor"]
+        if self.critic is not None:
+            self.critic.token_budget = self.budgets["critic"]
 
     # ------------------------------------------------------------------ hooks for subclasses
     # Data-parallel backends (``fsdp2``) override these; everything else (the update loop,
@@ -541,6 +555,41 @@ class TrainingBackendBase:
             group["lr"] = float(group["lr"]) * factor
         return r.lr
 
+    def apply_phase(self, config: Any) -> None:
+        """Train with the actor and critic settings of ``config`` from the next call on: the whole run config
+        of a phase of ``algorithm.schedule``, or of a step's ``rollout.n`` under ``rollout.n_schedule``
+        (:mod:`rlplug.schedule`, which checked it at config time).
+
+        ``config`` becomes :attr:`config`, which the updates read (``actor.*``: clip ratios, KL-loss and entropy
+        coefficients ...; ``critic.*``: value clip, loss type); the policy loss and the KL-loss estimator are
+        resolved again; each role's mini-batch (``ppo_mini_batch_size x rollout.n`` responses), micro-batch,
+        loss aggregation and gradient clip follow it. Models, optimizer states and learning-rate schedules are
+        kept (the schedule changes a learning rate with :meth:`scale_lr`). Raises ``ValueError`` when the phase
+        uses a KL loss but this backend was built without the reference model (``use_ref=False``)."""
+        from .registry import get_registry
+
+        a, registry = config.actor, get_registry()
+        if a.use_kl_loss and self.ref is None:
+            raise ValueError(
+                "apply_phase: the phase sets actor.use_kl_loss=true, but this backend was built without the "
+                "reference model (use_ref=False). Build it for the run (the trainer does when any phase uses KL)."
+            )
+        self.config = config
+        self.policy_loss = registry.get("policy_loss", str(a.policy_loss))
+        self.kl_loss = registry.get("kl_penalty", str(a.kl_loss_type)) if a.use_kl_loss else None
+        n = int(config_get(config.rollout, "n", 1))
+        self.actor.mini_batch = int(a.ppo_mini_batch_size) * n
+        self.actor.micro_batch = int(a.micro_batch_size_per_device)
+        self.actor.loss_agg_mode = str(a.loss_agg_mode)
+        self.actor.grad_clip = config_get(a, "grad_clip", None)
+        if self.critic is not None:
+            c = config.critic
+            self.critic.mini_batch = int(config_get(c, "ppo_mini_batch_size", a.ppo_mini_batch_size)) * n
+            self.critic.micro_batch = int(config_get(c, "micro_batch_size_per_device", a.micro_batch_size_per_device))
+            self.critic.loss_agg_mode = str(config_get(c, "loss_agg_mode", a.loss_agg_mode))
+            self.critic.grad_clip = config_get(c, "grad_clip", None)
+        self._set_token_budgets(config)
+
     @property
     def consecutive_bad_steps(self) -> int:
         """Optimizer steps skipped in a row (non-finite loss or gradient norm), the larger of the
@@ -594,7 +643,7 @@ class TrainingBackendBase:
         return torch.nn.functional.pad(values, (0, t - kept)) if kept < t else values
 
     @staticmethod
-    def _micro_batches(batch: Batch, size: int) -> tuple[list[Batch], torch.Tensor | None]:
+    def _micro_batches(batch: Batch, size: int, budget: int | None = None) -> tuple[list[Batch], torch.Tensor | None]:
         """Micro-batches of ``size`` rows taken in order of sequence length, and that order.
 
         Rows of similar length share a micro-batch, so each micro-batch's forward runs on fewer
@@ -602,7 +651,15 @@ class TrainingBackendBase:
         the grouping (losses use the whole mini-batch's normaliser); ``order[i]`` is the batch row
         at sorted position ``i`` (a stable sort, so the same batch always splits the same way), or
         ``None`` when one micro-batch holds the whole batch (nothing is reordered or copied).
+        With a token ``budget`` (``use_dynamic_bsz``) the micro-batches are instead packed to at
+        most ``budget`` padded tokens each (:func:`rlplug.token_budget.pack_rows`; ``size`` unused).
         """
+        if budget is not None:
+            t = int(batch.tensors["responses" if "responses" in batch.tensors else "response_mask"].shape[1])
+            order, sizes = pack_rows(*row_lengths(batch.tensors["attention_mask"], t), int(budget))
+            if len(sizes) == 1:
+                return [batch], None
+            return list(batch.select(order).split_sizes(sizes)), order
         if len(batch) <= size:
             return [batch], None
         lengths = batch.tensors["attention_mask"].sum(dim=1)
@@ -661,7 +718,9 @@ class TrainingBackendBase:
         names = tuple(dict.fromkeys((*(("entropy",) if with_entropy else ()), *extras)))
         model.eval()
         rows: dict[str, list[torch.Tensor]] = {"log_probs": [], **{name: [] for name in names}}
-        micros, order = self._micro_batches(self._rank_rows(batch, SEQUENCE_FIELDS), self.actor.micro_batch)
+        micros, order = self._micro_batches(
+            self._rank_rows(batch, SEQUENCE_FIELDS), self.actor.micro_batch, self.budgets["log_prob"]
+        )
         for micro in micros:
             out = self._forward_log_probs(
                 model,
@@ -707,7 +766,9 @@ class TrainingBackendBase:
         t, out_device = self._check_inference_batch(batch, "compute_values")
         model = self.critic.model
         model.eval()
-        micros, order = self._micro_batches(self._rank_rows(batch, SEQUENCE_FIELDS), self.critic.micro_batch)
+        micros, order = self._micro_batches(
+            self._rank_rows(batch, SEQUENCE_FIELDS), self.critic.micro_batch, self.budgets["values"]
+        )
         vals = [self._values(model, self._to_device(m, SEQUENCE_FIELDS), t) for m in micros]
         self._release(model)
         return self._gather_rows(self._unsort(torch.cat(vals), order), len(batch), out_device)
@@ -774,7 +835,7 @@ class TrainingBackendBase:
                 role.optimizer.zero_grad(set_to_none=True)
                 mini_metrics: dict[str, float] = defaultdict(float)
                 bad_stage: str | None = None
-                for micro in self._micro_batches(local, role.micro_batch)[0]:
+                for micro in self._micro_batches(local, role.micro_batch, role.token_budget)[0]:
                     tensors = self._to_device(micro, tuple(micro.tensors))
                     loss, parts = micro_loss(tensors, normalizer)
                     loss_value = float(loss.detach())

@@ -500,7 +500,10 @@ class TrainingBackend(Protocol):
       ``"policy_loss_minibatch_stats"`` (``update_actor`` calls :attr:`PolicyLoss.minibatch_stats`
       once per mini-batch and passes its micro-batch rows to the loss), ``"scale_lr"`` (a method
       ``scale_lr(role, factor) -> float`` multiplies the ``"actor"`` or ``"critic"`` learning rate
-      from the next step on, kept in its checkpoint; the ``trainer.alerts`` action ``scale_lr``).
+      from the next step on, kept in its checkpoint; the ``trainer.alerts`` action ``scale_lr``),
+      ``"apply_phase"`` (a method ``apply_phase(config)`` takes a whole run config's actor and critic
+      settings for the following updates, keeping models and optimizer states; ``algorithm.schedule``
+      and ``rollout.n_schedule``, :mod:`rlplug.schedule`).
     * optional ``metrics: tuple[str, ...]``: the metric names (or :mod:`fnmatch` patterns) the
       updates log, which ``trainer.alerts`` rules may watch (:func:`rlplug.alerts.declared_metrics`).
     """
@@ -532,7 +535,12 @@ class TrainingBackend(Protocol):
 
 
 #: The capabilities a training backend may declare (see :class:`TrainingBackend`).
-TRAINING_CAPABILITIES: tuple[str, ...] = ("reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr")
+TRAINING_CAPABILITIES: tuple[str, ...] = (
+    "reuses_on_policy_log_probs",
+    "policy_loss_minibatch_stats",
+    "scale_lr",
+    "apply_phase",
+)
 
 
 @runtime_checkable

@@ -24,11 +24,14 @@ from .config import ConfigError
 from .contracts import built_classes
 from .kl_control import KL_CONTROLLER_TYPES
 from .losses import LOSS_AGG_MODES, VALUE_LOSS_TYPES
+from .metrics import tracker_names
 from .precision import DTYPE_CHOICES
 from .registry import PluginError, Registry, get_registry
 from .reward import load_custom_reward_function
 from .reward_norm import check_normalize_config
 from .rollout_correction import rollout_correction_requires, validate_rollout_correction
+from .schedule import check_schedule_config
+from .token_budget import token_budgets
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
 
 __all__ = ["PluginChoice", "BatchPlan", "plan_batch", "uses_critic", "validate_config"]
@@ -233,8 +236,9 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         _resolve(registry, "kl_penalty", key, name, choices)
     _resolve(registry, "rollout_backend", "rollout.name", r.name, choices)
     _resolve(registry, "training_backend", "trainer.backend", cfg.trainer.backend, choices)
-    for i, name in enumerate(cfg.trainer.logger):
-        _resolve(registry, "tracker", f"trainer.logger[{i}]", name, choices)
+    for i, name in enumerate(tracker_names(cfg.trainer)):  # + prometheus when trainer.prometheus.port is set
+        key = "trainer.prometheus.port" if name == "prometheus" else f"trainer.logger[{i}]"
+        _resolve(registry, "tracker", key, name, choices)
     reward_names = {f"reward.reward_fn_map.{k}": v for k, v in cfg.reward.reward_fn_map.items()}
     if cfg.reward.default:
         reward_names["reward.default"] = cfg.reward.default
@@ -248,6 +252,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     # algorithm.rollout_correction and its alias; a loss with PolicyLoss.bypass_mode pairs with bypass mode
     validate_rollout_correction(cfg, plan.per_token, loss_is_bypass=bool(getattr(loss, "bypass_mode", False)))
     check_alert_config(cfg, plan, registry)  # trainer.alerts: rules and the metrics they name
+    check_schedule_config(cfg, registry)  # algorithm.schedule, rollout.n_schedule: every phase, every n
 
     # ---- algorithm constraints
     if getattr(estimator, "group_based", False) and r.n < 2:
@@ -291,7 +296,9 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     _positive(a.ppo_mini_batch_size, "actor.ppo_mini_batch_size")
     _positive(a.micro_batch_size_per_device, "actor.micro_batch_size_per_device")
     _positive(a.ppo_epochs, "actor.ppo_epochs")
-    _check_minibatch("actor", d.train_batch_size, a.ppo_mini_batch_size, a.micro_batch_size_per_device, r.n)
+    budgets = token_budgets(cfg)  # actor.use_dynamic_bsz: micro_batch_size_per_device is not used
+    a_micro = 1 if budgets["actor"] is not None else a.micro_batch_size_per_device
+    _check_minibatch("actor", d.train_batch_size, a.ppo_mini_batch_size, a_micro, r.n)
     if plan.use_critic:
         c = cfg.critic
         mini = c.ppo_mini_batch_size if c.ppo_mini_batch_size is not None else a.ppo_mini_batch_size
@@ -302,9 +309,24 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         )
         _positive(mini, "critic.ppo_mini_batch_size")
         _positive(micro, "critic.micro_batch_size_per_device")
-        _check_minibatch("critic", d.train_batch_size, mini, micro, r.n)
+        _check_minibatch("critic", d.train_batch_size, mini, 1 if budgets["critic"] is not None else micro, r.n)
     _positive(d.max_response_length, "data.max_response_length")
     _positive(d.max_prompt_length, "data.max_prompt_length")
+    longest = d.max_prompt_length + d.max_response_length
+    budget_keys = {
+        "actor": "actor.max_token_len_per_device",
+        "log_prob": "actor.log_prob_max_token_len_per_device (None: actor.max_token_len_per_device)",
+        "critic": "critic.max_token_len_per_device (None: actor.max_token_len_per_device)",
+        "values": "critic.forward_max_token_len_per_device (None: critic.max_token_len_per_device)",
+    }
+    for role, budget in budgets.items():
+        if budget is not None and (role in ("actor", "log_prob") or plan.use_critic) and budget < longest:
+            raise ConfigError(
+                f"{budget_keys[role]} = {budget} tokens is smaller than the longest sequence a batch can hold: "
+                f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + "
+                f"{d.max_response_length} = {longest}. With use_dynamic_bsz=true every micro-batch holds at least "
+                f"one whole sequence: set the budget to at least {longest} (e.g. {4 * longest})."
+            )
     if not r.temperature > 0.0:
         raise ConfigError(
             f"rollout.temperature={r.temperature}: training samples responses and computes their log-probs at this "

@@ -90,3 +90,42 @@ def test_both_sides_train_on_the_same_prompts_and_reward(tmp_path) -> None:
         [{"role": "assistant", "content": f"#### {a + b + 1}"}],
     ]
     assert last_integer_reward(completions, [items[0]["answer"]] * 2) == [1.0, 0.0]
+
+
+def _write_history(path: Path, points: dict[int, float], key: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "metrics": {key: v}}) + "\n" for s, v in points.items()))
+
+
+def test_learning_check_curve_over_seeds_from_run_dirs_and_copied_files(tmp_path) -> None:
+    """Mean and min-max per step over seeds; a seed that stopped early counts only where it got;
+    a step logged twice (a resumed seed) keeps the last value; both folder layouts are read."""
+    import learning_check
+
+    key = "val-core/basic_arithmetic/acc/mean@1"
+    _write_history(tmp_path / "seed_1_validations.jsonl", {0: 0.075, 10: 0.255, 20: 0.38}, key)
+    _write_history(tmp_path / "seed_2" / "validations.jsonl", {0: 0.075, 10: 0.19}, key)
+    with open(tmp_path / "seed_2" / "validations.jsonl", "a") as f:  # resumed: step 10 seen again
+        f.write(json.dumps({"step": 10, "metrics": {key: 0.2}}) + "\n")
+    _write_history(tmp_path / "seed_3" / "validations.jsonl", {0: 0.075, 10: 0.31, 20: 0.30}, key)
+    (tmp_path / "seed_x").mkdir()  # not a seed folder: ignored
+
+    rows = learning_check.curve(learning_check.seed_histories(tmp_path), key)
+    assert [r["step"] for r in rows] == [0, 10, 20]
+    assert rows[1]["per_seed"] == {1: 0.255, 2: 0.2, 3: 0.31}
+    assert rows[1]["mean"] == pytest.approx((0.255 + 0.2 + 0.31) / 3)
+    assert (rows[1]["min"], rows[1]["max"], rows[1]["n_seeds"]) == (0.2, 0.31, 3)
+    assert rows[2]["n_seeds"] == 2 and rows[2]["mean"] == pytest.approx(0.34)
+    table = learning_check.curve_markdown(rows, 100.0)
+    assert "| 10 | 3 | **25.5%** | 20.0% - 31.0% | 25.5% | 20.0% | 31.0% |" in table
+
+    # the CLI writes the curve next to the seeds and prints the table
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "learning_check.py"), "grpo", "--summarize", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| 20 | 2 | **34.0%** | 30.0% - 38.0% |" in out
+    saved = json.loads((tmp_path / "curve_acc.json").read_text())
+    assert saved["metric"] == key and [r["step"] for r in saved["rows"]] == [0, 10, 20]

@@ -169,8 +169,8 @@ def test_plugins_json_subprocess_lists_packaged_plugins():
     data = json.loads(proc.stdout)
     core = data["distributions"]["rlplug"]
     assert core["version"] == rlplug.__version__
-    assert core["registers"]["tracker"] == ["console", "mlflow"]
-    assert "trackers" in core["plugins"]
+    assert core["registers"]["tracker"] == ["console", "mlflow", "prometheus", "tensorboard", "wandb"]
+    assert {"trackers", "tensorboard", "wandb", "prometheus"} <= set(core["plugins"])
 
 
 def test_train_unknown_algorithm_fails_fast():
@@ -194,7 +194,7 @@ def test_broken_plugin_does_not_take_the_cli_down():
         "misspelled (rlplug-misspelled-plugin 0.0.2, entry point rlplug_misspelled_plugin): "
         "PluginValidationError: unknown hook 'register_reward_function'" in proc.stdout
     )
-    assert "tracker: console, mlflow" in proc.stdout  # the healthy plugins are still listed
+    assert "tracker: console, mlflow, prometheus, tensorboard, wandb" in proc.stdout  # the healthy ones are listed
 
     proc, _ = run_cli("plugins", "--json", pythonpath=path)
     broken = {b["name"]: b for b in json.loads(proc.stdout)["broken"]}

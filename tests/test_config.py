@@ -40,7 +40,7 @@ class _StubTraining:
     consecutive_bad_steps = 0
     coordinator = SINGLE_PROCESS
     per_token_outputs = frozenset({"entropy", "sum_pi_squared"})
-    capabilities = frozenset({"reuses_on_policy_log_probs"})
+    capabilities = frozenset({"reuses_on_policy_log_probs", "apply_phase"})  # apply_phase: experiment=grpo_to_ppo
 
     def __init__(self, *args, **kwargs): ...
     def compute_log_probs(self, batch, *, which="actor", with_entropy=False, extras=()): ...

@@ -86,7 +86,7 @@ def test_meets_the_training_backend_protocol():
     assert issubclass(FSDP2TrainingBackend, TrainingBackendBase)
     assert not issubclass(FSDP2TrainingBackend, LocalTrainingBackend)  # library code, not another plugin
     assert FSDP2TrainingBackend.capabilities == frozenset(
-        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"}
+        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase"}
     )
     assert FSDP2TrainingBackend.per_token_outputs == frozenset({"entropy", "sum_pi_squared"})
 

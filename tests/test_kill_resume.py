@@ -167,11 +167,12 @@ class Zygote:
         assert ready.strip() == "READY", (ready, (log_dir / "zygote.err").read_text()[-3000:])
         self.count = 0
 
-    def train(self, run_dir: Path, kill_at: str | None) -> _Run:
+    def train(self, run_dir: Path, kill_at: str | None, overrides: list[str] = OVERRIDES) -> _Run:
+        """``rlplug train *overrides`` in ``run_dir`` (tests/test_schedule.py passes its own overrides)."""
         self.count += 1
         out, err = self.log_dir / f"{self.count}.out", self.log_dir / f"{self.count}.err"
         env = dict(ENV, **({"RLPLUG_TEST_KILL_AT": kill_at} if kill_at else {}))
-        args = [*OVERRIDES, f"trainer.default_local_dir={run_dir}"]
+        args = [*overrides, f"trainer.default_local_dir={run_dir}"]
         self.proc.stdin.write(
             json.dumps({"args": args, "env": env, "stdout": str(out), "stderr": str(err), "timeout": RUN_TIMEOUT_S})
             + "\n"
@@ -190,10 +191,10 @@ class Zygote:
             self.proc.wait()
 
 
-def _train_fresh(run_dir: Path) -> subprocess.CompletedProcess:
-    """A fresh ``python -m rlplug train`` process (the reference run)."""
+def _train_fresh(run_dir: Path, overrides: list[str] = OVERRIDES) -> subprocess.CompletedProcess:
+    """A fresh ``python -m rlplug train *overrides`` process (the reference run)."""
     env = {k: v for k, v in os.environ.items() if k != "RLPLUG_TEST_KILL_AT"}
-    cmd = [sys.executable, "-m", "rlplug", "train", *OVERRIDES, f"trainer.default_local_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "rlplug", "train", *overrides, f"trainer.default_local_dir={run_dir}"]
     return subprocess.run(cmd, env={**env, **ENV}, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 

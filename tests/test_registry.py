@@ -257,7 +257,10 @@ def test_broken_entry_point_is_reported_not_fatal(fixture_dists):
 
 
 def test_disable_plugins_by_entry_point_and_distribution(fixture_dists, monkeypatch):
-    monkeypatch.setenv("RLPLUG_DISABLE_PLUGINS", "trackers, rlplug-broken-plugin,misspelled")
+    # the trackers are four entry points (trackers: console and mlflow; tensorboard; wandb; prometheus)
+    monkeypatch.setenv(
+        "RLPLUG_DISABLE_PLUGINS", "trackers, rlplug-broken-plugin,misspelled,tensorboard,wandb,prometheus"
+    )
     registry = Registry()
     assert registry.names("tracker") == []
     assert "trackers" not in [p.name for p in registry.plugins]

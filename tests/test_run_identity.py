@@ -311,12 +311,16 @@ def test_overwrite_moves_the_old_run_aside_and_starts_fresh(used_dir, capsys):
     assert "Resumed from" not in out
     (aside,) = (used_dir / "overwritten").iterdir()
     assert (
-        f"trainer.overwrite=true: moved the earlier run in {used_dir} ({LATEST}, final_model, global_step_1, "
-        f"global_step_2, global_step_3, global_step_9.partial-1) to {aside}; nothing was deleted."
+        f"trainer.overwrite=true: moved the earlier run in {used_dir} ({LATEST}, final_model, metrics.jsonl, "
+        f"global_step_1, global_step_2, global_step_3, global_step_9.partial-1) to {aside}; nothing was deleted."
     ) in out
-    assert sorted(p.name for p in aside.iterdir()) == sorted(
-        [LATEST, "final_model", "global_step_1", "global_step_2", "global_step_3", "global_step_9.partial-1"]
-    )
+    steps = ["global_step_1", "global_step_2", "global_step_3", "global_step_9.partial-1"]
+    assert sorted(p.name for p in aside.iterdir()) == sorted([LATEST, "final_model", "metrics.jsonl", *steps])
+    # the earlier run's metric log went aside whole (steps 1..3); the new run's log holds its one step
+    from rlplug.metrics import read_metrics_jsonl
+
+    assert [r["step"] for r in read_metrics_jsonl(aside)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics_jsonl(used_dir)] == [1]
     assert (aside / "global_step_3" / "backend" / "actor" / "model.safetensors").read_bytes() == old_weights
     assert (aside / LATEST).read_text() == "3"
     # the new run: one step, its own pointer and final model

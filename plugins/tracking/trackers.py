@@ -1,5 +1,8 @@
 """Experiment trackers (kind ``tracker``): ``console`` and ``mlflow``.
 
+(``tensorboard``, ``wandb`` and ``prometheus`` live in their own modules beside this one, each with its
+own entry point; every run also writes ``<run_dir>/metrics.jsonl``, :class:`rlplug.metrics.MetricsLog`.)
+
 Selected by the list ``trainer.logger`` (default ``[console, mlflow]``). Each registered object
 is a factory ``factory(config) -> tracker`` taking the whole resolved run config; a tracker has
 

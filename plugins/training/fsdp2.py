@@ -85,6 +85,7 @@ from rlplug.batch import Batch
 from rlplug.config import config_get
 from rlplug.logprob import response_token_stats
 from rlplug.precision import resolve_dtype
+from rlplug.token_budget import token_budgets
 from rlplug.training import STATE_FILE, Role, TorchDistributedCoordinator, TrainingBackendBase, resolve_device
 
 __all__ = ["FSDP2TrainingBackend"]
@@ -221,6 +222,15 @@ class FSDP2TrainingBackend(TrainingBackendBase):
             if use_critic:
                 minis["critic"] = (
                     int(config_get(config.critic, "ppo_mini_batch_size", config.actor.ppo_mini_batch_size)) * n
+                )
+            if self.world_size > 1 and any(b is not None for b in token_budgets(config).values()):
+                # each rank would pack its own rows into its own number of micro-batches, and the
+                # per-micro-batch collectives would then pair up wrongly (verl all-reduces the count)
+                raise ValueError(
+                    "use_dynamic_bsz=true (token-budget micro-batches) is not available with trainer=fsdp2 on "
+                    f"{self.world_size} ranks yet: the ranks could split their rows into different numbers of "
+                    "micro-batches. Set actor.use_dynamic_bsz=false (and critic.use_dynamic_bsz) and size "
+                    "actor.micro_batch_size_per_device instead, or run on one process."
                 )
             for name, size in minis.items():
                 if size % self.world_size:
@@ -446,6 +456,19 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         if self.world_size > 1:
             dist.all_reduce(x)
         return x.tolist()
+
+    def apply_phase(self, config: Any) -> None:
+        """:meth:`rlplug.training.TrainingBackendBase.apply_phase`, then the check of ``__init__`` for the new
+        sizes: each role's mini-batch (``ppo_mini_batch_size x rollout.n`` responses) must split over the ranks.
+        Raises ``ValueError`` naming the role and the sizes otherwise."""
+        super().apply_phase(config)
+        for role in (self.actor, self.critic):
+            if role is not None and role.mini_batch % self.world_size:
+                raise ValueError(
+                    f"{role.name}: a mini-batch of this phase has {role.mini_batch} responses ({role.name}."
+                    f"ppo_mini_batch_size x rollout.n={config.rollout.n}), which does not split over {self.world_size} "
+                    "ranks. Choose the phase's rollout.n (algorithm.schedule, rollout.n_schedule) so that it does."
+                )
 
     def _rank_slice(self, mini: Batch, role: Role) -> Batch:
         """This rank's consecutive ``1 / world_size`` of a global mini-batch (the sizes divide

@@ -36,7 +36,7 @@ class LocalTrainingBackend(TrainingBackendBase):
     """Training backend for one process (``trainer.backend=local``).
 
     Same arguments, methods, attributes and errors as :class:`rlplug.training.TrainingBackendBase`:
-    ``capabilities = {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr"}``,
+    ``capabilities = {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase"}``,
     ``per_token_outputs = {"entropy", "sum_pi_squared"}``, ``coordinator = SINGLE_PROCESS``, ``consecutive_bad_steps`` (property).
     """
 
