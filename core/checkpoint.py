@@ -641,6 +641,16 @@ def _abspath(path: Any) -> str:
     return str(Path(str(path)).expanduser().resolve())
 
 
+def _critic_model_key(get: Callable[[str], Any]) -> dict[str, Any]:
+    """``critic.model`` in :func:`run_fingerprint`: its source, absolute path and (``source=tiny``) tiny settings."""
+    source, path = get("critic.model.source"), get("critic.model.path")
+    return {
+        "source": source,
+        "path": _abspath(path) if path else None,
+        "tiny": get("critic.model.tiny") if source == "tiny" else None,
+    }
+
+
 def run_fingerprint(config: Any) -> dict[str, Any]:
     """What makes a run this run: ``{config key: JSON value}``, written into every checkpoint as
     ``run_fingerprint.json`` and compared on resume (:func:`check_fingerprint`).
@@ -661,6 +671,8 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
       ``reward.shaping`` (each entry's name, weight and kwargs), ``reward.normalize.enable`` and, when
       its ``path`` is set, ``reward.custom_reward_function`` (absolute path, name, reward_kwargs);
     * model: ``model.source``, ``model.path`` (absolute) and ``model.tiny`` (only for ``source=tiny``);
+      ``critic.model`` (``source``, absolute ``path``, ``tiny`` only for ``source=tiny``; ``None`` when
+      neither ``path`` nor ``source`` is set: the critic starts from the actor's model);
     * data: ``data.train_files`` (absolute paths) or, for generated data (no files), ``data.task``,
       ``data.train_size``, ``data.test_size``, ``data.data_seed``, ``data.task_kwargs`` and
       ``data.instruction``; ``data.system_prompt`` (it changes every prompt).
@@ -703,6 +715,7 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
         "model.source": get("model.source"),
         "model.path": _abspath(get("model.path")) if get("model.path") else None,
         "model.tiny": get("model.tiny") if get("model.source") == "tiny" else None,
+        "critic.model": _critic_model_key(get) if get("critic.model.path") or get("critic.model.source") else None,
         "data.train_files": files,
         "data.task": get("data.task") if generated else None,
         "data.train_size": get("data.train_size") if generated else None,

@@ -207,9 +207,29 @@ class ActorConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    """``critic.model``: the critic's own model (verl's ``critic.model.path``); unset: the actor's model.
+
+    The critic reads the actor's token ids, so the critic folder's tokenizer must match the actor's
+    (vocabulary and special token ids), checked before any weights load
+    (:func:`rlplug.models.resolve_critic_model_path`).
+    """
+
+    #: local Hugging Face folder of the critic (its backbone, with a new value head unless the folder
+    #: holds one); None: the actor's model (model.*)
+    path: str | None = None
+    #: None: "path" when critic.model.path is set, else the actor's model; "path" (critic.model.path);
+    #: "tiny" (random weights from critic.model.tiny, e.g. a test critic of another size than the actor)
+    source: str | None = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
 class CriticConfig:
     #: None -> on exactly when the advantage estimator needs values
     enable: bool | None = None
+    #: the critic's model; unset: the actor's (model.*)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
     ppo_mini_batch_size: int | None = None
     micro_batch_size_per_device: int | None = None
     #: token-budget micro-batches for the critic (see actor.use_dynamic_bsz); None: the actor's setting

@@ -366,25 +366,123 @@ def _check_path_replaced_by_tiny(path: Any) -> None:
     )
 
 
-def _check_model_folder(path: Any) -> Path:
+def _check_model_folder(path: Any, key: str = "model.path") -> Path:
+    """``path`` resolved, if it is a Hugging Face model folder; ``key`` names the setting in errors.
+    Raises :class:`ModelPreparationError` for an unset path, a missing folder or one without ``config.json``."""
     if path is None or str(path) in ("", "???"):
         raise ModelPreparationError(
-            "model.source=path needs model.path, the local Hugging Face model folder "
-            "(with config.json and weights); set model.path=/path/to/model."
+            f"{key.rsplit('.', 1)[0]}.source=path needs {key}, the local Hugging Face model folder "
+            f"(with config.json and weights); set {key}=/path/to/model."
         )
     p = Path(str(path)).expanduser()
     if not p.is_dir():
         raise ModelPreparationError(
-            f"model.path '{p}' is not an existing folder. Expected a local Hugging Face model folder "
+            f"{key} '{p}' is not an existing folder. Expected a local Hugging Face model folder "
             "(config.json, *.safetensors, tokenizer files); check the path or download the model first."
         )
     if not (p / "config.json").is_file():
         raise ModelPreparationError(
-            f"model.path '{p}' has no config.json, so it is not a Hugging Face model folder. "
-            f"It contains: {sorted(x.name for x in p.iterdir())[:20]}. Point model.path at the folder "
+            f"{key} '{p}' has no config.json, so it is not a Hugging Face model folder. "
+            f"It contains: {sorted(x.name for x in p.iterdir())[:20]}. Point {key} at the folder "
             "written by save_pretrained (the one holding config.json)."
         )
     return p.resolve()
+
+
+CRITIC_MODEL_SOURCES = (None, "path", "tiny")
+
+
+def critic_model_folder(critic_model_cfg: Any) -> Path | None:
+    """The folder ``critic.model`` names, or ``None`` for the actor's model (nothing set).
+
+    ``source: None`` with ``path`` set, or ``source: path``: ``critic.model.path`` (checked like
+    ``model.path``); ``source: tiny``: :func:`tiny_model_dir` of ``critic.model.tiny`` (built once,
+    no weights loaded), and ``critic.model.path`` must then be unset. Raises
+    :class:`ModelPreparationError` for a missing or invalid folder and ``ValueError`` for an unknown
+    source or a path given with ``source: tiny``.
+    """
+    source = config_get(critic_model_cfg, "source", None)
+    path = config_get(critic_model_cfg, "path", None)
+    if path is not None and str(path) in ("", "???"):
+        path = None
+    if source not in CRITIC_MODEL_SOURCES:
+        raise ValueError(
+            f"Unknown critic.model.source '{source}'. Expected null (critic.model.path when it is set, else the "
+            "actor's model), path (critic.model.path) or tiny (random weights from critic.model.tiny)."
+        )
+    if source == "tiny":
+        if path is not None:
+            raise ValueError(
+                f"critic.model.path={path} and critic.model.source=tiny: the tiny critic would replace that folder. "
+                "Drop one of them (critic.model.source=null trains the critic from critic.model.path)."
+            )
+        return tiny_model_dir(config_get(critic_model_cfg, "tiny", None) or {})
+    if source == "path" or path is not None:
+        return _check_model_folder(path, key="critic.model.path")
+    return None
+
+
+def check_critic_tokenizer(
+    critic_path: str | os.PathLike, actor_path: str | os.PathLike, trust_remote_code: bool = False
+) -> None:
+    """Raise :class:`rlplug.config.ConfigError` unless the tokenizer of ``critic_path`` matches the actor's.
+
+    The critic reads the actor's token ids, so both tokenizers must give every token the same id:
+    equal vocabularies (``get_vocab()``, token -> id, added tokens included) and equal special token
+    ids (bos, eos, pad, unk). The message names both folders and the first differences. Loads only
+    the tokenizers (no weights).
+    """
+    from .config import ConfigError
+
+    actor_tok = load_tokenizer(actor_path, trust_remote_code=trust_remote_code)
+    try:
+        critic_tok = load_tokenizer(critic_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"critic.model: the critic folder {critic_path} has no loadable tokenizer ({exc}). The critic reads the "
+            f"actor's token ids, so it needs the actor's tokenizer: copy the tokenizer files of {actor_path} into it."
+        ) from exc
+    diffs = []
+    a_vocab, c_vocab = actor_tok.get_vocab(), critic_tok.get_vocab()
+    if a_vocab != c_vocab:
+        only_a = sorted(set(a_vocab) - set(c_vocab))
+        only_c = sorted(set(c_vocab) - set(a_vocab))
+        moved = sorted(t for t in set(a_vocab) & set(c_vocab) if a_vocab[t] != c_vocab[t])
+        diffs.append(f"vocabulary sizes {len(a_vocab)} (actor) and {len(c_vocab)} (critic)")
+        if only_c:
+            diffs.append(f"{len(only_c)} token(s) only in the critic's, e.g. {only_c[:5]}")
+        if only_a:
+            diffs.append(f"{len(only_a)} token(s) only in the actor's, e.g. {only_a[:5]}")
+        if moved:
+            diffs.append(
+                f"{len(moved)} token(s) with other ids, e.g. {[(t, a_vocab[t], c_vocab[t]) for t in moved[:5]]}"
+            )
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a_id, c_id = getattr(actor_tok, name, None), getattr(critic_tok, name, None)
+        if a_id != c_id:
+            diffs.append(f"{name} {a_id} (actor) vs {c_id} (critic)")
+    if diffs:
+        raise ConfigError(
+            f"critic.model: the tokenizer of the critic folder {critic_path} differs from the actor's ({actor_path}): "
+            f"{'; '.join(diffs)}. The critic reads the actor's token ids, so both must tokenize alike: use a critic "
+            "model trained with the actor's tokenizer, or unset critic.model.path to start the critic from the actor."
+        )
+
+
+def resolve_critic_model_path(config: Any, actor_path: str | os.PathLike) -> str:
+    """Local folder the critic (:class:`ValueModel`) loads from: :func:`critic_model_folder` of
+    ``config.critic.model``, else ``actor_path`` (the actor's model, :func:`resolve_model_path`).
+
+    A folder other than the actor's has its tokenizer checked first (:func:`check_critic_tokenizer`),
+    so a mismatch fails before any weights load. Raises :class:`ModelPreparationError` (missing or
+    invalid folder), ``ValueError`` (bad ``critic.model.source``) or :class:`rlplug.config.ConfigError`
+    (another tokenizer).
+    """
+    folder = critic_model_folder(config_get(config, "critic.model", None))
+    if folder is None or folder == Path(actor_path).resolve():
+        return str(actor_path)
+    check_critic_tokenizer(folder, actor_path, bool(config_get(config, "model.trust_remote_code", False)))
+    return str(folder)
 
 
 # ============================================================================ loaders

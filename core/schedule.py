@@ -80,6 +80,7 @@ RUN_KEYS: tuple[str, ...] = (
     "actor.ppo_epochs",
     "critic.ppo_mini_batch_size",
     "critic.ppo_epochs",
+    "critic.model.*",
     "actor.logprob_chunk_size",
 )
 #: the keys of :data:`RUN_KEYS` a phase may change all the same: the learning rates (applied to the schedule's

@@ -331,7 +331,8 @@ class TrainingBackendBase:
     Args:
         config: the whole run config (``DictConfig`` of :class:`rlplug.config.RunConfig`).
         model_path: local Hugging Face folder of the initial policy (``rlplug.models.resolve_model_path``).
-        use_critic: build and train a critic (:class:`rlplug.models.ValueModel` from the same folder).
+        use_critic: build and train a critic (:class:`rlplug.models.ValueModel` from ``critic.model``, by
+            default the same folder: :func:`rlplug.models.resolve_critic_model_path`).
         use_ref: build the reference model (frozen copy of the initial actor) for KL terms.
         total_steps: planned training steps; with ``ppo_epochs`` and the mini-batches per step it
             fixes the length of the learning-rate schedule (in optimizer steps).
@@ -374,11 +375,13 @@ class TrainingBackendBase:
     )
 
     def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
-        from .models import load_causal_lm, load_value_model
+        from .models import load_causal_lm, load_value_model, resolve_critic_model_path
 
         self.config = config
         self.model_path = str(model_path)
         self.use_critic = bool(use_critic)
+        # critic.model: checked (folder, tokenizer) before any weights load; the actor's folder when unset
+        self.critic_model_path = resolve_critic_model_path(config, self.model_path) if self.use_critic else None
         self.use_ref = bool(use_ref)
         self.total_steps = int(total_steps)
         trainer, model_cfg, actor_cfg, critic_cfg = config.trainer, config.model, config.actor, config.critic
@@ -451,7 +454,7 @@ class TrainingBackendBase:
         # ---- critic
         self.critic: Role | None = None
         if self.use_critic:
-            critic: Any = load_value_model(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+            critic: Any = load_value_model(str(self.critic_model_path), dtype=torch.float32, trust_remote_code=trust)
             if grad_ckpt:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             critic = self._prepare_model(critic, "critic")

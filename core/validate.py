@@ -363,6 +363,8 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         _check_lr_schedule(key, optim)
     check_normalize_config(cfg.reward.normalize)  # reward.normalize: momentum, clip, eps
     _check_critic_loss(cfg.critic)
+    if plan.use_critic:
+        _check_critic_model(cfg.critic.model)
     device = str(cfg.trainer.device)
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise ConfigError(
@@ -495,6 +497,20 @@ def _check_critic_loss(critic: Any) -> None:
         raise ConfigError(
             f"critic.huber_delta={critic.huber_delta}: the Huber threshold (in return units) must be > 0 (e.g. 1.0)."
         )
+
+
+def _check_critic_model(critic_model: Any) -> None:
+    """``critic.model`` names a known source and, with ``path`` set, an existing model folder (cheap:
+    no tokenizer or weights load; the tokenizer is checked when the backend starts,
+    :func:`rlplug.models.resolve_critic_model_path`). Raises :class:`ConfigError`."""
+    from .models import ModelPreparationError, critic_model_folder
+
+    if critic_model.source == "tiny" and not critic_model.path:
+        return  # a valid tiny critic: its folder is built (once) when the backend starts
+    try:
+        critic_model_folder(critic_model)
+    except (ModelPreparationError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _positive(value: Any, key: str) -> None:

@@ -85,7 +85,7 @@ class VerlKey:
     of a rejected key, or a remark on a mapped one. ``allowed`` (a set of values, or a predicate)
     limits the values an inert or mapped key accepts; another value is rejected with ``otherwise``.
     ``convert`` turns verl's value into rlplug's; ``example`` is a value the docs and tests use;
-    ``must_equal`` names an rlplug key an inert key must agree with (``critic.model.path``).
+    ``must_equal`` names an rlplug key an inert key must agree with (no row uses it at present).
     """
 
     key: str
@@ -326,10 +326,11 @@ def _model(prefix: str, *, actor: bool) -> list[VerlKey]:
         ]
     else:
         rows += [
-            _i(
+            _m(
                 f"{prefix}.path",
-                "the critic is initialised from the actor's model (model.path), which this path equals",
-                must_equal="model.path",
+                "critic.model.path",
+                "/models/my-value-model",
+                "the critic's own model, by default the actor's; its tokenizer must match the actor's",
             ),
             _i(f"{prefix}.trust_remote_code", "the critic loads like the actor (model.trust_remote_code)"),
             _i(
@@ -346,9 +347,12 @@ def _model(prefix: str, *, actor: bool) -> list[VerlKey]:
         ),
         _i(
             f"{prefix}.tokenizer_path",
-            "the tokenizer comes from model.path",
+            "the tokenizer comes from model.path" + ("" if actor else " (the critic reads the actor's token ids)"),
             {None},
-            "rlplug loads the tokenizer from model.path; copy the tokenizer files into that folder.",
+            "rlplug loads the tokenizer from model.path; copy the tokenizer files into that folder."
+            if actor
+            else "the critic reads the actor's token ids; rlplug checks that the tokenizer in critic.model.path "
+            "matches the actor's instead: drop critic.model.tokenizer_path.",
         ),
         _i(f"{prefix}.use_shm", "verl's shared-memory model copy (loading speed only)"),
         _i(
@@ -1142,7 +1146,7 @@ def translate_overrides(overrides: Sequence[str]) -> Translation:
         ConfigError: a rejected key or value (the message says why and what to use instead); an unknown
             key under a verl-only section (``actor_rollout_ref.``, ...), with the close table keys; a verl
             key and its rlplug key (or two verl keys of one rlplug key) given different values; an inert
-            key that must equal another setting and does not (``critic.model.path``).
+            key that must equal another setting and does not (``VerlKey.must_equal``).
     """
     out = Translation()
     given: dict[str, dict[str, Any]] = {}  # rlplug key -> {spelling: its literal value (the latest)}
@@ -1264,9 +1268,8 @@ def _check_must_equal(shown: str, row: VerlKey, value: Any, given: dict[str, dic
         return
     spelled = ", ".join(f"{k}={v}" for k, v in others.items()) if others else f"{row.must_equal} is not given"
     raise ConfigError(
-        f"{shown}: rlplug's critic is initialised from the actor's model (model.path), but {spelled}. A separate "
-        f"critic model is not available: give actor_rollout_ref.model.path the same folder, or drop "
-        f"{shown.split('=', 1)[0]}."
+        f"{shown}: this key must equal {row.must_equal} in rlplug ({row.note}), but {spelled}. Give both the "
+        f"same value, or drop {shown.split('=', 1)[0]}."
     )
 
 

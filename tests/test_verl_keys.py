@@ -232,12 +232,10 @@ def test_rejected_examples_compose_errors():
     ]
 
 
-def test_the_critic_model_must_be_the_actors():
-    compose(["actor_rollout_ref.model.path=/m", "critic.model.path=/m"])
-    with pytest.raises(ConfigError, match=r"^critic\.model\.path=/c: rlplug's critic is initialised from the actor's"):
-        compose(["actor_rollout_ref.model.path=/m", "critic.model.path=/c"])
-    with pytest.raises(ConfigError, match=r"model\.path is not given"):
-        compose(["critic.model.path=/c"])
+def test_the_critic_model_path_maps_onto_rlplugs_critic_model():
+    assert lookup("critic.model.path").kind == MAPPED  # tests/test_critic_model.py: it trains that critic
+    assert compose(["actor_rollout_ref.model.path=/m", "critic.model.path=/c"]).critic.model.path == "/c"
+    assert compose(["critic.model.path=/c"]).model.path is None
 
 
 # ---------------------------------------------------------------------------- both spellings
