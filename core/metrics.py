@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .types import RolloutOutput
 
 __all__ = [
+    "metric_value",
     "stats",
     "stage",
     "step_metrics",
@@ -327,7 +328,7 @@ METRICS_FILE = "metrics.jsonl"
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def _metric_value(value: Any) -> float | None:
+def metric_value(value: Any) -> float | None:
     """``value`` as a Python float (bools, ints, floats, torch/numpy scalars), or None when it is not a number."""
     if isinstance(value, (bool, int, float)):
         return float(value)
@@ -444,7 +445,7 @@ class MetricsLog:
             return
         record: dict[str, Any] = {"step": int(step), "wall_time": time.time()}
         for key, value in metrics.items():
-            v = _metric_value(value)
+            v = metric_value(value)
             if v is not None and str(key) not in record:  # a metric cannot be named "step" or "wall_time"
                 record[str(key)] = v
         data = memoryview(self._line(record).encode("utf-8"))

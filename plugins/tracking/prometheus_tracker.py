@@ -37,6 +37,7 @@ from typing import Any
 
 import rlplug
 from rlplug.config import ConfigError, config_get
+from rlplug.metrics import metric_value as _number
 from rlplug.metrics import tracker_name
 
 __all__ = ["PrometheusTracker", "prometheus_name", "PROMETHEUS_NAME_CHARS", "PREFIX"]
@@ -66,19 +67,6 @@ def _import_client() -> Any:
             f"({exc}). Install it with `pip install prometheus_client` (or `pip install 'rlplug[watch]'`), "
             "or set trainer.prometheus.port=null."
         ) from exc
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, (bool, int, float)):
-        return float(value)
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            v = item()
-        except (ValueError, RuntimeError):
-            return None
-        return float(v) if isinstance(v, (bool, int, float)) else None
-    return None
 
 
 class _LatestValues:

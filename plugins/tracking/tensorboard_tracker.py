@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import rlplug
+from rlplug.metrics import metric_value as _number
 from rlplug.metrics import tracker_name
 
 __all__ = ["TensorBoardTracker", "table_markdown"]
@@ -44,19 +45,6 @@ def _import(module: str, package: str) -> Any:
             f"installed ({exc}). Install it with `pip install {package}` (or `pip install 'rlplug[watch]'`), "
             "or drop 'tensorboard' from trainer.logger."
         ) from exc
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, (bool, int, float)):
-        return float(value)
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            v = item()
-        except (ValueError, RuntimeError):
-            return None
-        return float(v) if isinstance(v, (bool, int, float)) else None
-    return None
 
 
 def _cell(value: Any) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 
 import rlplug
 from rlplug.config import config_get
+from rlplug.metrics import metric_value as _number
 from rlplug.metrics import tracker_name
 
 __all__ = ["WandbTracker", "table_key"]
@@ -50,19 +51,6 @@ def _import_wandb() -> Any:
             f"({exc}). Install it with `pip install wandb` (or `pip install 'rlplug[watch]'`), or drop 'wandb' "
             "from trainer.logger."
         ) from exc
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, (bool, int, float)):
-        return float(value)
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            v = item()
-        except (ValueError, RuntimeError):
-            return None
-        return float(v) if isinstance(v, (bool, int, float)) else None
-    return None
 
 
 def _scalar(value: Any) -> Any:
