@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*args.overrides, *extra]
     _, default_threshold = RECIPES[args.recipe]
     key, is_rate = METRICS[args.metric]
-    if args.threshold is None and args.metric != "acc":
+    if args.threshold is None and args.metric != "acc" and args.summarize is None:
         p.error(f"--metric {args.metric} needs --threshold (the default threshold is for acc)")
     threshold = default_threshold if args.threshold is None else args.threshold
     scale = 100.0 if is_rate else 1.0  # rates in percentage points
