@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -126,17 +126,16 @@ def main() -> None:
         print(json.dumps(_variant(args)))
         return
     import torch
+    from learning_check import cpu_model  # benchmarks/ is this script's folder, first on sys.path
 
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln),
-        platform.processor(),
-    )
+    cpu = cpu_model()
     print(
         f"CPU: {cpu}, {os.cpu_count()} cores, {args.threads} threads; {args.rows} responses of {args.min_len}-{args.max_len} tokens"
     )
     results, params = [], []
+    tmp = tempfile.TemporaryDirectory(prefix="bench_dynamic_bsz_")
     for variant in ("fixed", "dynamic"):
-        out = Path(f"/tmp/bench_dynamic_bsz_{variant}.pt")
+        out = Path(tmp.name) / f"{variant}.pt"
         cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant, "--params-out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         line = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
@@ -147,6 +146,7 @@ def main() -> None:
             f"{variant:8s} update {r['update_s']:7.2f} s  passes {r['passes']:3d}  largest pass {r['largest_pass_tokens']:6d} "
             f"tokens  peak +{r['peak_rss_above_start_mib']:.0f} MiB"
         )
+    tmp.cleanup()
     diff = float((params[0] - params[1]).abs().max())
     print(f"largest parameter difference fixed vs dynamic: {diff:.3g}")
     if args.out:
