@@ -37,6 +37,8 @@ from pathlib import Path
 RECIPES: dict[str, tuple[list[str], float]] = {
     "ppo": ([], 10.0),
     "grpo": (["experiment=grpo_arithmetic"], 10.0),
+    # GRPO for the first 20% of steps (critic trained as a value regressor), then PPO (issue 17)
+    "grpo_to_ppo": (["experiment=grpo_to_ppo"], 10.0),
 }
 #: ``--metric`` -> (validation metric, whether it is a rate reported in percentage points)
 METRICS: dict[str, tuple[str, bool]] = {
@@ -102,6 +104,10 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str], ke
     history = run_dir / "validations.jsonl"
     log_path = run_dir / "train.log"
     t0 = time.time()
+    # a resumed seed's clock continues from its last recorded validation (the killed attempt's tail
+    # after that validation is not counted)
+    lines = history.read_text().splitlines() if history.is_file() else []
+    t_offset = max((json.loads(x).get("wall_s") or 0.0 for x in lines if x.strip()), default=0.0)
     with (
         open(log_path, "a", buffering=1) as log,  # line-buffered: tail -f works
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc,
@@ -112,7 +118,9 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str], ke
             parsed = parse_validation(line)
             if parsed is not None:
                 with open(history, "a") as h:
-                    h.write(json.dumps({"step": parsed[0], "metrics": parsed[1]}) + "\n")
+                    # wall_s: seconds this seed has run (attempts added up, see t_offset)
+                    row = {"step": parsed[0], "metrics": parsed[1], "wall_s": round(t_offset + time.time() - t0, 1)}
+                    h.write(json.dumps(row) + "\n")
         rc = proc.wait()
     vals = read_history(history)
     before, after = vals.get(0, {}).get(key), vals.get(steps, {}).get(key)

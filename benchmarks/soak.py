@@ -17,17 +17,37 @@ the slope over the second half is printed too (a leak keeps its slope, allocator
 off). The default warm-up, 30 steps, includes the first validation and checkpoint (step 25),
 whose one-time allocations are not leaks. A summary line goes to ``<out without .csv>.txt``.
 
+``--real-minutes M`` soaks the default experiment instead (the real SmolLM2-135M-Instruct, PPO
+with a critic, the vLLM rollout engine in its child process, the reward worker pool): as many
+steps as fit in ``M`` minutes (``trainer.max_wall_time_s``), validation on 32 held-out problems
+and a checkpoint every 10 steps (2 kept), MLflow on. There each row also holds the resident
+memory of the whole process tree (the trainer plus the vLLM engine and reward workers), the open
+file descriptors of the tree and the files and bytes in ``/dev/shm``; the summary gives them at
+start and end. Results go to ``benchmarks/results/soak_real.csv`` and ``.txt`` by default.
+
+``--diagnose`` tells a leak from allocator growth: after every step it also writes, to
+``<out without .csv>_memory.csv``, the trainer's RSS split into anonymous, file-backed and
+shared-memory pages (``/proc/self/status``: RssAnon, RssFile, RssShmem), glibc's heap in use and
+held-but-free (``mallinfo2``: uordblks + hblkhd, and fordblks), and the bytes of live torch
+tensors the garbage collector can reach (unique storages, MiB). Growing free heap with flat
+tensor bytes is fragmentation; growing tensor bytes is a live reference; growing RssShmem is
+shared memory (the weight pushes to the engine). ``--trim`` calls glibc's ``malloc_trim(0)``
+after each step's record and logs the RSS after it too (it returns freed heap to the system).
+
 Extra arguments are Hydra overrides (e.g. ``algorithm=grpo rollout.n=4``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +62,144 @@ from rlplug.validate import validate_config
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class RssRecorder:
-    """Records RSS (MiB), Python object count and step time after every training step."""
+def tree_usage(proc: psutil.Process) -> tuple[float, int, int]:
+    """``(rss_mib, open_fds, processes)`` summed over ``proc`` and its live descendants."""
+    rss, fds, n = 0.0, 0, 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            rss += p.memory_info().rss / 2**20
+            fds += p.num_fds()
+            n += 1
+        except psutil.Error:  # a child that ended between the listing and the read
+            continue
+    return rss, fds, n
 
-    def __init__(self) -> None:
+
+def shm_usage(root: Path = Path("/dev/shm")) -> tuple[int, float]:
+    """``(files, MiB)`` in ``root`` (0, 0.0 where it does not exist)."""
+    files, size = 0, 0
+    if root.is_dir():
+        for f in root.rglob("*"):
+            try:
+                if f.is_file():
+                    files += 1
+                    size += f.stat().st_size
+            except OSError:
+                continue
+    return files, size / 2**20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # not glibc (or older than 2.33): no heap figures
+        return None
+
+
+def status_mib(fields: tuple[str, ...] = ("RssAnon", "RssFile", "RssShmem")) -> list[float]:
+    """The named ``/proc/self/status`` sizes of this process in MiB (NaN where absent)."""
+    found: dict[str, float] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in fields:
+                found[key] = float(rest.split()[0]) / 1024  # kB
+    except OSError:
+        pass
+    return [found.get(f, float("nan")) for f in fields]
+
+
+def live_tensor_mib() -> float:
+    """MiB of the unique storages of the torch tensors the garbage collector tracks."""
+    import torch
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on some module objects warns (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+    del objects
+    for obj in tensors:
+        try:
+            if obj.device.type == "cpu":
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        except Exception:
+            continue
+    return sum(seen.values()) / 2**20
+
+
+class MemoryDiagnosis:
+    """Per-step RSS split, glibc heap in use / free and live tensor MiB (``--diagnose``)."""
+
+    header = (
+        "step,rss_mib,rss_anon_mib,rss_file_mib,rss_shmem_mib,heap_used_mib,heap_free_mib,tensor_mib,rss_after_trim_mib"
+    )
+
+    def __init__(self, trim: bool, recorder: RssRecorder) -> None:
+        self.recorder = recorder  # its step clock is moved past this hook's own time
         self.proc = psutil.Process()
+        self.libc = _libc()
+        self.trim = trim and self.libc is not None
+        if self.libc is None:
+            print(
+                "--diagnose: no glibc mallinfo2/malloc_trim here (not glibc, or older than 2.33): heap columns NaN, no trim"
+            )
+        self.rows: list[tuple[float, ...]] = []
+
+    @rlplug.hookimpl(trylast=True)
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        start = time.perf_counter()
+        rss = self.proc.memory_info().rss / 2**20
+        anon, file_, shmem = status_mib()
+        used = free = float("nan")
+        if self.libc is not None:
+            mi = self.libc.mallinfo2()
+            used, free = (mi.uordblks + mi.hblkhd) / 2**20, mi.fordblks / 2**20
+        tensors = live_tensor_mib()
+        after = float("nan")
+        if self.trim:
+            self.libc.malloc_trim(0)
+            after = self.proc.memory_info().rss / 2**20
+        self.rows.append((step, rss, anon, file_, shmem, used, free, tensors, after))
+        self.recorder.last += time.perf_counter() - start  # the gc scan and trim are not the step's time
+        print(
+            f"memory @ step {step}: rss {rss:.0f} (anon {anon:.0f}, file {file_:.0f}, shmem {shmem:.0f}) MiB; "
+            f"heap used {used:.0f}, free {free:.0f} MiB; live tensors {tensors:.0f} MiB; after trim {after:.0f} MiB",
+            flush=True,
+        )
+
+
+class RssRecorder:
+    """Records RSS (MiB), Python object count and step time after every training step; with
+    ``tree=True`` also the process tree's RSS and open fds and ``/dev/shm`` (:func:`tree_usage`)."""
+
+    def __init__(self, tree: bool = False) -> None:
+        self.proc = psutil.Process()
+        self.tree = tree
         self.rows: list[tuple[int, float, int, float]] = []
+        self.tree_rows: list[tuple[float, int, int, int, float]] = []
         self.last = time.perf_counter()
 
     @rlplug.hookimpl
@@ -55,6 +207,8 @@ class RssRecorder:
         now = time.perf_counter()
         rss = self.proc.memory_info().rss / 2**20
         self.rows.append((step, rss, len(gc.get_objects()), now - self.last))
+        if self.tree:
+            self.tree_rows.append((*tree_usage(self.proc), *shm_usage()))
         self.last = now
 
 
@@ -68,29 +222,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=30, help="steps excluded from the slope")
     p.add_argument("--tolerance-mb", type=float, default=0.5, help="largest acceptable RSS slope, MiB/step")
-    p.add_argument("--out", type=Path, default=RESULTS / "soak_tiny.csv")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default: results/soak_tiny.csv (soak_real.csv with --real-minutes)"
+    )
     p.add_argument("--run-dir", type=Path, default=None, help="default: a temporary directory")
+    p.add_argument(
+        "--real-minutes", type=float, default=None, help="soak the default experiment (real model) for this long"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (and the vLLM engine)")
+    p.add_argument("--diagnose", action="store_true", help="also write <out>_memory.csv (RSS split, heap, tensors)")
+    p.add_argument("--trim", action="store_true", help="with --diagnose: malloc_trim(0) after each step")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.trim and not args.diagnose:
+        p.error("--trim needs --diagnose (it logs the RSS after the trim there)")
+    real = args.real_minutes is not None
+    if args.out is None:
+        args.out = RESULTS / ("soak_real.csv" if real else "soak_tiny.csv")
 
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="rlplug-soak-"))
+    if args.real_minutes is not None:
+        sized = [
+            "trainer.total_training_steps=100000",  # the wall-clock limit ends the run
+            f"trainer.max_wall_time_s={args.real_minutes * 60:.0f}",
+            "trainer.save_freq=10",
+            "trainer.test_freq=10",
+            "data.val_max_samples=32",
+            f"rollout.num_threads={args.threads}",
+        ]
+    else:
+        sized = [
+            "debug=tiny",
+            f"trainer.total_training_steps={args.steps}",
+            "trainer.save_freq=25",
+            "trainer.test_freq=25",
+            "data.val_max_samples=8",
+        ]
     overrides = [
-        "debug=tiny",
-        f"trainer.total_training_steps={args.steps}",
-        "trainer.save_freq=25",
-        "trainer.test_freq=25",
+        *sized,
         "trainer.max_ckpt_to_keep=2",
         "trainer.val_before_train=false",
         "trainer.logger=[console,mlflow]",
-        "data.val_max_samples=8",
-        "trainer.num_threads=1",
+        f"trainer.num_threads={args.threads}",
         f"trainer.default_local_dir={run_dir}",
         *args.overrides,
     ]
     cfg = compose(overrides)
     validate_config(cfg)
-    recorder = RssRecorder()
+    recorder = RssRecorder(tree=real)
     get_registry().pm.register(recorder)
+    diagnosis = MemoryDiagnosis(args.trim, recorder) if args.diagnose else None
+    if diagnosis is not None:
+        get_registry().pm.register(diagnosis)
+    fds0, shm0 = psutil.Process().num_fds(), shm_usage()
     start = time.perf_counter()
     trainer = Trainer(cfg)
     try:
@@ -100,27 +284,60 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    fds1, shm1 = psutil.Process().num_fds(), shm_usage()  # after close: what the run left behind
     with open(args.out, "w") as f:
-        f.write("step,rss_mib,py_objects,step_s\n")
-        for step, rss, objs, dt in recorder.rows:
-            f.write(f"{step},{rss:.2f},{objs},{dt:.4f}\n")
+        if real:
+            f.write("step,rss_mib,py_objects,step_s,tree_rss_mib,tree_fds,tree_procs,shm_files,shm_mib\n")
+            for (step, rss, objs, dt), (trss, tfds, tn, sf, sm) in zip(recorder.rows, recorder.tree_rows):
+                f.write(f"{step},{rss:.2f},{objs},{dt:.4f},{trss:.2f},{tfds},{tn},{sf},{sm:.2f}\n")
+        else:
+            f.write("step,rss_mib,py_objects,step_s\n")
+            for step, rss, objs, dt in recorder.rows:
+                f.write(f"{step},{rss:.2f},{objs},{dt:.4f}\n")
+    if diagnosis is not None:
+        with open(args.out.with_name(args.out.stem + "_memory.csv"), "w") as f:
+            f.write(diagnosis.header + "\n")
+            for row in diagnosis.rows:
+                f.write(",".join(f"{v:.2f}" if i else str(int(v)) for i, v in enumerate(row)) + "\n")
     data = np.array([(s, r, o) for s, r, o, _ in recorder.rows], dtype=float)
     tail = data[data[:, 0] >= args.warmup]
     rss_slope = slope(tail[:, 0], tail[:, 1])
     obj_slope = slope(tail[:, 0], tail[:, 2])
     half = data[data[:, 0] >= data[-1, 0] / 2]
     half_slope = slope(half[:, 0], half[:, 1])
-    verdict = "PASS" if rss_slope < args.tolerance_mb and status == "finished" else "FAIL"
+    tree = np.array(recorder.tree_rows, dtype=float) if recorder.tree_rows else None
+    tree_slope = None
+    if tree is not None:
+        t_tail = tree[data[:, 0] >= args.warmup]
+        tree_slope = slope(tail[:, 0], t_tail[:, 0])
+    leak = rss_slope >= args.tolerance_mb or (tree_slope is not None and tree_slope >= args.tolerance_mb)
+    verdict = "PASS" if not leak and status == "finished" else "FAIL"
+    # the run directory (a temporary one unless --run-dir) is shown as <tmp>
+    tmp = args.run_dir is None
+    shown = [
+        o if not (tmp and o.startswith("trainer.default_local_dir=")) else "trainer.default_local_dir=<tmp>"
+        for o in overrides
+    ]
+    head = f"real-model soak ({args.real_minutes:g} min limit)" if real else "soak"
     summary = (
-        f"soak {verdict}: {len(recorder.rows)} steps ({status}) in {wall:.0f} s; RSS {data[0, 1]:.0f} MiB after step 1, "
+        f"{head} {verdict}: {len(recorder.rows)} steps ({status}) in {wall:.0f} s; RSS {data[0, 1]:.0f} MiB after step 1, "
         f"{tail[0, 1]:.0f} MiB at step {int(tail[0, 0])}, {data[-1, 1]:.0f} MiB at step {int(data[-1, 0])} "
         f"(max {data[:, 1].max():.0f}); slope over steps {args.warmup}..{int(data[-1, 0])}: {rss_slope:+.4f} MiB/step "
         f"(tolerance < {args.tolerance_mb} MiB/step); over steps {int(half[0, 0])}..{int(data[-1, 0])}: "
         f"{half_slope:+.4f} MiB/step; Python objects {obj_slope:+.1f}/step; "
         f"median step {np.median([r[3] for r in recorder.rows]):.2f} s. "
-        f"Overrides: {' '.join(overrides[:-1] + ['trainer.default_local_dir=<tmp>'])}. "
-        f"Host: {os.cpu_count()} cores, torch threads 1."
+        f"Overrides: {' '.join(shown)}. "
+        f"Host: {os.cpu_count()} cores, torch threads {args.threads}."
     )
+    if tree is not None:
+        summary += (
+            f" Process tree (trainer + engine + reward workers): RSS {tree[0, 0]:.0f} MiB after step 1, "
+            f"{tree[-1, 0]:.0f} MiB at the end (max {tree[:, 0].max():.0f}), slope over steps {args.warmup}.."
+            f"{int(data[-1, 0])}: {tree_slope:+.3f} MiB/step; open fds {fds0} at start, {int(tree[0, 1])} after "
+            f"step 1, {int(tree[-1, 1])} at the last step, {fds1} after close; /dev/shm {shm0[0]} files "
+            f"({shm0[1]:.1f} MiB) at start, {int(tree[-1, 3])} ({tree[-1, 4]:.1f} MiB) at the last step, "
+            f"{shm1[0]} ({shm1[1]:.1f} MiB) after close."
+        )
     print(summary)
     args.out.with_suffix(".txt").write_text(summary + "\n")
     return 0 if verdict == "PASS" else 1

@@ -10,8 +10,11 @@ Public API::
 
     rlplug.plugin_names("advantage_estimator")   # ['gae', 'grpo', ...]
     rlplug.get_plugin("advantage_estimator", "grpo")
+
+    rlplug.train(["algorithm=grpo"], train_dataset=ds, reward_funcs=[fn])   # TRL-style (rlplug.api)
 """
 
+from .api import TrainResult, train
 from .hookspecs import hookimpl
 from .registry import (
     PluginConflictError,
@@ -24,6 +27,7 @@ from .registry import (
     get_registry,
     plugin_names,
 )
+from .reward_contract import BatchedRewardFunction, trl_reward
 from .types import (
     AdvantageEstimator,
     BatchFilter,
@@ -39,6 +43,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "hookimpl",
+    "train",
+    "TrainResult",
+    "trl_reward",
+    "BatchedRewardFunction",
     "plugin_names",
     "get_plugin",
     "get_registry",

@@ -133,6 +133,7 @@ TRAINER_METRICS: tuple[str, ...] = (
     "reward/failures",
     "reward/timeouts",
     "reward/failed_samples",
+    "reward/worker_restarts",
 )
 
 #: names made at run time, checked at the first step that logs a name of the same pattern
@@ -188,13 +189,35 @@ def _get(rule: Any, key: str) -> Any:
     return getattr(rule, key, None)
 
 
+def _number(where: str, key: str, value: Any, *, integer: bool = False, hint: str = "") -> float:
+    """``value`` of rule key ``key`` as a finite float (an int when ``integer``): a number or a numeric
+    string. Raises :class:`rlplug.config.ConfigError` naming the rule for anything else (a bool, a list,
+    text, NaN/inf, a fraction where a count is expected); ``hint`` is appended to the message."""
+    from .config import ConfigError
+
+    what = "an int" if integer else "a finite number"
+    if integer and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{where}: {key}={value!r} is not a number; expected {what}{hint}.") from None
+    if not math.isfinite(number) or (integer and not number.is_integer()):
+        raise ConfigError(f"{where}: {key}={value!r}; expected {what}{hint}.")
+    return int(number) if integer else number
+
+
 def parse_rules(alerts: Iterable[Any] | None) -> list[AlertRule]:
     """The rules of ``trainer.alerts`` (a list of mappings with the keys :data:`RULE_KEYS`), checked.
 
     Rules whose threshold is ``null`` are off and left out (logged). Raises
     :class:`rlplug.config.ConfigError` naming the rule (``trainer.alerts[i]``) for: no ``metric``; both
     ``max`` and ``min``; a key not in :data:`RULE_KEYS` (with the close key); an unknown ``action`` (listing :data:`ALERT_ACTIONS`); a scale action without a
-    ``factor > 0``; ``patience < 1``; a ``role`` other than ``actor``/``critic``; a duplicate ``name``.
+    ``factor > 0``; ``patience < 1``; a ``role`` other than ``actor``/``critic``; a duplicate ``name``; a
+    value of the wrong type (``metric``/``name`` not a string, ``max``/``min``/``factor`` not a finite number,
+    ``patience`` not an int, ``optional`` not a bool).
     """
     from .config import ConfigError
 
@@ -213,26 +236,32 @@ def parse_rules(alerts: Iterable[Any] | None) -> list[AlertRule]:
             raise ConfigError(
                 f"{where} has no metric. Each rule needs e.g. {{metric: actor/ppo_kl, max: 0.03, action: warn}}."
             )
-        metric = str(metric)
+        if not isinstance(metric, str):
+            raise ConfigError(
+                f"{where}: metric={metric!r} is not a metric name; expected a string (e.g. actor/ppo_kl)."
+            )
         hi, lo = _get(raw, "max"), _get(raw, "min")
         if hi is not None and lo is not None:
             raise ConfigError(
                 f"{where} (metric {metric}) sets both max={hi} and min={lo}; a rule has exactly one. "
                 "Write two rules for a band."
             )
-        action = str(_get(raw, "action") or "warn")
-        if action not in ALERT_ACTIONS:
+        raw_action = _get(raw, "action")
+        action = "warn" if raw_action is None else raw_action
+        if not isinstance(action, str) or action not in ALERT_ACTIONS:
             raise ConfigError(
-                f"{where}: action={action} is not an alert action. Use one of: {', '.join(ALERT_ACTIONS)}."
+                f"{where}: action={action!r} is not an alert action. Use one of: {', '.join(ALERT_ACTIONS)}."
             )
         factor = _get(raw, "factor")
+        if factor is not None:
+            factor = _number(where, "factor", factor)
         if action.startswith("scale_"):
-            if factor is None or not float(factor) > 0:
+            if factor is None or not factor > 0:
                 raise ConfigError(
                     f"{where}: action={action} multiplies by factor, which must be > 0 (e.g. factor: 0.5); got {factor}."
                 )
         raw_patience = _get(raw, "patience")
-        patience = 1 if raw_patience is None else int(raw_patience)
+        patience = 1 if raw_patience is None else int(_number(where, "patience", raw_patience, integer=True))
         if patience < 1:
             raise ConfigError(f"{where}: patience={patience} must be >= 1 (consecutive steps before the rule fires).")
         role = _get(raw, "role")
@@ -243,24 +272,34 @@ def parse_rules(alerts: Iterable[Any] | None) -> list[AlertRule]:
                 f"{where}: role={role} must be 'actor' or 'critic' (whose learning rate scale_lr scales)."
             )
         default_name = re.sub(r"[^\w.-]+", "_", metric) + ("_max" if lo is None else "_min")
-        name = str(_get(raw, "name") or default_name)
+        raw_name = _get(raw, "name")
+        if raw_name is not None and (isinstance(raw_name, bool) or not isinstance(raw_name, (str, int))):
+            raise ConfigError(f"{where}: name={raw_name!r}; a rule's name is a string or an int (e.g. name: kl_guard).")
+        name = str(raw_name or default_name)
         if any(r.name == name for r in rules):
             raise ConfigError(f"{where}: the rule name {name!r} is used twice; give each rule its own name.")
         threshold = hi if hi is not None else lo
         if threshold is None:
             log.info("alert %s (%s): no threshold set (max/min null), so the rule is off", name, metric)
             continue
+        off = " (to turn the rule off, set it to null)"
+        threshold = _number(where, "max" if hi is not None else "min", threshold, hint=off)
+        optional = _get(raw, "optional")
+        if isinstance(optional, str) and optional.strip().lower() in ("true", "false"):  # ${oc.env:...} is a string
+            optional = optional.strip().lower() == "true"
+        if optional is not None and not isinstance(optional, bool):
+            raise ConfigError(f"{where}: optional={optional!r}; expected true or false.")
         rules.append(
             AlertRule(
                 name=name,
                 metric=metric,
-                threshold=float(threshold),
+                threshold=threshold,
                 above=hi is not None,
                 action=action,
-                factor=float(factor) if factor is not None else 1.0,
+                factor=factor if factor is not None else 1.0,
                 patience=patience,
                 role=str(role),
-                optional=bool(_get(raw, "optional")),
+                optional=bool(optional),
             )
         )
     return rules

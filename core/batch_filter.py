@@ -119,6 +119,7 @@ class ScoredRollout:
             finish_reasons=[o.finish_reasons[i] for i in resp],
             prompt_index=[new_id[o.prompt_index[i]] for i in resp],
             log_probs=None if o.log_probs is None else [o.log_probs[i] for i in resp],
+            metrics=dict(o.metrics),
         )
         return ScoredRollout(
             rows=[self.rows[p] for p in prompts],
@@ -160,7 +161,8 @@ class ScoredRollout:
                 extra[k] += p.extra.get(k, [math.nan] * n)
             for k, v in p.reward_metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
-        out = RolloutOutput(resp_ids, finish, index, log_probs)
+        # the engine's numbers are run totals and gauges: the latest generation's
+        out = RolloutOutput(resp_ids, finish, index, log_probs, metrics=dict(parts[-1].out.metrics) if parts else {})
         return ScoredRollout(rows, prompt_ids, out, scores, extra, metrics)
 
 

@@ -6,16 +6,22 @@ Layout under ``trainer.default_local_dir``::
         COMPLETE                      written last inside the directory, then fsync'ed
         backend/                      written by the training backend (weights, optimizer, ...)
         rng_state.pt                  python/numpy/torch RNG states (tensors only)
-        hf_meta/                      model config + tokenizer, so the checkpoint exports alone
+        hf_meta/                      the source model's files (config, tokenizer, generation config ...)
+                                      and source.json, so the checkpoint exports alone (rlplug.export)
         trainer_state.json            global step, data loader position, KL controller
         run_fingerprint.json          what makes the run (algorithm, reward, model, data): checked on resume
         config.yaml                   the run config (for reading; resuming uses the command's)
+        checksums.json                size and sha256 of every file above, written after them (before
+                                      COMPLETE): verified on resume and by ``rlplug checkpoint verify``
     latest_checkpointed_iteration.txt the step of the latest complete checkpoint (verl's name): resume
                                       and export follow it
     global_step_20.partial-1234/      a save that was interrupted: ignored, removed on next save
     final_model/                      the exported actor of a finished run (written by the trainer)
     overwritten/20250102-030405/      what ``trainer.overwrite=true`` moved aside: the earlier run's
-                                      checkpoints, pointer and final_model (never deleted)
+                                      checkpoints, pointer, final_model, metric logs and rollouts/ dumps
+                                      (never deleted)
+    run.lock                          the live run's OS lock (pid, host, start time): a second run on the
+                                      directory is refused (:mod:`rlplug.run_lock`)
 
 :func:`save_checkpoint` writes one (files in the order above) and :func:`load_checkpoint` reads
 one back; :func:`resume_checkpoint` finds the one ``trainer.resume_mode`` selects, and
@@ -35,13 +41,25 @@ place: a checkpoint to remove (an old one beyond ``max_to_keep``, or an earlier 
 step being replaced) is first renamed to a ``.partial-`` name, so a kill in the middle of the
 deletion leaves a directory that is recognised as partial, never one that still looks complete.
 
+Faults survived without losing a finished step (``docs/reliability.md``): a full disk during a save
+(``ENOSPC``/``EDQUOT``) removes the partial save and stops the run with
+:class:`rlplug.exit_codes.DiskFullStopped` (exit code 74), naming the space needed and free; a
+checkpoint whose files no longer match its ``checksums.json`` (truncated, bit-flipped, missing) is
+reported by name and resume falls back to the previous verified one (:func:`verify_checkpoint`,
+:func:`resume_checkpoint`); a second run on a live run's directory is refused before any model
+loads (:func:`open_run_dir`, :mod:`rlplug.run_lock`).
+
 Testing aid: :func:`_fault_point` marks the places where the kill tests
-(``tests/test_kill_resume.py``) stop the process; it does nothing unless the environment
-variable ``RLPLUG_TEST_KILL_AT`` is set.
+(``tests/test_kill_resume.py``) stop the process, or where the fault tests
+(``tests/test_checkpoint_faults.py``) raise an ``OSError`` such as ``ENOSPC``; it does nothing
+unless the environment variable ``RLPLUG_TEST_KILL_AT`` is set.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import itertools
 import json
 import logging
 import math
@@ -53,8 +71,9 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +81,11 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointReport",
+    "verify_checkpoint",
+    "verify_run",
+    "verify_summary",
+    "write_checksums",
     "save_checkpoint",
     "load_checkpoint",
     "resume_checkpoint",
@@ -86,6 +110,8 @@ __all__ = [
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
+#: size and sha256 of every file of a checkpoint (:func:`write_checksums`), written just before COMPLETE
+CHECKSUMS = "checksums.json"
 #: the exported model of a finished run, in the run directory
 FINAL_MODEL = "final_model"
 #: where ``trainer.overwrite=true`` moves an earlier run's checkpoints (a dated folder inside)
@@ -93,24 +119,29 @@ OVERWRITTEN = "overwritten"
 #: the run's own metric log (:class:`rlplug.metrics.MetricsLog`), set aside with the checkpoints
 METRICS_LOG = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+#: a checkpoint a resume found corrupt and renamed (:meth:`CheckpointManager.set_corrupt_aside`)
+_CORRUPT_DIR = re.compile(r"^global_step_(\d+)\.corrupt-")
 
 
 # ============================================================================ testing aid
 
-#: ``label:n[:SIGNAL][,label:n[:SIGNAL]...]``, e.g. ``ckpt_renamed:2`` or ``update_actor:1:SIGTERM``
+#: ``label:n[:SIGNAL|ERRNO][,...]``, e.g. ``ckpt_renamed:2``, ``update_actor:1:SIGTERM`` or ``ckpt_backend:2:ENOSPC``
 FAULT_ENV = "RLPLUG_TEST_KILL_AT"
 _fault_counts: dict[str, int] = {}
 
 
 def _fault_point(label: str) -> None:
-    """Testing aid: send a signal to this process at the ``n``-th time ``label`` is reached.
+    """Testing aid: send a signal to this process, or raise an ``OSError``, at the ``n``-th time
+    ``label`` is reached.
 
-    With ``RLPLUG_TEST_KILL_AT=<label>:<n>[:<SIGNAL>]`` (comma-separated for several), the
+    With ``RLPLUG_TEST_KILL_AT=<label>:<n>[:<SIGNAL>|<ERRNO>]`` (comma-separated for several), the
     ``n``-th call with ``label`` (counted per process, 1-based) prints a line naming the point
     to stderr and sends ``SIGNAL`` (default ``SIGKILL``; e.g. ``SIGTERM`` to test the graceful
-    stop) to the current process. Used by the crash tests to stop a run at exact places (during
-    rollout, between checkpoint rename and the ``latest`` pointer, ...). When the variable is
-    unset the cost is one environment lookup. The labels are listed in ``tests/test_kill_resume.py``.
+    stop) to the current process, or, for an ``errno`` name (``ENOSPC``, ``EDQUOT``, ``EIO``),
+    raises ``OSError(errno.<ERRNO>, ...)`` there, as a failing write would (the disk-full tests).
+    Used by the crash tests to stop a run at exact places (during rollout, between checkpoint
+    rename and the ``latest`` pointer, ...). When the variable is unset the cost is one environment
+    lookup. The labels are listed in ``tests/test_kill_resume.py``.
     """
     spec = os.environ.get(FAULT_ENV)
     if not spec:
@@ -123,6 +154,9 @@ def _fault_point(label: str) -> None:
         signame = parts[2] if len(parts) > 2 else "SIGKILL"
         print(f"{FAULT_ENV}: {signame} at {label}:{count}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if signame.startswith("E") and hasattr(errno, signame):
+            code = getattr(errno, signame)
+            raise OSError(code, f"{os.strerror(code)} ({FAULT_ENV} at {label}:{count})")
         os.kill(os.getpid(), getattr(signal, signame))
 
 
@@ -192,12 +226,324 @@ def atomic_write_text(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
+def _tree_size(root: Path) -> int:
+    """Bytes in the regular files under ``root`` (0 when it is missing)."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+#: what the writers say when the disk is full: ``OSError``'s text, safetensors' ``(os error 28)``
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+#: below this many free bytes, a failed write is taken for a full disk whatever it says: torch.save
+#: reports ENOSPC as ``RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos ...``
+_NEARLY_FULL = 64 << 20
+
+
+def _writer_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is of a type the checkpoint writers raise for a failed write: ``OSError``,
+    ``RuntimeError`` (torch.save, safetensors' ``save_file``) or safetensors' ``SafetensorError``."""
+    return isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError"
+
+
+def _out_of_space(exc: BaseException, root: Path) -> bool:
+    """Whether ``exc``, raised while writing a checkpoint under ``root``, means the disk (or quota)
+    is full: an ``OSError`` ``ENOSPC``/``EDQUOT`` in its chain, a message saying so (safetensors:
+    ``I/O error: No space left on device (os error 28)``), or a writer's error (:func:`_writer_error`:
+    ``OSError``, ``RuntimeError``, ``SafetensorError``) while the file system has less than 64 MiB free
+    (torch.save's message names no errno). Any other error (a ``TypeError`` in a plugin's save, ...)
+    is never taken for a full disk: it is re-raised as it is, whatever the free space."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the exception chain: __cause__, else __context__
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(seen) for text in _NO_SPACE_TEXT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if not _writer_error(exc):
+        return False
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL
+    except OSError:
+        return False
+
+
+def _human(n: int) -> str:
+    """``n`` bytes for a message: ``1.23 GB (1234567890 bytes)``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+# ============================================================================ checksums
+
+_HASH_CHUNK = 8 << 20  # 8 MiB reads: constant memory for files of any size
+
+
+def _sha256(path: Path) -> str:
+    """The sha256 hex digest of the file ``path``, read in 8 MiB chunks (hashlib releases the GIL,
+    so several files hash in parallel threads)."""
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _checkpoint_files(root: Path) -> Iterator[str]:
+    """The files of checkpoint directory ``root`` the checksums cover: every regular file, as a path
+    relative to ``root`` with ``/`` separators, except COMPLETE and ``checksums.json`` themselves."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            if rel in (COMPLETE, CHECKSUMS) or full.is_symlink():
+                continue
+            yield rel
+
+
+def _hash_files(root: Path, rels: list[str]) -> dict[str, str]:
+    """``{rel: sha256}`` of the files ``rels`` under ``root``, hashed by up to 4 threads."""
+    workers = max(1, min(4, os.cpu_count() or 1, len(rels)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(rels, pool.map(lambda rel: _sha256(root / rel), rels)))
+
+
+def write_checksums(directory: Path) -> Path:
+    """Write ``directory/checksums.json``: the size (bytes) and sha256 of every file of the checkpoint
+    in ``directory`` (``{"algorithm": "sha256", "files": {"backend/actor/model.safetensors": {"size": n,
+    "sha256": "..."}, ...}}``, paths relative to ``directory``), fsync'ed. Returns its path.
+
+    :meth:`CheckpointManager.save` calls it after every file is written and fsync'ed and before
+    COMPLETE, so a complete checkpoint always has one. Cost: one read of every file, in 8 MiB chunks
+    by up to 4 threads (the files were just written, so they are read from the page cache); a
+    540 MB file (a 135M-parameter model in fp32) takes 0.6-0.8 s of CPU time on this project's test
+    machine (``docs/reliability.md``). Raises ``OSError`` as reading or writing does.
+    """
+    rels = list(_checkpoint_files(directory))
+    digests = _hash_files(directory, rels)
+    files = {rel: {"size": (directory / rel).stat().st_size, "sha256": digests[rel]} for rel in rels}
+    out = directory / CHECKSUMS
+    with open(out, "w") as f:
+        f.write(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    return out
+
+
+@dataclass
+class CheckpointReport:
+    """What :func:`verify_checkpoint` found in one checkpoint directory.
+
+    ``problems``: one entry per bad file, ``"<relative path>: <what is wrong>"`` (empty: ok);
+    ``checked``: how many files were checked; ``method``: ``"sha256"`` (against ``checksums.json``)
+    or ``"structure"`` (a checkpoint written before rlplug recorded checksums: only the safetensors
+    files' headers and sizes are checked); ``note``: a remark to show with the result."""
+
+    path: Path
+    problems: list[str] = field(default_factory=list)
+    checked: int = 0
+    method: str = "sha256"
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        """One line for ``rlplug checkpoint verify``: ``global_step_4: ok (9 files, sha256)`` or
+        ``global_step_4: corrupt: backend/actor/model.safetensors (truncated: ...)``."""
+        if self.ok:
+            return f"{self.path.name}: ok ({self.checked} files, {self.method}){'; ' + self.note if self.note else ''}"
+        first, *rest = self.problems
+        name, _, why = first.partition(": ")
+        more = f"; and {len(rest)} more: {'; '.join(rest)}" if rest else ""
+        return f"{self.path.name}: corrupt: {name} ({why}){more}"
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file ``path`` cannot be whole, from its own header (the 8-byte header
+    length, the JSON header, the end of the last tensor's data = the file size), or None."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"truncated: {size} bytes, shorter than the 8-byte header length"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"truncated: {size} bytes, its header alone claims {n + 8}"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        return f"unreadable safetensors header ({exc})"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        return f"{'truncated' if size < expected else 'too long'}: {size} bytes, its header says {expected}"
+    return None
+
+
+#: verification results by checkpoint, keyed by the files' (name, size, mtime, inode): a process that
+#: verifies the same unchanged checkpoint again (``rlplug checkpoint verify`` after a resume, a test) hashes
+#: each file once
+_VERIFIED: dict[tuple, CheckpointReport] = {}
+
+
+def _stat_key(path: Path) -> tuple:
+    items = []
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            items.append((os.path.join(dirpath, name), st.st_size, st.st_mtime_ns, st.st_ino))
+    return (str(path.resolve()), tuple(sorted(items)))
+
+
+def verify_checkpoint(path: str | Path) -> CheckpointReport:
+    """Check that the complete checkpoint ``path`` (a ``global_step_N`` directory) holds the files it
+    was saved with: every file in its ``checksums.json`` exists with the recorded size and sha256.
+
+    A file that is missing, shorter or longer (truncated), or whose sha256 differs (a flipped bit) is
+    one entry of :attr:`CheckpointReport.problems`, e.g. ``backend/actor/model.safetensors: truncated:
+    1000 of 12732320 bytes``. A COMPLETE that names ``checksums.json`` with the file missing or
+    unreadable is a problem too. A checkpoint without checksums (COMPLETE naming none: written before
+    rlplug recorded them) is checked by structure only: each ``*.safetensors`` file's size must be
+    what its header says (this catches truncation, not flipped bits); ``note`` says so. Cost: one
+    read of every file (see :func:`write_checksums`); results are cached per file sizes and times.
+    """
+    path = Path(path)
+    key = _stat_key(path)
+    cached = _VERIFIED.get(key)
+    if cached is not None:
+        return cached
+    report = CheckpointReport(path)
+    try:
+        marker = json.loads((path / COMPLETE).read_text() or "{}")
+    except (OSError, ValueError):
+        marker = {}
+    manifest = path / CHECKSUMS
+    if not (isinstance(marker, dict) and marker.get("checksums")) and not manifest.is_file():
+        report.method = "structure"
+        report.note = f"no {CHECKSUMS} (saved before rlplug recorded checksums): safetensors sizes checked only"
+        for rel in _checkpoint_files(path):
+            if rel.endswith(".safetensors"):
+                report.checked += 1
+                problem = _safetensors_problem(path / rel)
+                if problem:
+                    report.problems.append(f"{rel}: {problem}")
+        _VERIFIED[key] = report
+        return report
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        if not isinstance(files, dict):
+            raise ValueError("'files' is not an object")
+    except FileNotFoundError:
+        report.problems.append(f"{CHECKSUMS}: missing (COMPLETE says the checkpoint has one)")
+        return report
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        report.problems.append(f"{CHECKSUMS}: unreadable ({exc})")
+        return report
+    present = []
+    for rel, entry in sorted(files.items()):
+        report.checked += 1
+        f = path / rel
+        if not f.is_file():
+            report.problems.append(f"{rel}: missing")
+            continue
+        size, want = f.stat().st_size, int(entry["size"])
+        if size != want:
+            report.problems.append(f"{rel}: {'truncated' if size < want else 'too long'}: {size} of {want} bytes")
+            continue
+        present.append(rel)
+    digests = _hash_files(path, present)
+    for rel in present:
+        if digests[rel] != files[rel]["sha256"]:
+            report.problems.append(f"{rel}: sha256 differs from {CHECKSUMS} (the content changed: a flipped bit?)")
+    report.problems.sort()
+    _VERIFIED[key] = report
+    return report
+
+
+def verify_run(path: str | Path) -> tuple[list[CheckpointReport], list[Path]]:
+    """Verify every complete checkpoint of a run (:func:`verify_checkpoint`): ``path`` is a run
+    directory (each ``global_step_N`` with COMPLETE, ascending) or one checkpoint directory.
+    Returns the reports and the partial directories (interrupted saves, never resumed) beside them.
+
+    Raises ``FileNotFoundError`` when ``path`` holds no complete checkpoint.
+    """
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return [verify_checkpoint(path)], []
+    manager = CheckpointManager(path)
+    steps = manager.complete_steps()
+    if not steps:
+        raise FileNotFoundError(
+            f"No complete checkpoint at {path}: expected a global_step_N directory containing {COMPLETE}, "
+            "or a run directory that holds one."
+        )
+    return [verify_checkpoint(manager.step_dir(s)) for s in steps], manager.partial_dirs()
+
+
+def verify_summary(path: str | Path) -> tuple[list[str], int]:
+    """``rlplug checkpoint verify PATH``: one line per checkpoint (:meth:`CheckpointReport.line`; the
+    one the ``latest`` pointer names is marked ``[latest]``), one per partial directory (ignored by
+    resume), and the exit code: 0 when every checkpoint is intact, 1 when one is corrupt.
+
+    Raises ``FileNotFoundError`` (exit code 2 in the CLI) when ``path`` holds no complete checkpoint.
+    """
+    path = Path(path)
+    reports, partial = verify_run(path)
+    pointed = CheckpointManager(path)._pointed_step() if len(reports) > 1 or not (path / COMPLETE).is_file() else None
+    lines = [
+        r.line() + (" [latest]" if pointed is not None and r.path.name == f"global_step_{pointed}" else "")
+        for r in reports
+    ]
+    lines += [
+        f"{p.name}: incomplete (an interrupted save; ignored by resume, removed by the next save)" for p in partial
+    ]
+    if not (path / COMPLETE).is_file():
+        lines += [
+            f"{p.name}: set aside as corrupt by a resume (never resumed or removed; delete it once inspected)"
+            for p in CheckpointManager(path).corrupt_dirs()
+        ]
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        lines.append(
+            f"{len(bad)} of {len(reports)} checkpoints are corrupt; a resume (trainer.resume_mode=auto) falls back to "
+            "the newest intact one before the latest pointer's."
+        )
+    return lines, 0 if not bad else 1
+
+
 class CheckpointManager:
-    """Saves and finds checkpoints under ``root``; keeps at most ``max_to_keep`` (None: all)."""
+    """Saves and finds checkpoints under ``root``; keeps at most ``max_to_keep`` (None: all).
+
+    ``lock``: the run directory's :class:`rlplug.run_lock.RunLock` when :func:`open_run_dir` took
+    it (None otherwise); :meth:`close` releases it."""
 
     def __init__(self, root: str | Path, max_to_keep: int | None = None) -> None:
         self.root = Path(root)
         self.max_to_keep = max_to_keep
+        self.lock: Any = None
+
+    def close(self) -> None:
+        """Release the run directory's lock (:mod:`rlplug.run_lock`), if this manager holds it; idempotent."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{step}"
@@ -212,6 +558,26 @@ class CheckpointManager:
             if m and (p / COMPLETE).is_file():
                 steps.append(int(m.group(1)))
         return sorted(steps)
+
+    def corrupt_dirs(self) -> list[Path]:
+        """Checkpoints a resume found corrupt and renamed (``global_step_N.corrupt-*``,
+        :meth:`set_corrupt_aside`), sorted: never resumed, exported or removed by the cleanup."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and _CORRUPT_DIR.match(p.name))
+
+    def set_corrupt_aside(self, path: Path) -> Path:
+        """Rename the corrupt checkpoint ``path`` (a ``global_step_N`` directory of this run) to
+        ``global_step_N.corrupt-<YYYYmmdd-HHMMSS>-<pid>`` beside it and return the new path, so that
+        neither :meth:`latest` nor :meth:`complete_steps` sees it (a later ``max_ckpt_to_keep`` cleanup
+        would otherwise count it as complete and delete an intact older one instead); nothing is deleted."""
+        base = self.root / f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        dest, n = base, 1
+        while dest.exists():
+            dest, n = base.with_name(f"{base.name}-{n}"), n + 1
+        os.replace(path, dest)
+        _fsync(self.root)
+        return dest
 
     def partial_dirs(self) -> list[Path]:
         """Directories of interrupted saves (``*.partial-*`` or step dirs without COMPLETE)."""
@@ -272,26 +638,38 @@ class CheckpointManager:
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Write a checkpoint for ``step``: ``write(tmp_dir)`` fills it; returns the final path.
 
-        Raises whatever ``write`` raises; in that case nothing but a partial dir is left behind,
-        and the previous checkpoint stays the latest.
+        After ``write``, every file gets its size and sha256 in ``checksums.json``
+        (:func:`write_checksums`), then COMPLETE is written. Raises whatever ``write`` raises; in that
+        case nothing but a partial dir is left behind, and the previous checkpoint stays the latest.
+        A full disk (``OSError`` ``ENOSPC`` or ``EDQUOT`` while writing, hashing or marking) removes
+        the partial dir and raises :class:`rlplug.exit_codes.DiskFullStopped` (exit code 74), whose
+        message names the space needed (the size of the previous checkpoint; without one, what was
+        written before the error, as a lower bound), the space free and the checkpoint to resume from.
         """
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.step_dir(step)
         tmp = self.root / f"global_step_{step}.partial-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        _fault_point("ckpt_tmp_created")
-        write(tmp)
-        apply_umask(tmp)  # safetensors writes its files 0600: model files follow the umask
-        _fault_point("ckpt_written")
-        _fsync_tree(tmp)
-        marker = tmp / COMPLETE
-        with open(marker, "w") as f:
-            f.write(json.dumps({"step": step}))
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync(tmp)
+        try:
+            tmp.mkdir(parents=True)
+            _fault_point("ckpt_tmp_created")
+            write(tmp)
+            apply_umask(tmp)  # safetensors writes its files 0600: model files follow the umask
+            _fault_point("ckpt_written")
+            _fsync_tree(tmp)
+            write_checksums(tmp)
+            _fault_point("ckpt_checksums")
+            marker = tmp / COMPLETE
+            with open(marker, "w") as f:
+                f.write(json.dumps({"step": step, "checksums": CHECKSUMS}))
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(tmp)
+        except Exception as exc:
+            if not _out_of_space(exc, self.root):
+                raise
+            raise self._disk_full(step, tmp, exc) from exc
         _fault_point("ckpt_marked")
         if final.exists():  # an older save of the same step (e.g. after resume_path): move it aside first
             self._discard(final)
@@ -299,10 +677,80 @@ class CheckpointManager:
         os.replace(tmp, final)
         _fsync(self.root)
         _fault_point("ckpt_renamed")
-        atomic_write_text(self.root / LATEST, str(step))
+        try:
+            atomic_write_text(self.root / LATEST, str(step))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise self._pointer_not_updated(step, exc) from exc
         _fault_point("ckpt_pointer")
         self._cleanup(keep=final)
         return final
+
+    def _disk_full(self, step: int, tmp: Path, exc: BaseException) -> Exception:
+        """Remove the partial save ``tmp`` of ``step`` after ``exc`` (no space) and build the
+        :class:`rlplug.exit_codes.DiskFullStopped` to raise, with the sizes in its message."""
+        from .exit_codes import DiskFullStopped
+
+        written = _tree_size(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # frees what it held; a partial dir is never resumed anyway
+        _fsync(self.root)
+        previous = self._pointed_step()
+        if previous is not None:
+            needed = _tree_size(self.step_dir(previous))
+            estimate = f"about {_human(needed)} (the size of the previous checkpoint, step {previous})"
+            kept = (
+                f"The previous checkpoint, step {previous} ({self.step_dir(previous)}), is complete and "
+                f"{LATEST} names it: nothing saved is lost. "
+            )
+            resume = f"rerun the same command to resume from step {previous}"
+        else:
+            estimate = f"more than {_human(written)} (what was written before the disk filled up)"
+            kept = "There is no earlier checkpoint of this run. "
+            resume = "rerun the same command"
+        try:
+            free = _human(shutil.disk_usage(self.root).free)
+        except OSError:
+            free = "unknown"
+        code = exc.errno if isinstance(exc, OSError) else None
+        if isinstance(exc, OSError) and code is not None and code in errno.errorcode:
+            error = f"{exc.strerror} ({errno.errorcode[code]})"
+        else:  # a writer's own error (safetensors, torch.save) on a full disk
+            error = f"{type(exc).__name__}: {exc}"
+        return DiskFullStopped(
+            f"Cannot write the checkpoint of step {step} in {self.root}: {error}. A checkpoint needs {estimate}; "
+            f"{free} is free on that file system. The partial save was removed. {kept}Free space there (or lower "
+            f"trainer.max_ckpt_to_keep: old checkpoints are removed only after a new one is complete), then {resume}."
+        )
+
+    def _pointer_not_updated(self, step: int, exc: OSError) -> Exception:
+        """The :class:`rlplug.exit_codes.DiskFullStopped` for a full disk while replacing the
+        ``latest`` pointer after checkpoint ``step`` was renamed into place (it is complete)."""
+        from .exit_codes import DiskFullStopped
+
+        for p in self.root.glob(f".{LATEST}.tmp-*"):
+            p.unlink(missing_ok=True)
+        try:
+            free = _human(shutil.disk_usage(self.root).free)
+        except OSError:
+            free = "unknown"
+        pointed = (self.root / LATEST).read_text().strip() if (self.root / LATEST).is_file() else None
+        return DiskFullStopped(
+            f"The checkpoint of step {step} is complete in {self.step_dir(step)}, but the file system of {self.root} "
+            f"ran out of space ({exc.strerror or exc}; {free} free) while {LATEST} was being updated: it still names "
+            f"{'step ' + pointed if pointed else 'no step'}, so a resume continues from there "
+            f"(or pass trainer.resume_mode=resume_path trainer.resume_from_path={self.step_dir(step)}). Free space, "
+            "then rerun the same command."
+        )
+
+    def _pointed_step(self) -> int | None:
+        """The step :meth:`latest` would return, found quietly (no warnings), or None."""
+        steps = self.complete_steps()
+        try:
+            step = int((self.root / LATEST).read_text().strip())
+        except (OSError, ValueError):
+            step = -1
+        return step if step in steps else (steps[-1] if steps else None)
 
     def _discard(self, path: Path) -> None:
         """Remove a checkpoint directory crash-safely: rename it to a partial name, then delete.
@@ -430,12 +878,11 @@ def write_checkpoint(
     _fault_point("ckpt_backend")
     torch.save(rng_state(), directory / RNG_FILE)
     _fault_point("ckpt_rng")
+    from .export import write_hf_meta
+
     meta = directory / META_DIR
     meta.mkdir()
-    tokenizer.save_pretrained(meta)
-    cfg_json = Path(model_path) / "config.json"
-    if cfg_json.is_file():
-        (meta / "config.json").write_text(cfg_json.read_text())
+    write_hf_meta(meta, model_path, tokenizer)  # the tokenizer, then the source's own files byte for byte
     _fault_point("ckpt_meta")
     state = {"global_step": step, **{name: obj.state_dict() for name, obj in stateful.items()}}
     (directory / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -450,27 +897,73 @@ def save_checkpoint(manager: CheckpointManager, step: int, *, backend: Any, coor
 
     ``coordinator`` (:class:`rlplug.types.Coordinator`): the main process owns the directory and
     writes everything; it broadcasts the partial directory's path so every other process writes
-    its shards of ``backend/`` there, then the final path. Every process must call this.
+    its shards of ``backend/`` there, then the final path. Every process must call this. When the
+    main process's save fails (e.g. :class:`rlplug.exit_codes.DiskFullStopped`), it broadcasts the
+    failure in place of the next path and every other process raises the same error (a
+    :class:`rlplug.exit_codes.TrainingStopped` of the same class, else ``RuntimeError``) instead of
+    waiting for a path that never comes.
+
+    ``backend.save`` is a collective of its own and must raise on every process when any process's
+    part failed (the ``fsdp2`` backend agrees on the outcome before it returns): then the main process
+    turns its error into the run's (a full disk: ``DiskFullStopped``) and broadcasts it, and the others,
+    whose ``backend.save`` raised too, wait for that broadcast and raise the same error.
     """
     if not coordinator.is_main:
-        backend.save(Path(coordinator.broadcast(None)) / BACKEND_DIR)
-        return Path(coordinator.broadcast(None))
+        tmp = Path(_received_path(coordinator.broadcast(None)))
+        try:
+            backend.save(tmp / BACKEND_DIR)
+        except Exception:
+            _received_path(coordinator.broadcast(None))  # the main process's verdict: raises it (DiskFullStopped ...)
+            raise
+        return Path(_received_path(coordinator.broadcast(None)))
+
+    sent = 0
 
     def write(tmp: Path) -> None:
+        nonlocal sent
         coordinator.broadcast(str(tmp))  # the other processes write their shards into the same folder
+        sent = 1
         write_checkpoint(tmp, step=step, backend=backend, **files)
 
-    path = manager.save(step, write)
+    try:
+        path = manager.save(step, write)
+    except Exception as exc:
+        if getattr(coordinator, "world_size", 1) > 1:
+            failure = {"save_failed": str(exc), "type": type(exc).__name__}
+            for _ in range(2 - sent):  # what the other processes still wait for: both paths, or the final one
+                coordinator.broadcast(failure)
+        raise
     coordinator.broadcast(str(path))
     return path
 
 
+def _received_path(msg: Any) -> str:
+    """A path broadcast by the main process's :func:`save_checkpoint`, or raise the failure it sent."""
+    if isinstance(msg, dict) and "save_failed" in msg:
+        from . import exit_codes
+
+        cls = getattr(exit_codes, str(msg.get("type")), None)
+        if isinstance(cls, type) and issubclass(cls, exit_codes.TrainingStopped):
+            raise cls(msg["save_failed"])
+        raise RuntimeError(f"The main process failed to save the checkpoint: {msg['save_failed']}")
+    return str(msg)
+
+
 def resume_checkpoint(trainer_config: Any, manager: CheckpointManager) -> Path | None:
     """The checkpoint ``trainer.resume_mode`` selects: ``None`` for ``disable`` (or when ``auto``
-    finds none), ``trainer.resume_from_path`` for ``resume_path``, else the latest complete one.
+    finds none), ``trainer.resume_from_path`` for ``resume_path``, else the latest complete one
+    that passes :func:`verify_checkpoint`.
 
-    Raises :class:`rlplug.config.ConfigError` when the selected directory is not a complete
-    checkpoint (no COMPLETE marker).
+    ``auto``: the ``latest`` pointer's checkpoint (:meth:`CheckpointManager.latest`) is verified
+    against its ``checksums.json``; when a file is missing, truncated or changed, a warning naming
+    the file is logged and printed and the previous complete checkpoints are tried, newest first,
+    until one verifies. Each broken one is renamed ``global_step_N.corrupt-<date>-<pid>``
+    (:meth:`CheckpointManager.set_corrupt_aside`: kept for inspection, never resumed, exported or
+    removed by ``trainer.max_ckpt_to_keep``, listed by ``rlplug checkpoint verify``) and the ``latest``
+    pointer is set to the one resumed from. Only the process that owns the run directory calls this
+    (:func:`open_run_dir`: rank 0 of a torchrun job). Raises :class:`rlplug.config.ConfigError` when the selected directory is not a
+    complete checkpoint (no COMPLETE marker), when ``resume_path``'s checkpoint fails verification,
+    and when no complete checkpoint of the run verifies (each one's problem named).
     """
     from .config import ConfigError
 
@@ -480,7 +973,54 @@ def resume_checkpoint(trainer_config: Any, manager: CheckpointManager) -> Path |
     path = Path(str(trainer_config.resume_from_path)) if mode == "resume_path" else manager.latest()
     if path is not None and not (path / COMPLETE).is_file():
         raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint (no COMPLETE marker).")
-    return path
+    if path is None:
+        return None
+    report = verify_checkpoint(path)
+    if report.note:
+        log.info("%s: %s", path, report.note)
+    if report.ok:
+        return path
+    if mode == "resume_path":
+        raise ConfigError(
+            f"trainer.resume_from_path={path} is corrupt: {'; '.join(report.problems)}. Point it at another "
+            f"checkpoint (rlplug checkpoint verify {path.parent} lists which are intact), or restore the file."
+        )
+    return _fall_back(manager, path, report)
+
+
+def _fall_back(manager: CheckpointManager, path: Path, report: CheckpointReport) -> Path:
+    """The newest complete checkpoint before ``path`` (which failed ``report``) that verifies, with
+    a printed and logged warning for each one that does not; raises ConfigError when none does."""
+    from .config import ConfigError
+
+    failed: list[CheckpointReport] = []
+    m = _STEP_DIR.match(path.name)
+    step = int(m.group(1)) if m else checkpoint_step(path)
+    candidates = [manager.step_dir(s) for s in reversed(manager.complete_steps()) if step is None or s < step]
+    for got in itertools.chain([report], map(verify_checkpoint, candidates)):  # lazily: stop at the first intact
+        if got.ok:
+            for bad in failed:  # only now: when none verifies, nothing is renamed and the error names them all
+                aside = manager.set_corrupt_aside(bad.path)
+                msg = f"WARNING: renamed the corrupt checkpoint {bad.path} to {aside.name} (kept for inspection)."
+                log.warning(msg)
+                print(msg, flush=True)
+            good = checkpoint_step(got.path)
+            if failed and _STEP_DIR.match(got.path.name):  # the pointer names the checkpoint resumed from
+                atomic_write_text(manager.root / LATEST, got.path.name.removeprefix("global_step_"))
+            msg = f"WARNING: resuming from the previous intact checkpoint, {got.path} (step {good})."
+            log.warning(msg)
+            print(msg, flush=True)
+            return got.path
+        failed.append(got)
+        msg = f"WARNING: checkpoint {got.path} is corrupt: {'; '.join(got.problems)}."
+        log.warning(msg)
+        print(msg, flush=True)
+    lines = "\n".join(f"  {r.path}: {'; '.join(r.problems)}" for r in failed)
+    raise ConfigError(
+        f"No intact checkpoint to resume from in {manager.root}: every complete checkpoint failed verification:\n"
+        f"{lines}\nRestore the files, or start fresh: trainer.resume_mode=disable trainer.overwrite=true (the "
+        "checkpoints are moved aside, not deleted)."
+    )
 
 
 def load_checkpoint(path: Path, *, backend: Any, stateful: Mapping[str, Any]) -> int:
@@ -488,8 +1028,10 @@ def load_checkpoint(path: Path, *, backend: Any, stateful: Mapping[str, Any]) ->
     the RNG states and each ``stateful`` object's ``load_state_dict``; returns its global step.
 
     Raises :class:`rlplug.config.ConfigError` when a file holds pickled objects other than tensors
-    and plain containers (nothing is unpickled), or when a ``stateful`` object rejects its state
-    (the data or KL settings differ from the checkpointed run).
+    and plain containers (nothing is unpickled), when the backend's load raises ``ValueError`` or
+    ``FileNotFoundError`` (its files do not fit this run's model: other LoRA settings, a moved or
+    changed base), or when a ``stateful`` object rejects its state (the data or KL settings differ
+    from the checkpointed run).
     """
     import torch
 
@@ -508,6 +1050,14 @@ def load_checkpoint(path: Path, *, backend: Any, stateful: Mapping[str, Any]) ->
             "safetensors only, because unpickling arbitrary objects can run code. Resume from a checkpoint "
             "written by rlplug, or start fresh with trainer.resume_mode=disable trainer.overwrite=true (the old "
             "checkpoints are moved aside)."
+        ) from exc
+    except (ValueError, FileNotFoundError) as exc:  # e.g. rlplug.lora: adapters of another shape, a moved base
+        raise ConfigError(
+            f"Cannot resume from {path}: the training backend cannot load its {BACKEND_DIR}/ ({str(exc).rstrip('.')}). "
+            "The model settings (model.*, critic.model.*: the LoRA rank, alpha, target modules, the base model "
+            "folder) must be the checkpointed run's; restore them, or start fresh with trainer.resume_mode=disable "
+            "trainer.overwrite=true (the old checkpoints are moved aside), or train in another directory "
+            "(trainer.experiment_name or trainer.default_local_dir)."
         ) from exc
     try:
         for name, obj in stateful.items():
@@ -542,6 +1092,37 @@ def find_checkpoint(checkpoint: str | Path) -> Path:
     return latest
 
 
+def resumed_step(trainer_config: Any, root: str | Path) -> int:
+    """The global step of the checkpoint a run in the run directory ``root`` resumes after, read cheaply
+    and silently for the trackers (which are opened after the trainer resumed): ``trainer.resume_from_path``'s
+    step for ``resume_mode=resume_path``; for ``auto`` the step the ``latest`` pointer names when it is
+    complete, else the highest complete step (as :meth:`CheckpointManager.latest`, without its messages and
+    without :func:`verify_checkpoint`); 0 for ``disable``, for no checkpoint, and when nothing is readable."""
+    mode = str(getattr(trainer_config, "resume_mode", None) or "auto")
+    if mode == "disable":
+        return 0
+    if mode == "resume_path":
+        return checkpoint_step(str(getattr(trainer_config, "resume_from_path", "") or "")) or 0
+    manager = CheckpointManager(root)
+    steps = manager.complete_steps()
+    try:
+        pointed = int((manager.root / LATEST).read_text().strip())
+    except (OSError, ValueError):
+        pointed = -1
+    return pointed if pointed in steps else (steps[-1] if steps else 0)
+
+
+def tracker_resume_step(config: Any, root: str | Path, given: int | None = None) -> int:
+    """The step a tracker's run resumed from, 0 for a fresh start: ``given`` (the trainer's own step,
+    passed by :meth:`rlplug.metrics.Trackers.open`) when set, else :func:`resumed_step` of the
+    ``trainer`` section of ``config`` for a tracker built on its own (which cannot know of a fallback
+    from a corrupt checkpoint); 0 when ``config`` has no ``trainer`` section. Raises nothing."""
+    if given is not None:
+        return int(given)
+    trainer = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
+    return resumed_step(trainer, root) if trainer is not None else 0
+
+
 def checkpoint_step(checkpoint: str | Path) -> int | None:
     """The global step of the checkpoint directory ``checkpoint``: ``global_step`` of its
     ``trainer_state.json``, else the ``N`` of its ``global_step_N`` name, else None."""
@@ -553,47 +1134,13 @@ def checkpoint_step(checkpoint: str | Path) -> int | None:
         return int(m.group(1)) if m else None
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write the actor of ``checkpoint`` (a ``global_step_N`` dir, or a run dir: the checkpoint its
-    ``latest`` pointer names, see :func:`find_checkpoint`) as a HF folder.
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: Any = "auto") -> Path:
+    """Write the actor of ``checkpoint`` (a ``global_step_N`` dir, or a run dir) as a Hugging Face folder:
+    the source model's files unchanged, the weights in ``dtype`` (``auto``: the source's).
+    See :func:`rlplug.export.export_checkpoint` (the implementation) for the errors raised."""
+    from .export import export_checkpoint as _export
 
-    The result loads with ``AutoModelForCausalLM.from_pretrained`` and vLLM.
-    Raises ``FileNotFoundError`` when no complete checkpoint is found there, and ``ValueError``
-    when the saved weights do not fit the model described by ``hf_meta/config.json`` (missing or
-    unexpected tensor names), instead of writing a folder with uninitialised weights.
-    """
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    ckpt = find_checkpoint(checkpoint)
-    meta = ckpt / "hf_meta"
-    weights = ckpt / "backend" / "actor" / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(
-            f"{weights} is missing: this checkpoint was not written by a backend that rlplug export understands."
-        )
-    config = AutoConfig.from_pretrained(meta)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    state = load_file(str(weights))
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()  # the tied output projection is saved once, under the embedding's name
-    # every parameter must now hold saved data: one still on the meta device was never loaded
-    missing = sorted(name for name, p in model.named_parameters() if p.is_meta)
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"{weights} does not match the model in {meta / 'config.json'}: missing {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}, unexpected {sorted(result.unexpected_keys)[:5]}. The checkpoint's "
-            "backend must save the actor under Hugging Face parameter names (as the local and fsdp2 backends do)."
-        )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(meta).save_pretrained(out)
-    apply_umask(out)  # readable by an inference server of another user, as the umask allows
-    return out
+    return _export(checkpoint, out, dtype=dtype)
 
 
 # ============================================================================ run identity
@@ -651,6 +1198,21 @@ def _critic_model_key(get: Callable[[str], Any]) -> dict[str, Any]:
     }
 
 
+def _lora_key(get: Callable[[str], Any], section: str) -> dict[str, Any] | None:
+    """``model.lora`` / ``critic.model.lora`` in :func:`run_fingerprint`: ``lora_rank``, ``lora_alpha``,
+    ``target_modules`` and ``exclude_modules`` of ``section`` when its ``lora_rank`` > 0 (the checkpoint holds
+    adapters of that shape on that base), else None (full fine-tuning)."""
+    rank = get(f"{section}.lora_rank") or 0
+    if not rank:
+        return None
+    return {
+        "lora_rank": rank,
+        "lora_alpha": get(f"{section}.lora_alpha"),
+        "target_modules": get(f"{section}.target_modules"),
+        "exclude_modules": get(f"{section}.exclude_modules"),
+    }
+
+
 def run_fingerprint(config: Any) -> dict[str, Any]:
     """What makes a run this run: ``{config key: JSON value}``, written into every checkpoint as
     ``run_fingerprint.json`` and compared on resume (:func:`check_fingerprint`).
@@ -672,7 +1234,9 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
       its ``path`` is set, ``reward.custom_reward_function`` (absolute path, name, reward_kwargs);
     * model: ``model.source``, ``model.path`` (absolute) and ``model.tiny`` (only for ``source=tiny``);
       ``critic.model`` (``source``, absolute ``path``, ``tiny`` only for ``source=tiny``; ``None`` when
-      neither ``path`` nor ``source`` is set: the critic starts from the actor's model);
+      neither ``path`` nor ``source`` is set: the critic starts from the actor's model); ``model.lora`` and
+      ``critic.model.lora`` (``lora_rank``, ``lora_alpha``, ``target_modules``, ``exclude_modules``; ``None``
+      without LoRA): a checkpoint's adapters fit only the LoRA settings they were trained with;
     * data: ``data.train_files`` (absolute paths) or, for generated data (no files), ``data.task``,
       ``data.train_size``, ``data.test_size``, ``data.data_seed``, ``data.task_kwargs`` and
       ``data.instruction``; ``data.system_prompt`` (it changes every prompt).
@@ -716,6 +1280,8 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
         "model.path": _abspath(get("model.path")) if get("model.path") else None,
         "model.tiny": get("model.tiny") if get("model.source") == "tiny" else None,
         "critic.model": _critic_model_key(get) if get("critic.model.path") or get("critic.model.source") else None,
+        "model.lora": _lora_key(get, "model"),
+        "critic.model.lora": _lora_key(get, "critic.model"),
         "data.train_files": files,
         "data.task": get("data.task") if generated else None,
         "data.train_size": get("data.train_size") if generated else None,
@@ -839,7 +1405,9 @@ def check_fingerprint(path: Path, config: Any) -> None:
 
 def set_aside_checkpoints(manager: CheckpointManager) -> Path | None:
     """Move an earlier run out of the way (``trainer.overwrite=true``): its ``latest`` pointer,
-    ``final_model``, its ``metrics.jsonl`` and every ``global_step_N`` directory (complete or partial) go into
+    ``final_model``, its ``metrics.jsonl`` and ``validation_samples.jsonl``, its rollout dumps (``rollouts/``,
+    :mod:`rlplug.dump`: the new run's first dump would otherwise delete every earlier dump of a step at or
+    after its own) and every ``global_step_N`` directory (complete or partial) go into
     ``<run dir>/overwritten/<YYYYmmdd-HHMMSS>/``, by renames on the same file system; nothing is
     deleted. Prints (and logs) where they went; returns that folder, or None when there was nothing.
 
@@ -850,7 +1418,11 @@ def set_aside_checkpoints(manager: CheckpointManager) -> Path | None:
     if not root.is_dir():
         return None
     steps = [p for p in sorted(root.iterdir()) if p.is_dir() and p.name.startswith("global_step_")]
-    items = [p for p in (root / LATEST, root / FINAL_MODEL, root / METRICS_LOG) if p.exists()] + steps
+    from .dump import DUMP_DIR
+    from .report import VALIDATION_SAMPLES_FILE  # rlplug report's sample generations go with the metric log
+
+    logs = (root / METRICS_LOG, root / VALIDATION_SAMPLES_FILE, root / DUMP_DIR)
+    items = [p for p in (root / LATEST, root / FINAL_MODEL, *logs) if p.exists()] + steps
     if not items:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -877,19 +1449,34 @@ class RunStart:
 
     ``resume_from``: the checkpoint to resume from (None: a fresh start); ``set_aside``: the
     directory holds an earlier run that ``trainer.overwrite=true`` moves aside
-    (:func:`set_aside_checkpoints`) when training begins (:meth:`begin`).
+    (:func:`set_aside_checkpoints`) when training begins (:meth:`begin`); ``select``: on the ranks
+    other than 0 of a torchrun job, the resume selection they skipped (rank 0 alone verifies the
+    checkpoints; :meth:`begin` gives the others its choice), run by :meth:`begin` only when there is no
+    group to get rank 0's choice from.
     """
 
     manager: CheckpointManager
     resume_from: Path | None = None
     set_aside: bool = False
+    select: Callable[[], Path | None] | None = None
 
-    def begin(self, is_main: bool = True) -> Path | None:
+    def begin(self, is_main: bool = True, coordinator: Any = None) -> Path | None:
         """Move the earlier run aside when planned (by the main process only: ``is_main``; the others
-        never read the directory on a fresh start) and return :attr:`resume_from`."""
+        never read the directory on a fresh start) and return the checkpoint to resume from.
+
+        With a multi-process ``coordinator`` (:class:`rlplug.types.Coordinator`, ``world_size > 1``;
+        collective: every process calls this) it is rank 0's :attr:`resume_from`, broadcast, so every rank
+        loads the checkpoint rank 0 verified (and, after a fallback, renamed the corrupt ones beside)."""
+        if coordinator is not None:
+            is_main = bool(coordinator.is_main)
         if self.set_aside and is_main:
             set_aside_checkpoints(self.manager)
             self.set_aside = False
+        if coordinator is not None and getattr(coordinator, "world_size", 1) > 1:
+            chosen = coordinator.broadcast(str(self.resume_from) if self.resume_from is not None else None)
+            self.resume_from, self.select = (Path(chosen) if chosen else None), None
+        elif self.select is not None:  # RANK set but no process group: select here after all
+            self.resume_from, self.select = self.select(), None
         return self.resume_from
 
 
@@ -904,16 +1491,48 @@ def open_run_dir(config: Any, run_dir: str | Path) -> tuple[CheckpointManager, R
     step 2 next to the old steps 4 and 6). Returns the :class:`CheckpointManager` (keeping
     ``trainer.max_ckpt_to_keep``) and the :class:`RunStart`.
 
-    Raises :class:`rlplug.config.ConfigError` for another run's checkpoint (the differing keys
-    named), for a fresh start in a used directory (the directory, its steps and the ways out named),
-    and for a ``trainer.resume_from_path`` that is not a complete checkpoint.
+    First it takes the run directory's lock (:func:`rlplug.run_lock.acquire_run_lock`, held by
+    ``manager.lock`` until :meth:`CheckpointManager.close`): another live run on the directory is
+    refused here, naming its pid and host; a crashed run's stale lock is taken over with a warning.
+    Under torchrun only rank 0 (``RANK`` unset or 0) verifies and selects the checkpoint to resume
+    (hashing it once per job, not once per rank); the other ranks get its choice from
+    :meth:`RunStart.begin`, a broadcast once the process group exists.
+
+    Raises :class:`rlplug.run_lock.RunDirLocked` (a ConfigError) when another run holds the
+    directory, and :class:`rlplug.config.ConfigError` for another run's checkpoint (the differing
+    keys named), for a fresh start in a used directory (the directory, its steps and the ways out
+    named), for a ``trainer.resume_from_path`` that is not a complete checkpoint, and when no
+    checkpoint of the run passes :func:`verify_checkpoint`.
     """
-    from .config import ConfigError, config_get
+    from .config import config_get
+    from .run_lock import acquire_run_lock
 
     manager = CheckpointManager(run_dir, config_get(config, "trainer.max_ckpt_to_keep"))
     manager.root.mkdir(parents=True, exist_ok=True)
+    manager.lock = acquire_run_lock(manager.root)  # another live run here: refused (rank 0 of torchrun locks)
+    try:
+        return _plan_start(config, manager)
+    except BaseException:
+        manager.close()
+        raise
+
+
+def _plan_start(config: Any, manager: CheckpointManager) -> tuple[CheckpointManager, RunStart]:
+    """:func:`open_run_dir`'s decision, once the directory is locked."""
+    from .config import ConfigError, config_get
+    from .run_lock import _is_rank_zero
+
     trainer = config.trainer
     if trainer.resume_mode != "disable":
+        if not _is_rank_zero():  # rank 0 verifies (hashes) and picks; RunStart.begin gives the others its choice
+
+            def select() -> Path | None:
+                path = resume_checkpoint(trainer, manager)
+                if path is not None:
+                    check_fingerprint(path, config)
+                return path
+
+            return manager, RunStart(manager, select=select)
         path = resume_checkpoint(trainer, manager)
         if path is not None:
             check_fingerprint(path, config)

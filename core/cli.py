@@ -7,14 +7,19 @@
     rlplug data prepare TASK --out DIR         write train/test parquet from a reasoning-gym task
     rlplug eval [--checkpoint DIR] [--k K] [OVERRIDES...]
     rlplug rollout --prompt TEXT [--ground-truth X] [OVERRIDES...]
-    rlplug export CKPT --out DIR               checkpoint -> Hugging Face folder
+    rlplug export CKPT --out DIR [--dtype D]   checkpoint -> Hugging Face folder
+    rlplug export CKPT --out DIR --adapter-only   LoRA checkpoint -> PEFT adapter folder
     rlplug config [OVERRIDES...]               print the composed, validated config
+    rlplug replay DUMP [KEY=VALUE...] [--out F] rewards and advantages again from rollout dumps (docs/debugging.md)
+    rlplug reward --data-source S --response TEXT [--ground-truth X] [OVERRIDES...]   one response, term by term
+    rlplug checkpoint verify RUN_OR_STEP_DIR   check checkpoints against their checksums (exit 1: corrupt)
 
 ``train``, ``config``, ``eval`` and ``rollout`` also take verl's key names and a YAML file
 (``--config-path DIR --config-name NAME``, verl's layout or rlplug's); see ``docs/verl.md``.
 
 Exit codes: :class:`rlplug.exit_codes.ExitCode` (0 finished, 2 bad input, 3/4 stopped by bad
-steps, 5 stopped by an alert rule, 75 stopped by a signal after saving, 130 interrupted).
+steps, 5 stopped by an alert rule, 74 out of disk space while saving a checkpoint, 75 stopped by a
+signal after saving, 130 interrupted).
 """
 
 from __future__ import annotations
@@ -141,19 +146,56 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_pairs(args: argparse.Namespace) -> int:
+    from .pairs import make_pairs
+
+    console.print(make_pairs(args.task, args.out, overrides=_overrides(args), size=args.size, n=args.n))
+    return 0
+
+
+def cmd_rm_train(args: argparse.Namespace) -> int:
+    from .reward_model import train_reward_model
+
+    metrics = train_reward_model(
+        args.pairs, args.out, model=args.model, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+        val_fraction=args.val_fraction, seed=args.seed, max_length=args.max_length, device=args.device,
+    )  # fmt: skip
+    console.print(metrics)
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint import checkpoint_step, export_checkpoint, find_checkpoint
 
     try:
         ckpt = find_checkpoint(args.checkpoint)  # a run dir: the checkpoint its latest pointer names
-        path = export_checkpoint(ckpt, args.out)
-    except FileNotFoundError as exc:  # no complete checkpoint there; the message says what was expected
+        if args.adapter_only:  # a LoRA checkpoint's PEFT adapter folder (rlplug.lora)
+            from .lora import export_adapter
+
+            path = export_adapter(ckpt, args.out)
+        else:
+            path = export_checkpoint(ckpt, args.out, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as exc:
+        # no complete checkpoint there, a damaged hf_meta/ file, a bad --dtype, a LoRA base that changed
+        # since the save: the message says what was wrong and what to do
         err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    console.print(
-        escape(f"Exported step {checkpoint_step(ckpt)} ({ckpt}): wrote a Hugging Face model folder to {path}")
-    )
+    what = "a PEFT adapter folder" if args.adapter_only else "a Hugging Face model folder"
+    console.print(escape(f"Exported step {checkpoint_step(ckpt)} ({ckpt}): wrote {what} to {path}"))
     return 0
+
+
+def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
+    from .checkpoint import verify_summary
+
+    try:
+        lines, code = verify_summary(args.path)  # one line per checkpoint: ok / corrupt: which file
+    except FileNotFoundError as exc:
+        err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return ExitCode.BAD_INPUT
+    for line in lines:
+        console.print(escape(line), highlight=False)
+    return code
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -189,6 +231,53 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .dump import DumpError, print_replay, replay
+
+    try:
+        result = replay(args.dump, args.overrides, out=args.out)  # rlplug.dump
+    except DumpError as exc:  # no dump there, or it lacks what the estimator needs: the message says what to do
+        err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return ExitCode.BAD_INPUT
+    print_replay(result, console)
+    if args.out:
+        console.print(escape(f"wrote {args.out}"))
+    return 0
+
+
+def cmd_reward(args: argparse.Namespace) -> int:
+    from .api import print_score, score_response
+
+    try:
+        extra = json.loads(args.extra_info) if args.extra_info else None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--extra-info is not valid JSON ({exc}); pass an object, e.g. '{{\"id\": 3}}'.") from exc
+    cfg, _ = _compose_and_validate(_overrides(args))
+    result = score_response(
+        cfg,
+        data_source=args.data_source,
+        response=args.response,
+        ground_truth=args.ground_truth,
+        extra_info=extra,
+        prompt=args.prompt,
+        response_length=args.response_length,
+    )
+    print_score(result, console)  # rlplug.api
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    try:
+        path = write_report(args.run_dir, out=args.out)  # rlplug.report
+    except (FileNotFoundError, ValueError, ImportError) as exc:  # the message says what was expected
+        err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    console.print(escape(f"wrote {path}"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlplug", description="RL post-training of language models, every piece a plugin.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -216,11 +305,54 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--task-kwargs", default=None, help="JSON dict passed to the generator, e.g. '{\"min_terms\": 2}'")
     dp.add_argument("--instruction", default=None, help="answer-format sentence appended to each question")
     dp.set_defaults(func=cmd_data_prepare)
+    dp = dsub.add_parser(
+        "pairs",
+        help="preference pairs from a reasoning-gym task, labelled by the rule reward",
+        usage="rlplug data pairs TASK [OVERRIDES ...] --out PAIRS.parquet [--size N] [--n N]",
+    )
+    dp.add_argument("task")
+    dp.add_argument("--out", required=True, help="the pairs parquet file to write")
+    dp.add_argument("--size", type=int, default=256, help="training prompts to sample for")
+    dp.add_argument("--n", type=int, default=4, help="responses sampled per prompt")
+    _add_overrides_args(dp)
+    dp.set_defaults(func=cmd_data_pairs)
+
+    sp = sub.add_parser("rm", help="reward models (docs/reward_models.md)")
+    rsub = sp.add_subparsers(dest="rm_command", required=True)
+    rp = rsub.add_parser("train", help="train a reward model (Bradley-Terry) on prompt/chosen/rejected pairs")
+    rp.add_argument("--pairs", required=True, help="parquet file with prompt, chosen, rejected columns")
+    rp.add_argument("--out", required=True, help="folder to save the AutoModelForSequenceClassification in")
+    rp.add_argument("--model", default=None, help="base model folder (default: the default model, new score head)")
+    rp.add_argument("--epochs", type=int, default=1)
+    rp.add_argument("--lr", type=float, default=1e-5)
+    rp.add_argument("--batch-size", type=int, default=8, help="pairs per optimizer step")
+    rp.add_argument("--val-fraction", type=float, default=0.1, help="pairs held out for the pairwise accuracy")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--max-length", type=int, default=1024, help="tokens per templated input at most")
+    rp.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    rp.set_defaults(func=cmd_rm_train)
 
     sp = sub.add_parser("export", help="write a checkpoint's actor as a Hugging Face folder")
     sp.add_argument("checkpoint")
     sp.add_argument("--out", required=True)
+    sp.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        help="weights dtype (auto: the source model's; the source's other files are copied unchanged)",
+    )
+    sp.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA checkpoints: write the PEFT adapter folder (PeftModel.from_pretrained) instead of merged weights",
+    )
     sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("checkpoint", help="checkpoint tools")
+    csub = sp.add_subparsers(dest="checkpoint_command", required=True)
+    cp = csub.add_parser("verify", help="check every checkpoint of a run against its checksums (exit 1: corrupt)")
+    cp.add_argument("path", help="a run directory (all its checkpoints) or one global_step_N directory")
+    cp.set_defaults(func=cmd_checkpoint_verify)
 
     sp = sub.add_parser("eval", help="the trainer's validation metrics (mean@k, best@k) of a model or checkpoint")
     sp.add_argument("--checkpoint", default=None)
@@ -233,6 +365,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_overrides_args(sp)
     sp.set_defaults(func=cmd_eval)
+
+    sp = sub.add_parser("replay", help="recompute rewards and advantages from rollout dumps (trainer.dump_rollouts)")
+    sp.add_argument("dump", help="a step_N.parquet dump, a folder of them, or a run directory")
+    sp.add_argument(
+        "overrides", nargs="*", help="key=value changes to the dumped config, e.g. algorithm.adv_estimator=rloo"
+    )
+    sp.add_argument("--out", default=None, help="write the replayed scores and advantages to this parquet file")
+    sp.set_defaults(func=cmd_replay)
+
+    sp = sub.add_parser("reward", help="score one response with the configured reward pipeline, term by term")
+    sp.add_argument("--data-source", required=True, help="selects the correctness function (reward.reward_fn_map)")
+    sp.add_argument("--response", required=True, help="the response text, as the model wrote it")
+    sp.add_argument("--ground-truth", default=None)
+    sp.add_argument("--extra-info", default=None, help="the row's extra_info as a JSON object")
+    sp.add_argument("--prompt", default=None, help="the prompt (one user message), for rewards that read it")
+    sp.add_argument("--response-length", type=int, default=None, help="tokens, for the overlong penalty")
+    _add_overrides_args(sp)
+    sp.set_defaults(func=cmd_reward)
+
+    sp = sub.add_parser("report", help="write RUN_DIR/report.html: curves, timing and validation samples of a run")
+    sp.add_argument("run_dir", help="the run directory (trainer.default_local_dir, holding metrics.jsonl)")
+    sp.add_argument(
+        "--out", default=None, help="the HTML file to write (default: RUN_DIR/report.html); PNGs go next to it"
+    )
+    sp.set_defaults(func=cmd_report)
 
     sp = sub.add_parser("rollout", help="generate for a few prompts and print each response with its reward")
     sp.add_argument("--prompt", action="append", required=True)

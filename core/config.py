@@ -70,6 +70,9 @@ def default_cache_dir() -> Path:
 class DataConfig:
     #: parquet files in verl's row schema; empty -> prepared from ``task`` into the cache
     train_files: list[str] = field(default_factory=list)
+    #: one weight per train_files entry: each prompt's file is drawn with these relative weights (docs/mixing.md);
+    #: empty: the files are concatenated and shuffled as one set
+    train_weights: list[float] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     #: reasoning-gym task to prepare when no files are given (see ``rlplug data prepare``)
     task: str | None = "basic_arithmetic"
@@ -123,6 +126,16 @@ class ModelConfig:
     #: "auto" (bf16 autocast where bf16 matmuls are fast: CUDA, AVX-512/AMX CPUs; else fp32),
     #: "bf16" or "fp32"; fp32 master weights either way (rlplug.precision)
     compute_dtype: str = "auto"
+    #: LoRA rank (verl's name): 0 trains every weight; > 0 trains rank-r peft adapters on the frozen
+    #: base (rlplug.lora, docs/lora.md); the reference policy is then the base (adapters off)
+    lora_rank: int = 0
+    #: LoRA scale numerator: the adapter update is (lora_alpha / lora_rank) * B @ A (verl's default 16)
+    lora_alpha: int = 16
+    #: the layers that get adapters: "all-linear" (every linear layer but the output head, verl's default),
+    #: a list of layer names (suffixes, e.g. [q_proj,v_proj]), or a regular expression on the full name
+    target_modules: Any = "all-linear"
+    #: layers left without adapters (a list of name suffixes or a regex); None: none
+    exclude_modules: Any = None
 
 
 @dataclass
@@ -222,6 +235,11 @@ class CriticModelConfig:
     #: "tiny" (random weights from critic.model.tiny, e.g. a test critic of another size than the actor)
     source: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    #: LoRA on the critic's backbone (its value head trains fully); 0: off. As model.lora_rank
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    exclude_modules: Any = None
 
 
 @dataclass
@@ -285,8 +303,16 @@ class RolloutConfig:
     dtype: str = "auto"
     #: "inprocess" (engine in this process or its child) or "server"
     mode: str = "inprocess"
+    # ---- server mode (rollout.mode=server, rollout=sglang; see rlplug.serving, rlplug.replicas, docs/scale_out.md)
+    #: running engine servers to use (replicas: requests spread over them, weights pushed to all); [] = start them
+    server_urls: list[str] = field(default_factory=list)
+    #: one running server (alias of server_urls=[url])
     server_url: str | None = None
-    # ---- server mode (rollout.mode=server, rollout=sglang; see rlplug.serving)
+    #: servers rlplug starts (and restarts) when server_urls is empty
+    num_replicas: int = 1
+    #: folder for pushed weights, readable by every server (shared filesystem for remote servers); None = /dev/shm.
+    #: The in-process vllm backend keeps its one restart copy there too
+    weights_dir: str | None = None
     #: loopback address the launched server listens on
     server_host: str = "127.0.0.1"
     #: port of the launched server (0: pick a free port)
@@ -450,6 +476,30 @@ class RewardNormalizeConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A discriminative reward model (verl's ``reward.reward_model`` keys; :mod:`rlplug.reward_model`,
+    ``docs/reward_models.md``): a local AutoModelForSequenceClassification with one label, scoring each
+    response re-templated with its own tokenizer. It enters the score as the ``reward.shaping`` entry
+    ``reward_model``; enabled without such an entry it is the whole training score (as verl)."""
+
+    enable: bool = False
+    #: its weight in the score when no reward.shaping entry names reward_model (the correctness score then
+    #: weighs reward.correctness_weight, by default 0: the reward model replaces it, as verl)
+    weight: float = 1.0
+    #: the model folder (e.g. written by ``rlplug rm train``); checked before any model loads
+    model_path: str | None = None
+    #: responses per reward-model forward pass (memory only)
+    micro_batch_size_per_device: int = 8
+    #: reward-model input tokens at most (longer: cut on the right, as verl; None: no limit)
+    max_length: int | None = None
+    #: where the reward model runs: the training device (auto: cuda when available)
+    device: str = II("trainer.device")
+    #: fp32, bf16 or fp16
+    dtype: str = "fp32"
+    trust_remote_code: bool = False
+
+
+@dataclass
 class CustomRewardFunctionConfig:
     """A reward function defined in a Python file (verl's ``custom_reward_function`` keys).
 
@@ -506,6 +556,14 @@ class RewardConfig:
     #: shaping rewards added to the correctness score: score + sum(weight * shaping); the only place
     #: a reward model enters
     shaping: list[ShapingConfig] = field(default_factory=list)
+    #: the weight of the correctness score: score = correctness_weight * correctness + shaping (None: 1.0, or
+    #: 0.0 when reward_model.enable adds the reward model without a shaping entry, as verl; validation: 1.0)
+    correctness_weight: float | None = None
+    #: a discriminative reward model (verl's keys), a reward.shaping entry named reward_model
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    #: also score validation with model-based shaping terms (the reward model); false: validation reports
+    #: the rule reward (verl's val_reward_fn), so a run trained on a reward model still reports accuracy
+    val_reward_model: bool = False
     fallback_score: float = 0.0
     #: per-sample timeout, seconds
     timeout_s: float = 10.0
@@ -573,6 +631,11 @@ class TrainerConfig:
     log_train_generations: int = 0
     #: training rollouts logged per such step (the batch's first responses, with score and advantage)
     train_samples_to_log: int = 4
+    #: write each training batch (prompts, responses, rewards, advantages, log-probs ...) to
+    #: <run dir>/rollouts/step_<N>.parquet (rlplug.dump; `rlplug replay` recomputes from them; docs/debugging.md)
+    dump_rollouts: bool = False
+    #: with dump_rollouts: dump every N-th step (1: every step)
+    dump_rollouts_freq: int = 1
     #: stop after this many wall-clock seconds (None: no limit); a checkpoint is written
     max_wall_time_s: float | None = None
     #: backend-specific settings (fsdp2: mixed precision, offload, ...)
@@ -644,10 +707,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=rewritten, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as exc:
-        msg = _explain_compose_error(exc)
-        for given, sent in zip(translation.sources, rewritten):  # quote the override as the user wrote it
-            if given != sent:
-                msg = msg.replace(sent, given)
+        msg = _quote_as_given(_explain_compose_error(exc), translation.sources, rewritten)
         raise ConfigError(msg) from exc
     finally:
         GlobalHydra.instance().clear()
@@ -661,6 +721,20 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         cfg.trainer.experiment_name = experiment_name_for(cfg, algorithm, prefix=debug)
     translation.print_notes()  # the inert verl keys given: one line per reason, each key once
     return cfg
+
+
+def _quote_as_given(msg: str, given: Sequence[str], sent: Sequence[str]) -> str:
+    """``msg`` (Hydra's error) with each override Hydra was sent replaced by the override the user wrote
+    (``sent[i]`` came from ``given[i]``). At each place the longest override that matches wins, so one
+    override that is a prefix of another (``actor.x=2`` of ``actor.x=2.0``) is not replaced inside it."""
+    spelled: dict[str, str] = {}
+    for g, s in zip(given, sent):
+        if s:
+            spelled.setdefault(s, g)
+    if not spelled or all(g == s for s, g in spelled.items()):
+        return msg
+    pattern = "|".join(re.escape(s) for s in sorted(spelled, key=len, reverse=True))
+    return re.sub(pattern, lambda m: spelled[m.group(0)], msg)
 
 
 # ============================================================================ open maps on the command line
@@ -824,7 +898,7 @@ def _explain_compose_error(exc: Exception) -> str:
             f"with keys; set '{parent}' itself."
         )
     if parts[depth] in node:  # the key exists: the error is about something else
-        return msg
+        return _explain_value_key(msg, key, cause)
     if parent in open_map_fields():
         return f"Could not set '{key}' in the map '{parent}': {msg}"
     missing = ".".join(parts[: depth + 1])
@@ -838,6 +912,20 @@ def _explain_compose_error(exc: Exception) -> str:
     close += [f"verl's '{k}' (docs/verl.md)" for k in verl_suggest(key) if f"'{k}'" not in close]
     hint = (" Did you mean " + " or ".join(close) + "?") if close else ""
     return f"Unknown config key '{missing}'.{hint} Valid keys in {where}: {', '.join(valid)}."
+
+
+def _explain_value_key(msg: str, key: str, cause: BaseException | None) -> str:
+    """Hydra's ``Could not override 'KEY'`` for an existing ``KEY`` whose value (a mapping, a list of
+    mappings) holds a key the schema lacks (``algorithm.schedule=[{until: 1, bogus: 2}]``): name that key
+    and the valid ones instead of Hydra's advice to append with ``+``. Other messages: unchanged."""
+    if cause is None or not msg.startswith("Could not override") or " not in " not in str(cause):
+        return msg
+    inner = str(cause).splitlines()[0]
+    obj = getattr(cause, "object_type", None)
+    valid = ""
+    if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+        valid = f" Valid keys there: {', '.join(f.name for f in dataclasses.fields(obj))}."
+    return f"Could not set '{key}': its value has an unknown key ({inner}).{valid}"
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -24,7 +24,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DatasetError", "RLDataset", "read_dataset", "read_run_datasets", "StatefulDataLoader", "ALLOWED_ROLES"]
+__all__ = [
+    "DatasetError",
+    "RLDataset",
+    "read_dataset",
+    "read_run_datasets",
+    "StatefulDataLoader",
+    "WeightedMixLoader",
+    "check_train_weights",
+    "make_train_loader",
+    "ALLOWED_ROLES",
+]
 
 logger = logging.getLogger("rlplug.data")
 
@@ -521,6 +531,12 @@ class StatefulDataLoader:
                 seed, shuffle, drop_last) differing from this loader's, which would make the resumed
                 order differ from the interrupted run's.
         """
+        if "weights" in state:
+            raise ValueError(
+                f"Cannot resume the data loader: the checkpoint samples a weighted mix (data.train_weights="
+                f"{list(state['weights'])}) and this run has no data.train_weights. Resume with the interrupted "
+                "run's data settings or start a new run (trainer.resume_mode=disable)."
+            )
         try:
             epoch, index = int(state["epoch"]), int(state["index"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -543,3 +559,233 @@ class StatefulDataLoader:
                 "data.shuffle) or start a new run."
             )
         self.epoch, self.index = epoch, index
+
+
+# ============================================================================ weighted mixes
+
+
+def check_train_weights(train_files: Sequence[Any], weights: Sequence[Any]) -> list[float]:
+    """``data.train_weights`` checked against ``data.train_files``: one finite weight ``>= 0`` per file, not
+    all zero, and no file listed twice. Returns the weights as floats (unnormalised); ``[]`` when none are set.
+
+    Raises :class:`rlplug.config.ConfigError` naming the bad entry, what was expected and what to set.
+    """
+    from .config import ConfigError
+
+    weights = list(weights or [])
+    if not weights:
+        return []
+    files = [str(f) for f in (train_files or [])]
+    if not files:
+        raise ConfigError(
+            f"data.train_weights={weights} weighs data.train_files, but no training files are set (the data comes "
+            "from data.task). Set data.train_files=[a.parquet,b.parquet] with one weight per file, or drop "
+            "data.train_weights."
+        )
+    if len(weights) != len(files):
+        raise ConfigError(
+            f"data.train_weights has {len(weights)} weight(s) for {len(files)} file(s) in data.train_files "
+            f"({', '.join(files)}): give one weight per file, in the same order, e.g. "
+            f"data.train_weights=[{','.join(['1.0'] * len(files))}]."
+        )
+    out: list[float] = []
+    for i, (f, w) in enumerate(zip(files, weights)):
+        try:
+            value = float(w)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(w, bool) or not math.isfinite(value) or value < 0:
+            raise ConfigError(
+                f"data.train_weights[{i}]={w!r} (for {f}) must be a finite number >= 0: the file's share of the "
+                "sampled prompts, relative to the other weights (0 leaves the file out)."
+            )
+        out.append(value)
+    if sum(out) <= 0:
+        raise ConfigError(
+            f"data.train_weights={weights} are all zero, so no file would ever be sampled. Give at least one "
+            "file a positive weight."
+        )
+    seen: dict[str, int] = {}
+    for i, f in enumerate(files):
+        key = str(Path(f).expanduser())
+        if key in seen:
+            raise ConfigError(
+                f"data.train_files lists {f} twice (entries {seen[key]} and {i}); with data.train_weights each file "
+                "is one source. List it once and give it the sum of the two weights."
+            )
+        seen[key] = i
+    return out
+
+
+class WeightedMixLoader:
+    """Batches whose prompts come from several sources (``data.train_files``) in proportion to ``weights``
+    (``data.train_weights``): exactly reproducible from ``seed`` and exactly resumable.
+
+    Each of the ``batch_size`` prompts of batch ``k`` (0-based, counted over the whole run) picks its source
+    independently: ``numpy.random.default_rng([seed, 1, k]).choice(len(sources), size=batch_size, p=w)`` with
+    ``w = weights / sum(weights)``; the chosen source serves its next row. Source ``i`` serves its rows in
+    passes: pass ``e`` is ``numpy.random.default_rng([seed, 2, i, e]).permutation(len(sources[i]))`` (file order
+    when ``shuffle=False``), and the next pass starts when a pass is used up, independently of the other
+    sources (a small file with a large weight repeats sooner). Over ``K`` batches the share of source ``i``
+    is ``w_i`` with a standard deviation of ``sqrt(w_i (1 - w_i) / (K * batch_size))``.
+
+    An epoch is ``steps_per_epoch = sum(len(sources[i]) for w_i > 0) // batch_size`` batches (at least 1):
+    as many prompts as the weighted files hold, so ``trainer.total_epochs`` keeps its meaning; the epoch of
+    batch ``k`` is ``k // steps_per_epoch``.
+
+    State is ``{"batches": k, "cursors": [rows served per source], ...}`` plus the settings that must match on
+    resume (weights, source sizes, batch size, seed, shuffle). Same interface as :class:`StatefulDataLoader`
+    (``next_batch``, ``steps_per_epoch``, ``state_dict``, ``load_state_dict``).
+
+    Raises ``ValueError`` for a bad ``batch_size`` or ``seed``, ``weights`` of another length than ``sources``,
+    negative, non-finite or all-zero weights, or an empty source with a positive weight.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Sequence[dict]],
+        weights: Sequence[float],
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 1,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer (prompts per batch), got {batch_size!r}.")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
+        self.names = [str(n) for n in (names or [f"source {i}" for i in range(len(sources))])]
+        if len(weights) != len(sources) or len(self.names) != len(sources):
+            raise ValueError(f"{len(weights)} weights and {len(self.names)} names for {len(sources)} sources.")
+        w = [float(x) for x in weights]
+        if any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+            raise ValueError(f"weights must be finite, >= 0 and not all zero, got {list(weights)}.")
+        for name, src, x in zip(self.names, sources, w):
+            if x > 0 and len(src) == 0:
+                raise ValueError(
+                    f"The training source {name} has no usable rows (all filtered as longer than "
+                    f"data.max_prompt_length?) but a weight of {x}. Fix the file or give it the weight 0."
+                )
+        self.sources = list(sources)
+        self.weights = w
+        self.probs = [x / sum(w) for x in w]
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.batches = 0
+        self.cursors = [0] * len(sources)
+        self._orders: dict[tuple[int, int], list[int]] = {}
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch: the rows of the sources with a positive weight, over ``batch_size`` (at least 1)."""
+        rows = sum(len(s) for s, w in zip(self.sources, self.weights) if w > 0)
+        return max(1, rows // self.batch_size)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def source_picks(self, k: int) -> list[int]:
+        """The source index of each of the ``batch_size`` prompts of batch ``k`` (0-based)."""
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, 1, int(k)])
+        return rng.choice(len(self.sources), size=self.batch_size, p=self.probs).tolist()
+
+    def _order(self, i: int, e: int) -> list[int]:
+        if (i, e) not in self._orders:
+            n = len(self.sources[i])
+            if self.shuffle:
+                import numpy as np
+
+                order = np.random.default_rng([self.seed, 2, i, e]).permutation(n).tolist()
+            else:
+                order = list(range(n))
+            self._orders = {key: v for key, v in self._orders.items() if key[0] != i}  # one pass per source kept
+            self._orders[(i, e)] = order
+        return self._orders[(i, e)]
+
+    def next_batch(self) -> tuple[list[dict], int]:
+        """The next batch (shallow copies of the rows) and its epoch; forever."""
+        batch = []
+        for i in self.source_picks(self.batches):
+            n = len(self.sources[i])
+            c = self.cursors[i]
+            batch.append(dict(self.sources[i][self._order(i, c // n)[c % n]]))
+            self.cursors[i] = c + 1
+        epoch = self.batches // self.steps_per_epoch
+        self.batches += 1
+        return batch, epoch
+
+    def state_dict(self) -> dict:
+        """``{"batches", "cursors"}`` plus the settings that must match on resume."""
+        return {
+            "batches": self.batches,
+            "cursors": list(self.cursors),
+            "weights": list(self.weights),
+            "source_sizes": [len(s) for s in self.sources],
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; afterwards the next batch is the one an uninterrupted loader gives.
+
+        Raises:
+            ValueError: a state written without weights (a checkpoint of a run without
+                ``data.train_weights``), bad ``batches``/``cursors``, or a setting (weights, source sizes,
+                batch size, seed, shuffle) that differs from this loader's.
+        """
+        if "weights" not in state:
+            raise ValueError(
+                "Cannot resume the data loader: the checkpoint comes from a run without data.train_weights, and "
+                f"this run samples a weighted mix ({self.weights}). Resume with the interrupted run's data settings "
+                "or start a new run (trainer.resume_mode=disable)."
+            )
+        try:
+            batches, cursors = int(state["batches"]), [int(c) for c in state["cursors"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"Loader state needs an integer 'batches' and a list 'cursors', got {dict(state)!r}."
+            ) from exc
+        mine = self.state_dict()
+        diffs = [
+            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
+            for k in ("weights", "source_sizes", "batch_size", "seed", "shuffle")
+            if k in state and list_or_value(state[k]) != list_or_value(mine[k])
+        ]
+        if diffs or batches < 0 or len(cursors) != len(self.sources) or min(cursors, default=0) < 0:
+            raise ValueError(
+                "Cannot resume the weighted data mix exactly: "
+                + ("; ".join(diffs) or f"batches={batches}, cursors={cursors} do not fit {len(self.sources)} sources")
+                + ". Restore the data settings of the interrupted run (data.train_files, data.train_weights, "
+                "data.train_batch_size, data.seed, data.shuffle) or start a new run."
+            )
+        self.batches, self.cursors = batches, cursors
+
+
+def list_or_value(x: Any) -> Any:
+    """``x`` as a list when it is a sequence (a JSON round trip turns tuples into lists), else unchanged."""
+    return list(x) if isinstance(x, (list, tuple)) else x
+
+
+def make_train_loader(cfg: Any, dataset: RLDataset) -> StatefulDataLoader | WeightedMixLoader:
+    """The run's training loader: a :class:`WeightedMixLoader` over the files of ``data.train_files`` (one
+    source per file, its rows in ``dataset``) when ``data.train_weights`` is set, else the
+    :class:`StatefulDataLoader` over ``dataset``; ``data.train_batch_size``, ``data.shuffle`` and ``data.seed``.
+
+    Raises :class:`rlplug.config.ConfigError` for bad weights (:func:`check_train_weights`) and ``ValueError``
+    for a weighted file without usable rows.
+    """
+    d = cfg.data
+    weights = check_train_weights(list(d.train_files or []), list(d.get("train_weights") or []))
+    if not weights:
+        return StatefulDataLoader(dataset, batch_size=d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    files = [str(Path(str(f)).expanduser()) for f in d.train_files]
+    groups: dict[str, list[dict]] = {f: [] for f in files}
+    for row in dataset:
+        groups[str(row["source"]).rsplit("#", 1)[0]].append(row)
+    return WeightedMixLoader(
+        [groups[f] for f in files], weights, batch_size=d.train_batch_size, shuffle=d.shuffle, seed=d.seed, names=files
+    )

@@ -14,6 +14,9 @@ code   meaning
        first error
 5      stopped by an alert rule with ``action: stop`` (``trainer.alerts``) after saving the checkpoint
        of the step; the message names the rule and the value; rerun the same command to resume
+74     stopped: the file system ran out of space while writing a checkpoint; the partial save was
+       removed, the previous checkpoint is intact and ``latest`` names it; the message gives the
+       space needed and free; free space, then rerun the same command to resume (``EX_IOERR``)
 75     stopped by SIGTERM or SIGINT after finishing the step and saving a checkpoint; rerun the same
        command to resume (``EX_TEMPFAIL``: "try again later", so a scheduler can requeue the job)
 130    interrupted by a second SIGINT/SIGTERM: stopped at once, without saving the step in progress
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ExitCode", "TrainingStopped", "RewardFailuresStopped", "AlertStopped"]
+__all__ = ["ExitCode", "TrainingStopped", "RewardFailuresStopped", "AlertStopped", "DiskFullStopped"]
 
 
 class ExitCode(enum.IntEnum):
@@ -36,6 +39,7 @@ class ExitCode(enum.IntEnum):
     NON_FINITE = 3
     REWARD_FAILURES = 4
     ALERT_STOP = 5
+    NO_SPACE = 74
     STOPPED_BY_SIGNAL = 75
     INTERRUPTED = 130
 
@@ -59,3 +63,11 @@ class AlertStopped(TrainingStopped):
     (:mod:`rlplug.alerts`)."""
 
     exit_code: int = ExitCode.ALERT_STOP
+
+
+class DiskFullStopped(TrainingStopped):
+    """A checkpoint could not be written: no space left on the device (``ENOSPC``) or over the disk
+    quota (``EDQUOT``); the partial save is removed and the previous checkpoint stays the latest
+    (:meth:`rlplug.checkpoint.CheckpointManager.save`)."""
+
+    exit_code: int = ExitCode.NO_SPACE

@@ -124,7 +124,8 @@ def step_metrics(
     not in verl), ``critic/<name>/mean`` per reward component
     (the mean of the finite values, in float64), ``response_length/*`` (tokens),
     ``response_length/clip_ratio`` (share of responses cut at ``max_tokens``),
-    ``response_length/empty`` (count of empty responses) and ``prompt_length/*`` (tokens).
+    ``response_length/empty`` (count of empty responses), ``prompt_length/*`` (tokens) and the rollout
+    engine's own numbers (``rollout.metrics``, e.g. ``rollout/live_replicas``).
     """
     import numpy as np
     import torch
@@ -163,6 +164,7 @@ def step_metrics(
     out["response_length/clip_ratio"] = float(np.mean(rollout.truncated_flags))
     out["response_length/empty"] = float(sum(1 for n in rollout.response_lengths if n == 0))
     out.update(stats("prompt_length", torch.tensor([len(p) for p in prompt_ids], dtype=torch.float32)))
+    out.update({k: float(v) for k, v in rollout.metrics.items()})  # the engine's own (RolloutOutput.metrics)
     return out
 
 
@@ -205,6 +207,8 @@ class ScoredResponse(NamedTuple):
     acc_reported: bool
     #: the other numbers the correctness function reported (``format``, ``correct_unformatted`` ...)
     components: Mapping[str, float] = {}
+    #: the extracted answer the correctness function reported (its dict's ``pred``, verl's key); None: none
+    pred: str | None = None
 
 
 def core_metric(scored: Sequence[ScoredResponse]) -> str:
@@ -225,33 +229,39 @@ def validation_metrics(scored: Sequence[ScoredResponse], n: int) -> dict[str, fl
     * ``val-core/<data_source>/<m>/mean@<n>``: the mean over prompts of the mean over each prompt's
       responses (verl's ``mean@N``; with ``n`` responses per prompt, the mean over all responses);
     * ``val-core/<data_source>/<m>/best@<n>`` (``n > 1``): the mean over prompts of the best of each
-      prompt's ``n`` values; for a 0/1 ``acc`` this is pass@n. verl's ``best@N/mean`` estimates the
-      same quantity by bootstrap resampling; rlplug reports the exact maximum over the ``n`` responses;
-    * when ``<m>`` is ``acc``, the score too: ``val-aux/<data_source>/reward/mean@<n>`` (and ``best@<n>``);
-    * ``val-aux/<data_source>/<name>/mean@<n>`` for every other number the reward reported
-      (:attr:`ScoredResponse.components`, e.g. gsm8k's ``format``), over the responses that report it.
+      prompt's ``n`` values; for a 0/1 ``acc`` this is pass@n (exact; rlplug's);
+    * verl's statistics (``n > 1``; :func:`rlplug.evaluate.source_statistics`, value for value as verl's
+      ``process_validation_metrics``): ``std@<n>`` and, for ``k`` in 2, 4, ..., ``n``, the bootstrap
+      ``best@<k>/mean``, ``best@<k>/std``, ``worst@<k>/mean``, ``worst@<k>/std`` and, when the reward
+      reports extracted answers (:attr:`ScoredResponse.pred`), ``maj@<k>/mean`` and ``maj@<k>/std`` (the
+      majority answer's value); those of ``k = n`` (but ``std@``, ``worst@``) under ``val-core``, as verl;
+    * when ``<m>`` is ``acc``, the score too: ``val-aux/<data_source>/reward/mean@<n>`` (and the rest);
+    * ``val-aux/<data_source>/<name>/mean@<n>`` (and verl's statistics) for every other number the reward
+      reported (:attr:`ScoredResponse.components`, e.g. gsm8k's ``format``), over the responses that report it.
 
     ``acc`` values are the reward's ``acc`` (:attr:`ScoredResponse.acc`; a response whose reward failed
     counts 0.0); ``reward`` values are the sequence scores. Returns ``{}`` for no responses.
     """
-    import numpy as np
+    from .evaluate import source_statistics  # here: rlplug.evaluate imports this module
 
     metrics: dict[str, float] = {}
     for src in sorted({s.row["data_source"] for s in scored}):
         mine = [s for s in scored if s.row["data_source"] == src]
-        core = core_metric(mine)
+        core, prompts, preds = core_metric(mine), [s.prompt for s in mine], [s.pred for s in mine]
         for var in (core,) if core == "reward" else ("acc", "reward"):
-            per_prompt: dict[int, list[float]] = {}
-            for s in mine:
-                per_prompt.setdefault(s.prompt, []).append(float(s.acc if var == "acc" else s.score))
-            name = f"{'val-core' if var == core else 'val-aux'}/{src}/{var}"
-            metrics[f"{name}/mean@{n}"] = float(np.mean([np.mean(v) for v in per_prompt.values()]))
-            if n > 1:
-                metrics[f"{name}/best@{n}"] = float(np.mean([max(v) for v in per_prompt.values()]))
+            values = [float(s.acc if var == "acc" else s.score) for s in mine]
+            metrics.update(source_statistics(f"{src}/{var}", prompts, values, preds, core=var == core, exact_best=True))
         for comp in sorted({k for s in mine for k in s.components}):
-            values = [s.components[comp] for s in mine if comp in s.components and math.isfinite(s.components[comp])]
-            if values:
-                metrics[f"val-aux/{src}/{comp}/mean@{n}"] = float(np.mean(values))
+            have = [s for s in mine if comp in s.components and math.isfinite(s.components[comp])]
+            metrics.update(
+                source_statistics(
+                    f"{src}/{comp}",
+                    [s.prompt for s in have],
+                    [s.components[comp] for s in have],
+                    [s.pred for s in have],
+                    core=False,
+                )
+            )
     return metrics
 
 
@@ -354,8 +364,16 @@ def metrics_jsonl_path(run_dir: str | Path) -> Path:
     return p if p.suffix == ".jsonl" else p / METRICS_FILE
 
 
-def _parse_lines(text: str, path: Path) -> list[tuple[dict[str, Any], str]]:
-    """``(record, raw line)`` for each line of a metrics log; a cut-short last line is skipped."""
+def parse_step_records(
+    text: str, path: Path, what: str = "metrics record", list_key: str | None = None
+) -> list[tuple[dict[str, Any], str]]:
+    """``(record, raw line)`` for each line of a JSON-lines log of per-step records (``metrics.jsonl``,
+    ``validation_samples.jsonl``); a cut-short last line (a kill mid-write) is skipped. Each record must
+    be an object with an integer ``step`` (and a list under ``list_key`` when given); top-level
+    ``"NaN"``/``"Infinity"`` strings become floats.
+
+    Raises ``ValueError`` naming ``path``, the line number and what a ``what`` must look like when a line
+    other than the last is not such a record."""
     lines = text.split("\n")
     records: list[tuple[dict[str, Any], str]] = []
     for i, line in enumerate(lines):
@@ -365,12 +383,15 @@ def _parse_lines(text: str, path: Path) -> list[tuple[dict[str, Any], str]]:
             record = json.loads(line)
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("not an object with an integer 'step'")
+            if list_key is not None and not isinstance(record.get(list_key), list):
+                raise ValueError(f"no {list_key!r} list")
         except ValueError as exc:
             if i == len(lines) - 1:  # an unterminated last line: a write cut short by a kill, skipped
                 break
+            need = "an integer 'step'" + (f" and a {list_key!r} list" if list_key else "")
             raise ValueError(
-                f"{path}:{i + 1} is not a metrics record ({exc}): each line must be a JSON object with an "
-                "integer 'step', as the trainer writes them. Fix or delete that line."
+                f"{path}:{i + 1} is not a {what} ({exc}): each line must be a JSON object with {need}, "
+                "as the trainer writes them. Fix or delete that line."
             ) from None
         records.append(({k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}, line))
     return records
@@ -395,7 +416,7 @@ def read_metrics_jsonl(run_dir: str | Path) -> list[dict[str, Any]]:
             f"No metrics log at {path}: every rlplug training run writes {METRICS_FILE} in its run directory "
             "(trainer.default_local_dir); pass that directory."
         )
-    return [record for record, _ in _parse_lines(path.read_text(encoding="utf-8", errors="replace"), path)]
+    return [record for record, _ in parse_step_records(path.read_text(encoding="utf-8", errors="replace"), path)]
 
 
 class MetricsLog:
@@ -426,7 +447,7 @@ class MetricsLog:
         if not self.path.exists():
             return
         text = self.path.read_text(encoding="utf-8", errors="replace")
-        records = _parse_lines(text, self.path)
+        records = parse_step_records(text, self.path)
         kept = "".join(line + "\n" for record, line in records if 0 < resume_step and record["step"] <= resume_step)
         if kept == text:
             return
@@ -673,6 +694,27 @@ def source_tags() -> dict[str, str]:
     return dict(_source_tags())
 
 
+def build_tracker(factory: Any, cfg: Any, *, resume_step: int) -> Any:
+    """Build one tracker: ``factory(cfg, resume_step=resume_step)`` when the factory takes a
+    ``resume_step`` keyword (or ``**kwargs``), else ``factory(cfg)``.
+
+    ``resume_step`` is the global step the trainer actually resumed from (0: a fresh start), as
+    :meth:`Trackers.open` gets it from the trainer; after a fallback from a corrupt latest checkpoint
+    to an earlier one (:func:`rlplug.checkpoint.resume_checkpoint`) it is the earlier one's step, which
+    the ``latest`` pointer on disk does not say. The built-in trackers use it for TensorBoard's
+    ``purge_step`` and the MLflow/W&B ``resume_step`` tags.
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return factory(cfg)
+    if any(p.name == "resume_step" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return factory(cfg, resume_step=int(resume_step))
+    return factory(cfg)
+
+
 class Trackers:
     """The run's trackers (``trainer.logger``, kind ``tracker``) as one: every call goes to each.
 
@@ -704,7 +746,7 @@ class Trackers:
         try:
             self.metrics_log = MetricsLog(run_dir_for(cfg), step)
             for name in tracker_names(cfg.trainer):
-                self.items.append(registry.get("tracker", name)(cfg))
+                self.items.append(build_tracker(registry.get("tracker", name), cfg, resume_step=step))
         except BaseException:
             self.close("failed")
             raise

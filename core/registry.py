@@ -190,6 +190,7 @@ class Registry:
                     def register(reg_name: str, reg_obj: Any, _kind: str = kind, **extra: Any) -> None:
                         if not isinstance(reg_name, str) or not reg_name:
                             raise TypeError(f"register() needs a non-empty string name, got {reg_name!r}")
+                        reg_obj = _with_contract(_kind, reg_obj, extra)  # register(name, fn, contract="trl")
                         staged.append(Registration(_kind, reg_name, reg_obj, name, distribution, version, extra))
 
                     impl.function(register=register)
@@ -206,7 +207,7 @@ class Registry:
         self, kind: str, name: str, obj: Any, distribution: str = "<local>", version: str = "", **extra: Any
     ) -> None:
         """Register one object directly (for tests and interactive use); ``extra`` as in the hooks'
-        ``register(name, obj, builds=Class)``.
+        ``register(name, obj, builds=Class)`` or, for a reward function, ``register(name, fn, contract="trl")``.
 
         Raises :class:`PluginConflictError` when ``name`` is already taken in ``kind``.
         """
@@ -214,6 +215,7 @@ class Registry:
         existing = self.entries[kind].get(name)
         if existing is not None:
             raise _conflict(kind, name, existing.distribution, distribution)
+        obj = _with_contract(kind, obj, extra)
         self.entries[kind][name] = Registration(kind, name, obj, "<direct>", distribution, version, dict(extra))
 
     def _insert(self, reg: Registration) -> None:
@@ -323,6 +325,19 @@ class Registry:
     def hook(self) -> Any:
         """pluggy's hook relay, for the lifecycle hooks (``registry.hook.on_step_end(...)``)."""
         return self.pm.hook
+
+
+def _with_contract(kind: str, obj: Any, extra: dict) -> Any:
+    """A reward function registered with ``contract="trl"`` (or ``"verl"``) as the object of that contract
+    (:func:`rlplug.reward_contract.as_reward_function`: TRL's batched functions are wrapped, so the registry
+    holds what it knows the contract of); other registrations unchanged. Raises
+    :class:`rlplug.reward_contract.RewardContractError` for an unknown contract or one the function cannot follow."""
+    contract = extra.get("contract")
+    if kind != "reward_function" or contract is None:
+        return obj
+    from .reward_contract import as_reward_function
+
+    return as_reward_function(obj, str(contract))
 
 
 def _hook_names(pm: pluggy.PluginManager, plugin: Any) -> Iterable[str]:

@@ -15,10 +15,15 @@ starts, :meth:`RewardManager.check_data_sources` logs one line per data source n
 function and the rule that chose it, and warns once when ``reward.default`` is set but no source
 reaches it (or when ``reward.kwargs.<name>`` names a function nothing uses). The final score is::
 
-    score = correctness + sum(weight * shaping_fn(...) for each reward.shaping entry)
+    score = reward.correctness_weight * correctness + sum(weight * shaping_fn(...) for each reward.shaping entry)
 
 A reward model (a learned scorer, registered as a reward function) enters only as a
-``reward.shaping`` entry; correctness always comes from the rules above. Registered functions are
+``reward.shaping`` entry; correctness always comes from the rules above. ``reward.reward_model``
+(verl's keys) adds the ``reward_model`` entry and sets the correctness weight
+(:func:`rlplug.reward_model.shaping_entries`, ``docs/reward_models.md``). A shaping function with a
+``score_batch`` method is called once per batch (:meth:`RewardManager._run_batched`, with the main slot's
+timeout of ``reward.timeout_s`` per response unless it is model-based); one with
+``model_based = True`` is left out of validation unless ``reward.val_reward_model=true``. Registered functions are
 looked up by name in the plugin registry (kind ``reward_function``) and called with verl's
 contract ``fn(data_source, solution_str, ground_truth, extra_info, **reward.kwargs.<name>)``.
 
@@ -40,11 +45,16 @@ Where calls run:
   cannot kill a thread: it keeps running in the background until it returns). ``math_verify``
   sees it is off the main thread and turns its ``signal.alarm`` timeouts off (they raise in
   threads). Use worker processes for rewards that can truly hang.
-* ``num_workers > 0`` (``-1``: one per core): a process pool (``spawn`` by default), created on
-  the first call and reused until :meth:`RewardManager.close`. Each call runs on the worker's
-  main thread under a ``SIGALRM`` interval timer of ``timeout_s``; as a backstop, if the batch has
-  not finished in time the pool is killed (and rebuilt on the next call) and the unfinished calls
-  count as timeouts. Results are identical to serial scoring. Functions must be picklable
+* ``num_workers > 0`` (``-1``: one per core): worker processes (:class:`RewardWorkerPool`,
+  ``spawn`` by default), started on the first call and reused until :meth:`RewardManager.close`.
+  Each worker runs one call at a time, so the pool always knows which sample a worker is
+  scoring: every call runs exactly once, and a fault fails its own sample only. A call runs on
+  the worker's main thread under a ``SIGALRM`` interval timer of ``timeout_s`` (a timeout; the
+  worker stays); a call that ignores the timer (C code, blocked signals) is killed
+  ``backstop_slack_s`` seconds later (a timeout), and a worker that dies mid-call (SIGKILL from
+  the OOM killer, a segfault) fails that sample with a message naming the signal. Either way a
+  new worker replaces the old one, counted in ``reward/worker_restarts``, and the other samples
+  go on. Results are identical to serial scoring. Functions must be picklable
   (module-level); others are failures with a message saying so. ``spawn`` re-imports the main
   module in each worker: a script that scores with workers needs the
   ``if __name__ == "__main__":`` guard (the ``rlplug`` command has it).
@@ -60,6 +70,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -69,6 +80,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from .config import ConfigError, map_entry_override
+from .reward_model import shaping_entries
 
 if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
     import torch
@@ -79,6 +91,7 @@ __all__ = [
     "RewardManager",
     "RewardConfigError",
     "RewardFailureGuard",
+    "RewardWorkerPool",
     "components_tensor",
     "overlong_config",
     "overlong_penalty",
@@ -96,6 +109,9 @@ FAILED = "reward_failed"
 #: The key of :meth:`RewardManager.score`'s ``extra`` with ``report_acc=True``: 1.0 for a response whose
 #: correctness function reported an accuracy (an ``acc`` key, or ``fn.binary = True``), else 0.0.
 ACC_REPORTED = "acc_reported"
+#: The key of :meth:`RewardManager.score`'s ``extra`` with ``report_acc=True`` holding each response's extracted
+#: answer: the ``pred`` string of the correctness function's dict (verl's key), else None (validation's ``maj@N``).
+PRED = "pred"
 
 
 class RewardConfigError(ConfigError):
@@ -115,13 +131,21 @@ def _import_file(path: str) -> Any:
     if module is not None:
         return module
     p = Path(path)
+    if p.is_dir():
+        raise RewardConfigError(
+            f"{_CRF}.path={path} is a directory; point it at the Python file (.py) in it that defines the reward "
+            f"function (e.g. {_CRF}.path={p / 'my_reward.py'})."
+        )
     if not p.is_file():
         raise RewardConfigError(
             f"{_CRF}.path={path}: no such file. Point it at the Python file (.py) that defines the reward "
             f"function, or unset {_CRF}.path to choose functions with reward.reward_fn_map / reward.default."
         )
     if p.suffix != ".py":
-        raise RewardConfigError(f"{_CRF}.path={path}: expected a Python source file ending in .py.")
+        raise RewardConfigError(
+            f"{_CRF}.path={path}: expected a Python source file ending in .py; point {_CRF}.path at the .py "
+            "file that defines the reward function."
+        )
     # a stable module name per file, registered in sys.modules so dataclasses and pickling inside it work
     name = f"rlplug_custom_reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(name, p)
@@ -134,7 +158,8 @@ def _import_file(path: str) -> Any:
     except (Exception, SystemExit) as exc:
         sys.modules.pop(name, None)
         raise RewardConfigError(
-            f"{_CRF}.path={path}: importing the file failed with {type(exc).__name__}: {exc}"
+            f"{_CRF}.path={path}: importing the file failed with {type(exc).__name__}: {exc}. Fix the file "
+            f"(`python {path}` shows the full traceback), or unset {_CRF}.path."
         ) from exc
     _FILE_MODULES[path] = module
     return module
@@ -239,10 +264,21 @@ def _call(fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
         return "ok", fn(*args, **kwargs)
     except _RewardTimeout as exc:
         return "timeout", str(exc)
+    except TimeoutError as exc:  # the function's own timeout (a judge server that did not answer): a timeout
+        return "timeout", f"{type(exc).__name__}: {exc}"
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a broken reward (even one calling sys.exit) must not stop training
         return "error", f"{type(exc).__name__}: {exc}"
+
+
+def _item_result(result: tuple[str, Any]) -> tuple[str, Any]:
+    """A batched function's per-sample exception (``score_batch`` returned it in that sample's place,
+    e.g. the ``judge``'s) as that sample's failure: ``timeout`` for a ``TimeoutError``, else ``error``."""
+    status, value = result
+    if status == "ok" and isinstance(value, BaseException):
+        return ("timeout" if isinstance(value, TimeoutError) else "error"), f"{type(value).__name__}: {value}"
+    return result
 
 
 def _call_in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float | None) -> tuple[str, Any]:
@@ -258,8 +294,11 @@ def _call_in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float | 
     return box[0]
 
 
+_ALARM_MESSAGE = "timed out (worker interval timer)"
+
+
 def _on_alarm(signum, frame):  # pragma: no cover - runs in worker processes
-    raise _RewardTimeout("timed out (worker interval timer)")
+    raise _RewardTimeout(_ALARM_MESSAGE)
 
 
 def _run_chunk(calls: list[tuple[Callable, tuple, dict]], timeout_s: float | None) -> list[tuple[str, Any]]:
@@ -279,10 +318,230 @@ def _run_chunk(calls: list[tuple[Callable, tuple, dict]], timeout_s: float | Non
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-        if status == "timeout":
+        if status == "timeout" and value == _ALARM_MESSAGE:
             value = f"timed out after {timeout_s:g} s"
         out.append((status, value))
     return out
+
+
+# ============================================================================ the worker pool
+
+
+def _worker_main(conn: Any, parent_pid: int) -> None:  # pragma: no cover - runs in worker processes
+    """A reward worker: answer ``(index, pickled call, timeout_s)`` requests one at a time with
+    ``(index, (status, value))`` until the pipe closes; exit when the parent process is gone."""
+
+    def watch() -> None:  # a call that hangs in C code must not outlive the trainer
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="rlplug-reward-parent-watchdog", daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    while True:
+        try:
+            index, blob, timeout_s = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        try:
+            fn, args, kwargs = pickle.loads(blob)
+        except BaseException as exc:
+            result: tuple[str, Any] = ("error", _pickle_advice(f"{type(exc).__name__}: {exc}"))
+        else:
+            try:
+                conn.send((index, _STARTED))  # the parent's backstop deadline starts now, not at start-up
+            except (EOFError, OSError):
+                return
+            result = _run_chunk([(fn, args, kwargs)], timeout_s)[0]
+        try:
+            conn.send((index, result))
+        except (EOFError, OSError):
+            return
+        except BaseException as exc:  # the value cannot be pickled back
+            conn.send((index, ("error", f"returned a value that cannot be sent back ({type(exc).__name__}: {exc})")))
+
+
+#: a worker's message that it has unpickled a call (its module imported) and starts running it
+_STARTED = "started"
+#: seconds a call may take to reach a worker and be unpickled (worker start-up, module imports)
+_STARTUP_S = 600.0
+
+
+def _pickle_advice(msg: str) -> str:
+    return msg + " (reward functions run in worker processes must be module-level; or set reward.num_workers=0)"
+
+
+def _death_message(exitcode: int | None, pid: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = " (the OOM killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
+        return f"the reward worker process (pid {pid}) was killed by {name}{why} while scoring this sample"
+    return f"the reward worker process (pid {pid}) exited with code {exitcode} while scoring this sample"
+
+
+class _Worker:
+    """One worker process and its end of the pipe; ``task`` is ``(call index, deadline)`` while busy."""
+
+    def __init__(self, ctx: Any) -> None:
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child_end, os.getpid()), daemon=True, name="rlplug-reward-worker"
+        )
+        self.proc.start()
+        child_end.close()
+        self.conn = parent_end
+        self.task: tuple[int, float | None] | None = None
+
+    def kill(self) -> None:
+        with _quiet():
+            self.proc.kill()
+        with _quiet():
+            self.proc.join(5.0)
+        with _quiet():
+            self.conn.close()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        with _quiet():
+            self.conn.close()  # the worker's recv() ends: it returns
+        self.proc.join(grace_s)
+        if self.proc.is_alive():
+            self.kill()
+
+
+def _quiet() -> Any:
+    import contextlib
+
+    return contextlib.suppress(Exception)
+
+
+class RewardWorkerPool:
+    """``size`` reward worker processes that run one call at a time each (``reward.num_workers``).
+
+    Every call goes to exactly one worker, and the pool knows which call each worker is running,
+    so a failure is pinned on its own sample: a call is never run twice and never dropped.
+
+    * A call longer than ``timeout_s`` seconds is stopped by the worker's ``SIGALRM`` interval timer
+      (``("timeout", ...)``; the worker stays). One that ignores the timer (blocked signals, C code)
+      is killed by the pool ``backstop_slack_s`` seconds later, counts as a timeout, and a new
+      worker replaces the killed one.
+    * A worker that dies while running a call (SIGKILL from the OOM killer, a segfault, ``os._exit``)
+      fails that call only (``("error", "...killed by SIGKILL...")``); a new worker replaces it and
+      the other calls go on.
+
+    ``restarts`` counts the workers replaced so far. Workers start on first use (``start_method``:
+    ``spawn``, ``forkserver`` or ``fork``), exit when their pipe closes (:meth:`close`) or within a
+    second of the parent process dying.
+    """
+
+    def __init__(self, size: int, start_method: str = "spawn") -> None:
+        if size < 1:
+            raise ValueError(f"a reward worker pool needs at least one worker, got size={size}")
+        self.size = int(size)
+        self._ctx = mp.get_context(start_method)
+        self._workers: list[_Worker] = []
+        self.restarts = 0
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        return [w.proc.pid for w in self._workers if w.proc.pid is not None and w.proc.is_alive()]
+
+    def run(
+        self, payload: Sequence[tuple[Callable, tuple, dict]], timeout_s: float | None, backstop_slack_s: float
+    ) -> list[tuple[str, Any]]:
+        """Run every ``(fn, args, kwargs)`` of ``payload`` once; one ``(status, value)`` per call, in order
+        (``status`` ``"ok"``, ``"error"`` or ``"timeout"``, as :func:`_call` returns)."""
+        from multiprocessing.connection import wait
+
+        results: list[tuple[str, Any] | None] = [None] * len(payload)
+        queue = list(range(len(payload)))[::-1]  # popped from the end: in order
+        while len(self._workers) < min(self.size, len(payload)):
+            self._workers.append(_Worker(self._ctx))
+        backstop = None if timeout_s is None else timeout_s + backstop_slack_s
+        while queue or any(w.task is not None for w in self._workers):
+            for w in list(self._workers):  # hand out work
+                while w.task is None and queue:
+                    i = queue.pop()
+                    try:
+                        blob = pickle.dumps(payload[i])
+                    except Exception as exc:
+                        results[i] = ("error", _pickle_advice(f"{type(exc).__name__}: {exc}"))
+                        continue
+                    try:
+                        w.conn.send((i, blob, timeout_s))
+                    except (OSError, EOFError):  # died while idle: the call waits for its replacement
+                        queue.append(i)
+                        self._replace(w, "it had died while idle")
+                        break
+                    w.task = (i, None if backstop is None else time.monotonic() + _STARTUP_S + backstop)
+            busy = [w for w in self._workers if w.task is not None]
+            if not busy:
+                continue
+            deadlines = [w.task[1] for w in busy if w.task is not None and w.task[1] is not None]
+            wait_s = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=wait_s)
+            now = time.monotonic()
+            for w in busy:
+                assert w.task is not None
+                i, deadline = w.task
+                done = False
+                while not done and _poll(w.conn):
+                    try:
+                        index, result = w.conn.recv()
+                    except (EOFError, OSError):
+                        break  # died mid-answer: handled as a death below
+                    if result == _STARTED:  # the call runs from now on: timeout_s + backstop_slack_s
+                        deadline = None if backstop is None else time.monotonic() + backstop
+                        w.task = (i, deadline)
+                    else:
+                        results[index], w.task, done = result, None, True
+                if done:
+                    continue
+                if not w.proc.is_alive():
+                    w.proc.join(1.0)
+                    msg = _death_message(w.proc.exitcode, w.proc.pid)
+                    results[i] = ("error", msg)
+                    self._replace(w, f"{msg}; scoring it with reward.fallback_score")
+                elif deadline is not None and now >= deadline:
+                    results[i] = ("timeout", f"timed out after {timeout_s:g} s (worker killed)")
+                    self._replace(w, f"a reward call ran {timeout_s:g} + {backstop_slack_s:g} s, ignoring its timer")
+        return [r if r is not None else ("error", "not run") for r in results]
+
+    def _replace(self, worker: _Worker, why: str | None) -> None:
+        worker.kill()
+        self._workers.remove(worker)
+        self._workers.append(_Worker(self._ctx))
+        self.restarts += 1
+        logger.warning(
+            "reward worker (pid %s) replaced by a new one (pid %s)%s; %d worker restart(s) so far",
+            worker.proc.pid,
+            self._workers[-1].proc.pid,
+            f": {why}" if why else "",
+            self.restarts,
+        )
+
+    def kill(self) -> None:
+        """Kill every worker now (the next :meth:`run` starts new ones)."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.kill()
+
+    def close(self) -> None:
+        """Let every worker exit (killed after 5 s); idempotent."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.stop()
+
+
+def _poll(conn: Any) -> bool:
+    try:
+        return bool(conn.poll())
+    except (EOFError, OSError):
+        return False
 
 
 # ============================================================================ the manager
@@ -321,11 +580,18 @@ def _section(config: Any) -> dict:
     return dict(vars(config))
 
 
+#: the largest float32 (the trainer holds the scores as float32): a larger score is a failure, not inf
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _finite(x: Any) -> bool:
     """A bool, or an int/float that is finite (values that can be logged as metrics)."""
     if isinstance(x, bool):
         return True
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    try:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+    except OverflowError:  # an int beyond any float (10**400)
+        return False
 
 
 def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
@@ -399,14 +665,25 @@ class RewardManager:
             or ``fork``).
         backstop_slack_s: seconds added to the pool's batch deadline (worker start-up, scheduling)
             before unfinished calls count as timeouts and the pool is killed.
+        validation: score validation (verl's ``val_reward_fn``): unless ``reward.val_reward_model`` is
+            true, the model-based shaping terms (``fn.model_based``, the reward model) are left out and,
+            when there were any, correctness weighs 1.0 (:func:`rlplug.reward_model.validation_reward`).
 
     Raises:
         RewardConfigError: a shaping function name is unknown, a bad ``num_workers``, or what
-            :func:`load_custom_reward_function` raises.
+            :func:`load_custom_reward_function` raises. :class:`rlplug.reward_model.RewardModelError`
+            (a ``RewardConfigError``'s sibling, both ``ConfigError``): a ``reward_model`` entry without
+            ``reward.reward_model.enable``, or a bad reward-model folder.
     """
 
     def __init__(
-        self, config: Any, registry: Any = None, *, start_method: str = "spawn", backstop_slack_s: float = 30.0
+        self,
+        config: Any,
+        registry: Any = None,
+        *,
+        start_method: str = "spawn",
+        backstop_slack_s: float = 30.0,
+        validation: bool = False,
     ) -> None:
         cfg = _section(config)
         self.fn_map: dict[str, str] = dict(cfg.get("reward_fn_map") or {})
@@ -415,7 +692,9 @@ class RewardManager:
         # (label, function name, weight, kwargs); the label names the metric ``shaping/<label>``
         self.shaping: list[tuple[str, str, float, dict]] = []
         self._kwargs_users: set[str] = set()  # functions that take their kwargs from reward.kwargs.<name>
-        for i, s in enumerate(cfg.get("shaping") or []):
+        # reward.reward_model (verl's keys) adds a reward_model entry; the weight of correctness: shaping_entries()
+        shaping_cfg, self.correctness_weight = shaping_entries(cfg)
+        for i, s in enumerate(shaping_cfg):
             s = _section(s)
             if not s.get("name"):
                 raise RewardConfigError(f"reward.shaping[{i}] needs a 'name' (a reward function); got {s}.")
@@ -442,15 +721,22 @@ class RewardManager:
         self.registry = registry
         self._fns: dict[str, Callable] = {}
         self._checked: set[str] = set()
-        self._pool: cf.ProcessPoolExecutor | None = None
+        self._pool: RewardWorkerPool | None = None
         self._thread: cf.ThreadPoolExecutor | None = None  # score_async's background thread
         self._logged: set[str] = set()
         self.total_failures = 0
         self.total_timeouts = 0
+        #: reward worker processes replaced (killed, died or hung) in the last score() call and in all
+        self.last_worker_restarts = 0
+        self.total_worker_restarts = 0
         #: the first failure of the last :meth:`score` call ("reward function 'x' on data_source=y: error"), or None
         self.last_error: str | None = None
         for i, (_, name, _, kwargs) in enumerate(self.shaping):
             self._resolve(name, f"reward.shaping[{i}]", kwargs)
+        if validation and not cfg.get("val_reward_model", False):  # verl's val_reward_fn: the rule reward alone
+            rules = [s for s in self.shaping if not getattr(self._fns[s[1]], "model_based", False)]
+            if len(rules) < len(self.shaping):
+                self.shaping, self.correctness_weight = rules, 1.0
         # precedence 1: a function from a file scores every data source (its slot in _fns is its label)
         self.custom: FileRewardFunction | None = load_custom_reward_function(cfg.get("custom_reward_function"))
         if self.custom is not None:
@@ -567,7 +853,9 @@ class RewardManager:
         elif why == "reward.default":
             why = f"reward.default; {data_source} is not in reward.reward_fn_map"
         shaping = " + ".join(f"{w:g} x {n}" for _, n, w, _ in self.shaping)
-        return f"{name} (chosen by {why})" + (f", plus shaping {shaping}" if shaping else "")
+        cw = self.correctness_weight  # reward.correctness_weight
+        weight = "" if cw == 1.0 else f"{cw:g} x "
+        return f"{weight}{name} (chosen by {why})" + (f", plus shaping {shaping}" if shaping else "")
 
     def _warn_unused(self, sources: Sequence[str]) -> None:
         """The one-time warnings of :meth:`check_data_sources` about settings no data source reaches."""
@@ -644,7 +932,8 @@ class RewardManager:
                 response's correctness function reported an accuracy (returned a dict with an ``acc``
                 key, or is declared binary: ``fn.binary = True``, see :class:`rlplug.types.RewardFunction`),
                 else 0.0 (its ``acc`` is then only its score). Validation and ``rlplug eval`` ask for it
-                to name their metric ``acc`` or ``reward`` (:func:`rlplug.metrics.validation_metrics`).
+                to name their metric ``acc`` or ``reward`` (:func:`rlplug.metrics.validation_metrics`),
+                and ``extra["pred"]`` (:data:`PRED`): the extracted answer strings (None where not reported).
             lengths: the ``B`` response lengths in tokens (EOS included when generated). With the
                 overlong shaping on (``reward.overlong_buffer.enable``), each score gets
                 :func:`overlong_penalty` added and ``extra`` gets ``overlong_reward`` (and ``overlong``,
@@ -659,8 +948,9 @@ class RewardManager:
             any of the response's calls failed, else 0.0; a failed response's score is
             ``reward.fallback_score`` and training leaves it out); ``metrics``: ``reward/failures``
             (failed calls), ``reward/timeouts`` (timed-out calls) and ``reward/failed_samples``
-            (responses with a failed call), counts for this call as floats. The first failure's
-            message is kept in :attr:`last_error`.
+            (responses with a failed call), counts for this call as floats, and with
+            ``reward.num_workers > 0`` ``reward/worker_restarts`` (workers replaced after dying or
+            hanging). The first failure's message is kept in :attr:`last_error`.
 
         Raises:
             RewardConfigError: a data source without a reward function.
@@ -686,6 +976,8 @@ class RewardManager:
                 (self._fns[slots[i]], (ds[i], responses[i], gts[i], extra), self.fn_kwargs.get(slots[i], {}))
             )
             for label, name, _, kwargs in self.shaping:
+                if hasattr(self._fns[name], "score_batch"):  # one call for the whole batch: _run_batched
+                    continue
                 calls.append((name, i, label))
                 payload.append(
                     (
@@ -694,7 +986,12 @@ class RewardManager:
                         kwargs,
                     )
                 )
-        results = self._run(payload)
+        self.last_worker_restarts = 0
+        from .reward_contract import run_batched  # TRL-contract functions: one call per function and batch
+
+        results = run_batched(calls, payload, rows_or_fields, self._run, self.timeout_s)
+        calls, results = self._run_batched(rows_or_fields, responses, calls, list(results))
+        results = [_item_result(r) for r in results]
 
         correctness = [self.fallback_score] * n
         acc = [0.0] * n
@@ -703,6 +1000,7 @@ class RewardManager:
         other: dict[str, list[float]] = {}
         failures = timeouts = 0
         failed = [0.0] * n  # 1.0 where any of the sample's calls failed
+        preds: list[str | None] = [None] * n  # the main function's "pred" strings (report_acc only)
         self.last_error = None
         for (name, i, slot), (status, value) in zip(calls, results):
             val, extra_vals, error = self._interpret(status, value)
@@ -719,11 +1017,16 @@ class RewardManager:
                 if error is None:
                     acc_reported[i] = max(acc_reported[i], float("acc" in extra_vals))
                     acc[i] = float(extra_vals.pop("acc", val))
+                    if isinstance(value, Mapping) and isinstance(value.get(PRED), str):
+                        preds[i] = value[PRED]
                     for k, v in extra_vals.items():
                         other.setdefault(k, [math.nan] * n)[i] = v
             else:
                 shaping_vals[slot][i] = val
-        scores = [correctness[i] + sum(w * shaping_vals[label][i] for label, _, w, _ in self.shaping) for i in range(n)]
+        cw = self.correctness_weight
+        scores = [
+            cw * correctness[i] + sum(w * shaping_vals[label][i] for label, _, w, _ in self.shaping) for i in range(n)
+        ]
         extra_out: dict[str, list[float]] = {"acc": acc, "correctness": correctness}
         for label, _, _, _ in self.shaping:
             extra_out[f"shaping/{label}"] = shaping_vals[label]
@@ -741,17 +1044,17 @@ class RewardManager:
         extra_out[FAILED] = failed
         if report_acc:
             extra_out[ACC_REPORTED] = acc_reported
+            extra_out[PRED] = cast(Any, preds)  # strings: validation's majority vote (rlplug.evaluate)
         self.total_failures += failures
         self.total_timeouts += timeouts
-        return (
-            scores,
-            extra_out,
-            {
-                "reward/failures": float(failures),
-                "reward/timeouts": float(timeouts),
-                "reward/failed_samples": float(sum(failed)),
-            },
-        )
+        metrics = {
+            "reward/failures": float(failures),
+            "reward/timeouts": float(timeouts),
+            "reward/failed_samples": float(sum(failed)),
+        }
+        if self.num_workers > 0:
+            metrics["reward/worker_restarts"] = float(self.last_worker_restarts)
+        return scores, extra_out, metrics
 
     def score_async(
         self,
@@ -787,6 +1090,41 @@ class RewardManager:
             self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlplug-score")
         return self._thread.submit(work)
 
+    def _run_batched(
+        self, rows_or_fields: Any, responses: list[str], calls: list, results: list
+    ) -> tuple[list[tuple[str, int, str]], list[tuple[str, Any]]]:
+        """Call each shaping function with a ``score_batch`` method (a TRL-contract function, the
+        ``judge``, a model-based reward such as ``reward_model``: :mod:`rlplug.reward_model`) once for
+        all ``B`` responses, in this process, as ``fn.score_batch(data_sources, solution_strs,
+        ground_truths, extra_infos, messages=<B prompt message lists>, **kwargs) -> B floats or dicts``;
+        ``calls`` and ``results`` get one entry per response (a call that raises, or returns another
+        number of values, fails every response).
+
+        Timeout: the main slot's (:func:`rlplug.reward_contract.run_batched`): the call runs in a
+        thread joined after ``reward.timeout_s * B`` seconds (a timeout of every response), so a
+        function gets the same time as a shaping term as in ``reward.default``. Functions marked
+        ``model_based = True`` (a model forward, whose time is the model's, not a hang's) have none."""
+        batched = [(label, name, kw) for label, name, _, kw in self.shaping if hasattr(self._fns[name], "score_batch")]
+        if not batched:
+            return calls, results
+        n = len(responses)
+        ds, gts, extras = self._fields(rows_or_fields, n)
+        if isinstance(rows_or_fields, Mapping):
+            messages = list(rows_or_fields.get("messages") or [None] * n)
+        else:
+            messages = [row.get("messages") for row in rows_or_fields]
+        for label, name, kwargs in batched:
+            infos = [dict(e) if isinstance(e, Mapping) else e for e in extras]
+            fn: Any = self._fns[name]
+            timeout = None if getattr(fn, "model_based", False) or not self.timeout_s else self.timeout_s * n
+            args, kw = (ds, responses, gts, infos), {"messages": messages, **kwargs}
+            status, value = _call_in_thread(fn.score_batch, args, kw, timeout)
+            if status == "ok" and (not isinstance(value, Sequence) or len(value) != n):
+                status, value = "error", f"score_batch returned {type(value).__name__} for {n} responses"
+            calls += [(name, i, label) for i in range(n)]
+            results += [("ok", value[i]) for i in range(n)] if status == "ok" else [(status, value)] * n
+        return calls, results
+
     @staticmethod
     def _interpret(status: str, value: Any) -> tuple[float, dict[str, float], str | None]:
         if status != "ok":
@@ -801,10 +1139,14 @@ class RewardManager:
             value = value["score"]
         try:
             score = float(value)
+        except OverflowError:  # an int beyond any float (10**400)
+            return 0.0, {}, f"returned an int of {len(str(abs(value)))} digits, beyond float32's range"
         except (TypeError, ValueError):
             return 0.0, {}, f"returned {type(value).__name__} {value!r:.60}; expected a float or a dict with 'score'"
         if not math.isfinite(score):
             return 0.0, {}, f"returned a non-finite score ({score})"
+        if abs(score) > _FLOAT32_MAX:  # the trainer's float32 score tensor would hold inf
+            return 0.0, {}, f"returned the score {score:g}, beyond float32's range (|score| <= {_FLOAT32_MAX:.4g})"
         return score, extra, None
 
     def _log_failure(self, name: str, error: str, data_source: str, response: str, ground_truth: Any) -> None:
@@ -831,67 +1173,42 @@ class RewardManager:
             return [_call_in_thread(fn, args, kwargs, self.timeout_s) for fn, args, kwargs in payload]
         return self._run_pool(payload)
 
-    def _get_pool(self) -> cf.ProcessPoolExecutor:
+    def _get_pool(self) -> RewardWorkerPool:
         if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(
-                max_workers=self.num_workers, mp_context=mp.get_context(self.start_method)
-            )
+            self._pool = RewardWorkerPool(self.num_workers, self.start_method)
         return self._pool
 
     def _run_pool(self, payload: list[tuple[Callable, tuple, dict]]) -> list[tuple[str, Any]]:
         pool = self._get_pool()
-        n = len(payload)
-        chunk = max(1, -(-n // (self.num_workers * 4)))
-        bounds = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
-        futures = [pool.submit(_run_chunk, payload[lo:hi], self.timeout_s) for lo, hi in bounds]
-        deadline = None
-        if self.timeout_s:
-            rounds = -(-len(bounds) // self.num_workers)
-            # each call is bounded by the worker timer; generous slack for start-up and scheduling
-            deadline = time.monotonic() + self.timeout_s * chunk * rounds + self.backstop_slack_s
-        results: list[tuple[str, Any]] = [("timeout", "")] * n
-        broken = False
-        for (lo, hi), fut in zip(bounds, futures):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                results[lo:hi] = fut.result(timeout=remaining)
-            except cf.TimeoutError:
-                broken = True
-                results[lo:hi] = [("timeout", f"timed out after {self.timeout_s:g} s (worker killed)")] * (hi - lo)
-            except cf.process.BrokenProcessPool as exc:
-                broken = True
-                results[lo:hi] = [("error", f"reward worker process died: {exc}")] * (hi - lo)
-            except Exception as exc:  # e.g. the function could not be pickled
-                msg = f"{type(exc).__name__}: {exc}"
-                if "pickle" in msg.lower() or "Can't get" in msg:
-                    msg += (
-                        " (reward functions run in worker processes must be module-level; or set reward.num_workers=0)"
-                    )
-                results[lo:hi] = [("error", msg)] * (hi - lo)
-        if broken:
-            self._kill_pool()
+        before = pool.restarts
+        results = pool.run(payload, self.timeout_s, self.backstop_slack_s)
+        self.last_worker_restarts = pool.restarts - before
+        self.total_worker_restarts += self.last_worker_restarts
         return results
 
     def _kill_pool(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        for p in list(getattr(pool, "_processes", {}).values()):
-            try:
-                p.kill()
-            except Exception:  # pragma: no cover
-                pass
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:
+            pool.kill()
 
     def close(self) -> None:
         """Wait for a running :meth:`score_async` call (bounded by ``timeout_s`` per call), then shut the
-        worker pool down (idempotent). The manager can still score afterwards (a new pool starts)."""
+        worker pool down and call ``close()`` on each reward function object that has one (the ``judge``
+        stops the server it started); idempotent. The manager can still score afterwards (a new pool
+        starts, a judge starts its server again)."""
         thread, self._thread = self._thread, None
         if thread is not None:  # before the pool below: the running call may be using it
             thread.shutdown(wait=True, cancel_futures=True)
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.close()
+        for fn in {id(f): f for f in self._fns.values()}.values():
+            closer = getattr(fn, "close", None)  # a function holding resources (the judge's server)
+            if callable(closer):
+                try:
+                    closer()
+                except Exception as exc:  # closing must not hide the run's outcome
+                    logger.warning("reward function %r: close() failed: %s: %s", fn, type(exc).__name__, exc)
 
     def __enter__(self) -> RewardManager:
         return self

@@ -324,12 +324,13 @@ def compose_phases(cfg: DictConfig) -> list[Phase]:
         merged = run
         if name is not None:
             path = config_dir() / "algorithm" / f"{name}.yaml"
-            if not path.is_file():
-                close = difflib.get_close_matches(str(name), _presets(), n=3, cutoff=0.6)
+            presets = _presets()
+            if str(name) not in presets:  # a preset's name (a file of configs/algorithm), never a path (../config)
+                close = difflib.get_close_matches(str(name), presets, n=3, cutoff=0.6)
                 hint = (" Did you mean " + " or ".join(f"'{c}'" for c in close) + "?") if close else ""
                 raise ConfigError(
                     f"{where}: unknown algorithm preset '{name}'.{hint} Available options in 'algorithm': "
-                    f"{', '.join(_presets())} (configs/algorithm/)."
+                    f"{', '.join(presets)} (configs/algorithm/)."
                 )
             try:
                 merged = OmegaConf.merge(run, OmegaConf.load(path))  # type: ignore[assignment]

@@ -16,6 +16,11 @@ Server process
   ``rollout.server_timeout_s`` seconds for its health endpoint to answer 200.
   With ``rollout.server_url`` set, it connects to that server instead (which must serve the same
   model) and never starts or stops it.
+* Several servers (replicas, :mod:`rlplug.replicas`, ``docs/scale_out.md``):
+  ``rollout.server_urls=[url, ...]`` (``server_url`` is the alias of a list of one) connects to
+  running servers, ``rollout.num_replicas=N`` starts ``N`` servers (each on its own port;
+  ``rollout.server_cmd`` may use ``{replica}``, the replica's index). Requests go to the least
+  busy replica; weights go to all of them.
 * The server runs under a small supervisor (``python -m rlplug.serving
   --supervise``) that leads its own process group. The group (supervisor, server and every
   process the server starts, e.g. vLLM's engine core) is killed when the backend is closed, when
@@ -28,27 +33,31 @@ Server process
 Requests
 --------
 One HTTP request per response (prompt ``i``, sample ``j``): ``len(prompts) * n`` requests, at
-most ``rollout.max_concurrency`` in flight, sent from a thread pool over one ``httpx.Client``
+most ``rollout.max_concurrency`` in flight per replica, sent from a thread pool over one ``httpx.Client``
 (the engine batches them itself: continuous batching, prefix cache shared between the samples
 of a prompt). Results are stored by ``(i, j)``, so the output is prompt-major whatever order the
 answers come in, and a request that is sent again replaces nothing else: no sample is lost or
 duplicated.
 
 Failures: a request that times out (``rollout.request_timeout_s``), cannot connect, or gets a
-5xx/408/429 answer (or an aborted generation) is retried up to ``rollout.max_retries`` times.
-Before each retry the backend checks the server: a server whose process exited or whose health
-check fails is restarted (at most ``rollout.max_restarts`` times in the run; for an external
-``server_url``, it waits for the server to come back) and the latest pushed weights are loaded
-into it before any request is re-sent. A 4xx answer (bad request) is not retried: the error
-names the endpoint and quotes the server's message.
+5xx/408/429 answer (or an aborted generation) is retried up to ``rollout.max_retries`` times, on
+whichever replica is least busy then. Before each retry the backend checks the replica: one whose
+process exited or whose health check fails leaves the routing (its in-flight requests go to the
+other replicas) and is restarted in the background (at most ``rollout.max_restarts`` times per
+replica), or, for an external server, dropped with a warning while other replicas are live and
+waited for when it is the last one; the latest pushed weights are loaded into a replica before it
+takes requests again (:class:`rlplug.replicas.ReplicaSet`). When no replica is left, the error lists
+each one and why it is down. A 4xx answer (bad request) is not retried: the error names the
+endpoint and quotes the server's message.
 
 Weights
 -------
 :meth:`ServerRollout.update_weights` checks names and shapes against the model checkpoint (as
 the ``vllm`` backend does), writes the tensors (cast to ``rollout.dtype``) as a Hugging Face
 folder (``model.safetensors`` plus links to the model's config and tokenizer files) under
-``/dev/shm`` (RAM; the temp dir when ``/dev/shm`` is missing or too small) and asks the server
-to load it (the subclass's :meth:`ServerRollout._load_weights`). The latest folder is kept
+``/dev/shm`` (RAM; the temp dir when ``/dev/shm`` is missing or too small), or under
+``rollout.weights_dir`` (a filesystem every server can read, for servers on other machines), and
+asks every replica to load it, in parallel (the subclass's :meth:`ServerRollout._load_weights`). The latest folder is kept
 until the next push (one model copy in RAM) so that a restarted server can be given the same
 weights; older folders are deleted.
 
@@ -80,6 +89,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import config_get
+from .replicas import LIVE, Replica, ReplicaSet
 from .types import RolloutOutput, SamplingParams
 
 __all__ = [
@@ -88,6 +98,7 @@ __all__ = [
     "ServerProcess",
     "Retryable",
     "free_port",
+    "server_urls",
 ]
 
 log = logging.getLogger("rlplug.serving")
@@ -109,6 +120,36 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def server_urls(config: Any) -> list[str]:
+    """The external servers of ``rollout.server_urls`` (a list, or one comma-separated string), or
+    ``[rollout.server_url]`` (its alias for one server); ``[]`` when rlplug starts the servers.
+
+    URLs lose their trailing ``/``. Raises ``ValueError`` when both keys are set to different
+    servers, or for a URL that does not start with ``http://`` / ``https://``."""
+    urls = config_get(config, "rollout.server_urls", None) or []
+    if isinstance(urls, str):
+        urls = [u for u in urls.split(",") if u.strip()]
+    urls = [str(u).strip().rstrip("/") for u in urls]
+    one = config_get(config, "rollout.server_url", None)
+    if one:
+        one = str(one).strip().rstrip("/")
+        if urls and urls != [one]:
+            raise ValueError(
+                f"rollout.server_url={one} and rollout.server_urls={urls} are both set; server_url is the alias of "
+                "a list of one server: set only rollout.server_urls=[...]."
+            )
+        urls = [one]
+    bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(
+            f"rollout.server_urls: {bad} are not server addresses; expected http://host:port (the engine server's "
+            "base URL, e.g. http://10.0.0.2:30000)."
+        )
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"rollout.server_urls={urls} lists a server twice; list each server once.")
+    return urls
 
 
 # ============================================================================ processes
@@ -274,9 +315,12 @@ def _finalize(state: dict) -> None:
             client.close()
         except Exception:
             pass
-    server = state.pop("server", None)
-    if server is not None:
-        server.stop()
+    servers = list(state.pop("servers", {}).values())
+    stoppers = [threading.Thread(target=srv.stop, daemon=True) for srv in servers]  # in parallel: a fleet
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
     for key in ("weights_root", "log_dir"):
         d = state.pop(key, None)
         if d is not None:
@@ -306,21 +350,28 @@ class ServerRollout:
     :meth:`_launch_command`, :meth:`_launch_env`, :meth:`_request` (prompt -> endpoint + JSON),
     :meth:`_parse` (JSON -> token ids, finish reason, log-probs) and :meth:`_load_weights`.
 
+    :meth:`_load_weights` talks to the server through :meth:`_control`, which reaches the replica
+    being loaded (the base class calls it once per replica).
+
     ``ServerRollout(config, model_path, tokenizer)`` reads ``rollout.*`` (``dtype``,
-    ``server_url``, ``server_host``, ``server_port``, ``server_cmd``, ``server_args``,
-    ``server_timeout_s``, ``request_timeout_s``, ``max_retries``, ``max_restarts``,
-    ``max_concurrency``), ``trainer.seed`` and ``trainer.device``, and blocks until the server is
-    healthy (``startup_s``: seconds it took). Raises ``ValueError`` for bad settings and
-    :class:`ServerError` when the server does not start.
+    ``server_urls`` / ``server_url``, ``num_replicas``, ``server_host``, ``server_port``,
+    ``server_cmd``, ``server_args``, ``server_timeout_s``, ``request_timeout_s``, ``max_retries``,
+    ``max_restarts``, ``max_concurrency``, ``weights_dir``), ``trainer.seed`` and ``trainer.device``,
+    and blocks until every replica is healthy (``startup_s``: seconds it took). Raises
+    ``ValueError`` for bad settings and :class:`ServerError` when a server does not start.
 
     Counters: ``retries`` (requests sent again), ``restarts`` (servers restarted),
-    ``last_update_s`` (seconds the latest weight push took).
+    ``last_update_s`` (seconds the latest weight push took), ``replicas``
+    (:class:`rlplug.replicas.ReplicaSet`); each :meth:`generate` reports :meth:`counters` in
+    ``RolloutOutput.metrics`` (the names in :attr:`metrics`).
     """
 
     #: engine name used in messages and file names
     engine = "server"
     #: GET endpoint that answers 200 once the server can generate
     health_path = "/health"
+    #: metrics every generate() reports (RolloutOutput.metrics, logged with the step's metrics)
+    metrics = ("rollout/resent_requests", "rollout/live_replicas", "rollout/replicas", "rollout/replica_restarts")
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         import httpx
@@ -350,7 +401,8 @@ class ServerRollout:
         self.shapes = checkpoint_shapes(self.model_path)
         self.eos_ids = eos_ids(tokenizer, self.hf_config.get("eos_token_id"))
 
-        self.server_url = config_get(config, "rollout.server_url", None)
+        self.server_urls = server_urls(config)
+        self.num_replicas = int(config_get(config, "rollout.num_replicas", 1))
         self.host = str(config_get(config, "rollout.server_host", "127.0.0.1"))
         self.port = int(config_get(config, "rollout.server_port", 0))
         cmd = config_get(config, "rollout.server_cmd", None)
@@ -361,51 +413,70 @@ class ServerRollout:
         self.max_retries = int(config_get(config, "rollout.max_retries", 3))
         self.max_restarts = int(config_get(config, "rollout.max_restarts", 3))
         self.max_concurrency = int(config_get(config, "rollout.max_concurrency", 64))
+        weights_dir = config_get(config, "rollout.weights_dir", None)
+        self.weights_dir = str(Path(str(weights_dir)).expanduser()) if weights_dir else None
         for key, value, low in (
             ("server_timeout_s", self.server_timeout_s, 0),
             ("request_timeout_s", self.request_timeout_s, 0),
             ("max_retries", self.max_retries, -1),
             ("max_restarts", self.max_restarts, -1),
             ("max_concurrency", self.max_concurrency, 0),
+            ("num_replicas", self.num_replicas, 0),
             ("server_port", self.port, -1),
         ):
             if not value > low:
                 raise ValueError(f"rollout.{key}={value} must be {'> 0' if low == 0 else '>= 0'}.")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"rollout.server_port={self.port} is not a TCP port (use 0 to pick a free one).")
+        if self.server_urls and self.num_replicas != 1:
+            raise ValueError(
+                f"rollout.num_replicas={self.num_replicas} is the number of servers rlplug starts, but "
+                f"rollout.server_urls lists {len(self.server_urls)} servers started elsewhere; set one of the two "
+                "(with server_urls, the replicas are the listed servers)."
+            )
+        n_replicas = len(self.server_urls) or self.num_replicas
+        if not self.port + (n_replicas - 1 if self.port else 0) < 65536:
+            raise ValueError(
+                f"rollout.server_port={self.port} (+ {n_replicas - 1} for the other replicas) is not a TCP port "
+                "(use 0 to pick free ones)."
+            )
 
         self.retries = 0
-        self.restarts = 0
         self.last_update_s: float | None = None
         self._closed = False
-        self._lock = threading.RLock()  # guards the server, its URL and the epoch
-        self._epoch = 0  # +1 each time the server is replaced / recovered
-        self._latest_weights: Path | None = None
+        self._lock = threading.RLock()  # guards the counters
+        self._tls = threading.local()  # .replica: the replica _control talks to in this thread
         self._weights_count = 0
-        self._server: ServerProcess | None = None
-        self._state: dict[str, Any] = {}
+        self._state: dict[str, Any] = {"servers": {}}
         for name in ("httpx", "httpcore"):  # one INFO line per request would flood the training log
             if logging.getLogger(name).level == logging.NOTSET:
                 logging.getLogger(name).setLevel(logging.WARNING)
+        in_flight = self.max_concurrency * n_replicas  # rollout.max_concurrency per replica
         self._client = httpx.Client(
             timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency),
+            limits=httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight),
             trust_env=False,  # never route loopback traffic through an HTTP proxy from the environment
         )
-        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"rlplug-{self.engine}")
+        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix=f"rlplug-{self.engine}")
         self._state.update(client=self._client, pool=self._pool)
         self._finalizer = weakref.finalize(self, _finalize, self._state)
         _LIVE.add(self)
+        external = bool(self.server_urls)
+        self.replicas = ReplicaSet(
+            [Replica(i, url, external) for i, url in enumerate(self.server_urls or [None] * n_replicas)],
+            engine=self.engine,
+            start=self._start_server,
+            load=self._load_into,
+            healthy=self._replica_healthy,
+            is_closed=lambda: self._closed,
+            max_restarts=self.max_restarts,
+            wait_s=self.server_timeout_s,
+        )
 
         t0 = time.perf_counter()
         try:
-            if self.server_url:
-                self.base_url = str(self.server_url).rstrip("/")
-                self._wait_healthy(self.server_timeout_s, None)
-            else:
+            if not external:
                 self._state["log_dir"] = tempfile.mkdtemp(prefix=f"rlplug-{self.engine}-server-")
                 self._weights_root()
-                self._start_server()
+            self.replicas.start_all(self._pool)
         except BaseException:
             self.close()
             raise
@@ -436,118 +507,93 @@ class ServerRollout:
 
     # ------------------------------------------------------------------ server lifecycle
     @property
+    def base_url(self) -> str:
+        """Base URL of the first replica (the only one unless ``rollout.server_urls`` / ``num_replicas``)."""
+        return self.replicas.replicas[0].url or ""
+
+    @property
+    def restarts(self) -> int:
+        """Servers restarted in the run (all replicas together)."""
+        return self.replicas.restarts
+
+    @property
     def server_pid(self) -> int | None:
-        """Pid of the running server process (None for an external ``server_url`` or when none runs)."""
-        return self._server.server_pid if self._server is not None else None
+        """Pid of the first replica's server process (None for an external server or when none runs)."""
+        server = self.replicas.replicas[0].server
+        return server.server_pid if server is not None else None
+
+    def server_pids(self) -> list[int | None]:
+        """Pid of each replica's server process, in replica order (None: external, or not running)."""
+        return [r.server.server_pid if r.server is not None else None for r in self.replicas.replicas]
 
     def server_group_pids(self) -> list[int]:
-        """Pids of every process of the launched server (supervisor, server, engine processes)."""
-        return self._server.group_pids() if self._server is not None else []
+        """Pids of every process of the launched servers (supervisors, servers, engine processes)."""
+        return [p for r in self.replicas.replicas if r.server is not None for p in r.server.group_pids()]
 
-    def _command(self, host: str, port: int) -> list[str]:
+    def _command(self, host: str, port: int, replica: int = 0) -> list[str]:
         if self.server_cmd:
-            fill = {"python": sys.executable, "model_path": self.model_path, "host": host, "port": str(port)}
+            fill = {
+                "python": sys.executable,
+                "model_path": self.model_path,
+                "host": host,
+                "port": str(port),
+                "replica": str(replica),
+            }
             try:
                 cmd = [c.format(**fill) for c in self.server_cmd]
             except (KeyError, IndexError, ValueError) as exc:
                 raise ValueError(
-                    f"rollout.server_cmd={self.server_cmd}: bad placeholder ({exc!r}); use {{python}}, {{model_path}}, {{host}}, {{port}}."
+                    f"rollout.server_cmd={self.server_cmd}: bad placeholder ({exc!r}); use {{python}}, {{model_path}}, "
+                    "{host}, {port}, {replica}."
                 ) from exc
         else:
             cmd = self._launch_command(host, port)
         return cmd + self.server_args
 
-    def _start_server(self) -> None:
-        port = self.port or free_port(self.host)
-        cmd = self._command(self.host, port)
-        log_path = Path(self._state["log_dir"]) / f"server-{self.restarts}.log"
+    def _start_server(self, replica: Replica) -> None:
+        """(Re)start the server of a replica rlplug runs and wait until it is healthy."""
+        port = self.port + replica.index if self.port else free_port(self.host)
+        cmd = self._command(self.host, port, replica.index)
+        log_path = Path(self._state["log_dir"]) / f"server-{replica.index}-{replica.restarts}.log"
         env = self._launch_env()
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self._server = ServerProcess(cmd, env, log_path, cleanup=[self._state["log_dir"], self._weights_root()])
-        self._state["server"] = self._server
-        self.base_url = f"http://{self.host}:{port}"
+        self._check_open()
+        server = ServerProcess(cmd, env, log_path, cleanup=[self._state["log_dir"], self._weights_root()])
         try:
-            self._wait_healthy(self.server_timeout_s, self._server)
-            self._check_open()  # closed (e.g. Ctrl-C in the trainer) while a request thread was restarting it
+            with self._lock:
+                replica.server, replica.url = server, f"http://{self.host}:{port}"
+                self._state.setdefault("servers", {})[replica.index] = server  # stopped by close()
+            self._wait_healthy(self.server_timeout_s, server, replica)
+            replica.pid = server.server_pid
+            self._check_open()  # closed (e.g. Ctrl-C in the trainer) while a thread was restarting it
         except BaseException:
-            self._server.stop()
+            server.stop()
             raise
 
-    def _wait_healthy(self, timeout_s: float, server: ServerProcess | None) -> None:
+    def _wait_healthy(self, timeout_s: float, server: ServerProcess, replica: Replica) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_open()
-            if server is not None and not server.alive:
+            if not server.alive:
                 raise ServerError(
                     f"The {self.engine} server exited with code {server.proc.returncode} before it became healthy. "
                     f"Command: {' '.join(server.cmd)}\nLast lines of {server.log_path}:\n{server.log_tail()}"
                 )
-            if self._healthy(timeout=min(10.0, max(1.0, deadline - time.monotonic()))):
+            if self._replica_healthy(replica, min(10.0, max(1.0, deadline - time.monotonic()))):
                 return
             if time.monotonic() > deadline:
-                where = (
-                    f"Command: {' '.join(server.cmd)}\nLast lines of {server.log_path}:\n{server.log_tail()}"
-                    if server
-                    else ""
-                )
                 raise ServerError(
-                    f"The {self.engine} server at {self.base_url} did not answer {self.health_path} with 200 within "
-                    f"{timeout_s:.0f} s (rollout.server_timeout_s). {where}"
+                    f"The {self.engine} server at {replica.url} did not answer {self.health_path} with 200 within "
+                    f"{timeout_s:.0f} s (rollout.server_timeout_s). Command: {' '.join(server.cmd)}\n"
+                    f"Last lines of {server.log_path}:\n{server.log_tail()}"
                 )
             time.sleep(0.25)
 
-    def _healthy(self, timeout: float = 10.0) -> bool:
+    def _replica_healthy(self, replica: Replica, timeout: float = 10.0) -> bool:
         try:
-            return self._client.get(self.base_url + self.health_path, timeout=timeout).status_code == 200
+            return self._client.get(f"{replica.url}{self.health_path}", timeout=timeout).status_code == 200
         except Exception:
             return False
-
-    def _recover(self, epoch: int, reason: BaseException | str) -> None:
-        """Called by a request that failed against server ``epoch``: restart or wait as needed."""
-        with self._lock:
-            self._check_open()
-            if self._epoch != epoch:
-                return  # another request already replaced / recovered the server
-            server = self._server
-            if (server is None or server.alive) and self._healthy(timeout=min(30.0, self.server_timeout_s)):
-                time.sleep(0.2)  # transient failure (busy, dropped connection): retry shortly
-                return
-            if server is None:  # external server: wait for it to come back, then reload our weights
-                log.warning(
-                    "%s server at %s is not healthy (%s); waiting up to %.0f s",
-                    self.engine,
-                    self.base_url,
-                    reason,
-                    self.server_timeout_s,
-                )
-                self._wait_healthy(self.server_timeout_s, None)
-            else:
-                if self.restarts >= self.max_restarts:
-                    raise ServerError(
-                        f"The {self.engine} server failed again ({reason}) and was already restarted {self.restarts} "
-                        f"times (rollout.max_restarts). Last lines of {server.log_path}:\n{server.log_tail()}"
-                    )
-                self.restarts += 1
-                log.warning(
-                    "%s server (pid %s) is %s (%s); restarting it (%d/%d)",
-                    self.engine,
-                    server.server_pid,
-                    "dead" if not server.alive else "not healthy",
-                    reason,
-                    self.restarts,
-                    self.max_restarts,
-                )
-                server.stop()
-                self._start_server()
-            self._epoch += 1  # requests in flight to the old server must not trigger another recovery
-            if self._latest_weights is not None:
-                try:
-                    self._load_weights(self._latest_weights)
-                except Exception as exc:
-                    raise ServerError(
-                        f"The {self.engine} server at {self.base_url} came back but failed to load the latest weights "
-                        f"({self._latest_weights}): {exc}"
-                    ) from exc
 
     # ------------------------------------------------------------------ HTTP with retries
     def _post(
@@ -558,7 +604,8 @@ class ServerRollout:
         parse: Callable[[Any], Any] = lambda b: b,
         cancel: threading.Event | None = None,
     ) -> Any:
-        """POST ``body`` to ``path`` and return ``parse(answer JSON)``, retrying as the module docstring says."""
+        """POST ``body`` to ``path`` on the least busy replica and return ``parse(answer JSON)``, retrying
+        (on any live replica) as the module docstring says."""
         import httpx
 
         last: BaseException | str = "no attempt"
@@ -566,8 +613,8 @@ class ServerRollout:
             if cancel is not None and cancel.is_set():
                 raise ServerError(f"{self.engine}: request to {path} cancelled (another request of the batch failed)")
             self._check_open()
-            with self._lock:
-                epoch, url = self._epoch, self.base_url + path
+            replica = self.replicas.acquire()
+            generation, url = replica.generation, f"{replica.url}{path}"
             try:
                 r = self._client.post(url, json=body, timeout=timeout)
                 if r.status_code in (408, 429) or r.status_code >= 500:
@@ -587,10 +634,12 @@ class ServerRollout:
                 last = f"{type(exc).__name__}: {exc}"
             except Retryable as exc:
                 last = str(exc)
+            finally:
+                self.replicas.release(replica)
             if attempt < self.max_retries:
                 with self._lock:
                     self.retries += 1
-                self._recover(epoch, last)
+                self.replicas.failed(replica, generation, last)
         raise ServerError(
             f"{self.engine}: POST {path} failed {self.max_retries + 1} times (rollout.max_retries={self.max_retries}); last error: {last}"
         )
@@ -663,7 +712,17 @@ class ServerRollout:
                     )
                 lps.append([float(x) for x in lp])
         index = [i for i, _ in units]
-        return RolloutOutput(response_ids=responses, finish_reasons=reasons, prompt_index=index, log_probs=lps)
+        return RolloutOutput(
+            response_ids=responses, finish_reasons=reasons, prompt_index=index, log_probs=lps, metrics=self.counters()
+        )
+
+    def counters(self) -> dict[str, float]:
+        """Run totals: ``rollout/resent_requests`` (requests and weight loads sent again after a failure,
+        to the same or another replica), ``rollout/live_replicas``, ``rollout/replicas`` and
+        ``rollout/replica_restarts`` (:meth:`rlplug.replicas.ReplicaSet.metrics`)."""
+        with self._lock:
+            resent = float(self.retries)
+        return {"rollout/resent_requests": resent, **self.replicas.metrics()}
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any]) -> None:
@@ -697,47 +756,69 @@ class ServerRollout:
                 os.symlink(f.resolve(), folder / f.name)
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         del tensors
-        with self._lock:
-            previous, self._latest_weights = self._latest_weights, folder
-        self._call_with_recovery(lambda: self._load_weights(folder))
+        previous = self.replicas.latest
+        self.replicas.push(folder, lambda replica: self._push_one(replica, folder), self._pool)
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
         self.last_update_s = time.perf_counter() - t0
 
     def _weights_root(self) -> str:
-        """The private folder (in /dev/shm when it has room for two model copies) that holds pushed weights."""
+        """The private folder that holds pushed weights: under ``rollout.weights_dir`` when set (a filesystem
+        every server can read), else in /dev/shm when it has room for two model copies."""
         root = self._state.get("weights_root")
         if root is None:
             nbytes = sum(math.prod(shape) for shape in self.shapes.values()) * self.dtype.itemsize
+            base = self.weights_dir or _shm_dir(nbytes)
+            os.makedirs(base, exist_ok=True)
             root = self._state["weights_root"] = tempfile.mkdtemp(
-                prefix=f"rlplug-{self.engine}-weights-{os.getpid()}-", dir=_shm_dir(nbytes)
+                prefix=f"rlplug-{self.engine}-weights-{os.getpid()}-", dir=base
             )
         return root
 
-    def _call_with_recovery(self, fn: Callable[[], Any]) -> Any:
-        """Run a control call (weight load); on a dead/unhealthy server recover and call again."""
+    def _push_one(self, replica: Replica, folder: Path) -> None:
+        """Load ``folder`` into one live replica; a replica that dies meanwhile is handed to the replica set
+        (it loads the latest weights when it comes back)."""
         import httpx
 
         last: BaseException | str = "no attempt"
         for attempt in range(self.max_retries + 1):
             self._check_open()
-            epoch = self._epoch
+            with self.replicas.cond:
+                if replica.state != LIVE:
+                    return
+                generation = replica.generation
             try:
-                return fn()
+                self._load_into(replica, folder)
+                return
             except (httpx.TransportError, Retryable) as exc:
                 last = exc
             if attempt < self.max_retries:
                 with self._lock:
                     self.retries += 1
-                self._recover(epoch, last)
-        raise ServerError(f"{self.engine}: control call failed {self.max_retries + 1} times; last error: {last}")
+                self.replicas.failed(replica, generation, last)
+        raise ServerError(
+            f"{self.engine}: loading the weights into replica {replica.index} ({replica.url}) failed "
+            f"{self.max_retries + 1} times; last error: {last}"
+        )
+
+    def _load_into(self, replica: Replica, folder: Path) -> None:
+        """The subclass's :meth:`_load_weights` against ``replica`` (:meth:`_control` talks to it)."""
+        before = getattr(self._tls, "replica", None)
+        self._tls.replica = replica
+        try:
+            self._load_weights(folder)
+        finally:
+            self._tls.replica = before
 
     def _control(self, method: str, path: str, body: Any = None) -> Any:
-        """One control request (no retry here); 5xx / transport errors raise :class:`Retryable`."""
+        """One control request (no retry here) to the replica being loaded in this thread (else the first);
+        5xx / transport errors raise :class:`Retryable`."""
         import httpx
 
+        replica = getattr(self._tls, "replica", None)
+        base = replica.url if replica is not None else self.base_url
         try:
-            r = self._client.request(method, self.base_url + path, json=body, timeout=self.server_timeout_s)
+            r = self._client.request(method, f"{base}{path}", json=body, timeout=self.server_timeout_s)
         except httpx.TimeoutException as exc:
             raise Retryable(f"{path}: no answer within {self.server_timeout_s:.0f} s") from exc
         if r.status_code >= 500:
@@ -766,6 +847,8 @@ class ServerRollout:
             return
         self._closed = True
         _LIVE.discard(self)
+        if hasattr(self, "replicas"):
+            self.replicas.wake()  # requests waiting for a replica fail now
         self._finalizer()
 
     def __enter__(self) -> ServerRollout:

@@ -63,7 +63,9 @@ from .checkpoint import (  # noqa: F401
     set_rng_state,
 )
 from .data_prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
+from .dump import dump_rollouts
 from .exit_codes import ExitCode, TrainingStopped
+from .export import finish_export
 from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
 from .metrics import (
     Trackers,
@@ -75,7 +77,9 @@ from .metrics import (
     validation_samples,
 )
 from .registry import Registry, get_registry
+from .report import log_validation_samples
 from .reward import RewardFailureGuard, components_tensor, scored_rows
+from .reward_model import validation_reward
 from .reward_norm import ScoreNormalizer
 from .rollout_correction import apply_rollout_correction, bypasses_old_log_probs, use_rollout_log_probs_as_old
 from .schedule import Schedule, value_targets
@@ -246,7 +250,7 @@ class Trainer:
     """Owns the run: data, reward, backends, trackers, checkpoints; :meth:`fit` trains."""
 
     def __init__(self, cfg: DictConfig, registry: Registry | None = None) -> None:
-        from .data import StatefulDataLoader, read_run_datasets
+        from .data import make_train_loader, read_run_datasets
         from .kl_control import make_kl_controller
         from .models import load_tokenizer, resolve_model_path
         from .reward import RewardManager
@@ -264,12 +268,11 @@ class Trainer:
             self.registry.get("kl_penalty", cfg.algorithm.kl_penalty) if cfg.algorithm.use_kl_in_reward else None
         )
         self.reward = RewardManager(cfg.reward, registry=self.registry)
+        self.val_reward = validation_reward(self.reward, cfg.reward)  # the rule reward unless reward.val_reward_model
         self.model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
         self.train_ds, self.val_ds = read_run_datasets(cfg, self.tokenizer, self.reward.check_data_sources)
-        self.loader = StatefulDataLoader(
-            self.train_ds, batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
-        )
+        self.loader = make_train_loader(cfg, self.train_ds)  # data.train_weights: a weighted mix of the files
         self.total_steps = int(
             cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
         )
@@ -316,7 +319,7 @@ class Trainer:
         return checkpointed_state(self)
 
     def _resume(self) -> None:
-        path = self.start.begin(is_main=self.is_main)  # trainer.overwrite=true: the old run is moved aside first
+        path = self.start.begin(coordinator=self.coordinator)  # overwrite=true moves the old run aside; rank 0's pick
         if path is None:
             return
         self.global_step = load_checkpoint(path, backend=self.backend, stateful=self._stateful())
@@ -459,6 +462,7 @@ class Trainer:
         metrics.update(progress_metrics(step, epoch, kl_coef=self.kl_ctrl.value if kl_on else None))
         step_time = time.perf_counter() - t_step
         metrics.update(throughput_metrics(batch, step_time=step_time, gen_time=metrics["timing_s/gen"]))
+        dump_rollouts(self, step, rows, prompt_ids, out, batch, scores)  # trainer.dump_rollouts: rlplug.dump
         self.trackers.log_train_generations(step, cfg.trainer, rows, out, scores, batch, self.tokenizer)
         self.global_step = step
         return metrics
@@ -484,7 +488,7 @@ class Trainer:
         rows = [self.val_ds[i] for i in range(len(self.val_ds))][: self.cfg.data.val_max_samples or None]
         params = self.sampling_params(validation=True)
         generate = functools.partial(self._generate, params=params, label="validation")
-        scored = score_responses(rows, generate, self._decode, self.reward, batch_size=self.cfg.data.val_batch_size)
+        scored = score_responses(rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size)
         self._last_val_samples = validation_samples(scored[: self.cfg.trainer.val_samples_to_log])
         return validation_metrics(scored, n=params.n)
 
@@ -561,6 +565,8 @@ class Trainer:
     def _finish(self) -> None:
         final = self.run_dir / "final_model"
         self.backend.export_hf(final, self.tokenizer)
+        if self.is_main:  # the source model's files and dtype (rlplug.export)
+            finish_export(final, self.model_path)
         _fault_point("export")
         # The model folder is referenced (a param and a pointer artifact), not copied: a 0.5 GB copy buys nothing.
         self.trackers.log_final_model(final, self.global_step)
@@ -571,7 +577,7 @@ class Trainer:
         if not metrics:
             return {}
         samples, step = self._last_val_samples, self.global_step
-        self.trackers.log_table(f"val_generations/step_{step:06d}.json", samples, step)
+        log_validation_samples(self.trackers, self.run_dir, samples, step)  # + <run_dir>/validation_samples.jsonl
         if log_now:
             self.trackers.log_metrics(metrics, step)
         print(f"validation @ step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
@@ -580,8 +586,8 @@ class Trainer:
 
     def close(self) -> None:
         """Close the reward manager (after a running scoring, bounded by ``reward.timeout_s``), the rollout
-        engine and the backend; idempotent."""
-        for obj in (self.reward, self.rollout, self.backend):
+        engine and the backend, then release the run directory's lock (``self.ckpt``); idempotent."""
+        for obj in (self.reward, self.val_reward, self.rollout, self.backend, self.ckpt):
             if obj is not None:
                 with contextlib.suppress(Exception):
                     obj.close()

@@ -56,7 +56,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -346,7 +346,8 @@ class TrainingBackendBase:
             then skips the old-log-prob pass), calls the policy loss's ``minibatch_stats`` once
             per mini-batch (:func:`minibatch_stats_batch`), :meth:`scale_lr` scales a role's
             learning rate (the ``trainer.alerts`` action), and :meth:`apply_phase` takes another
-            phase's actor and critic settings (``algorithm.schedule``, ``rollout.n_schedule``).
+            phase's actor and critic settings (``algorithm.schedule``, ``rollout.n_schedule``); ``"lora"``:
+            ``model.lora_rank`` / ``critic.model.lora_rank`` train peft adapters (:mod:`rlplug.lora`).
         per_token_outputs: ``{"entropy", "sum_pi_squared"}``: what :meth:`compute_log_probs` can return.
         metrics: the update metrics :meth:`update_actor` / :meth:`update_critic` log (the names
             ``trainer.alerts`` rules may watch, :func:`rlplug.alerts.declared_metrics`).
@@ -355,7 +356,9 @@ class TrainingBackendBase:
         consecutive_bad_steps: optimizer steps skipped in a row because of a non-finite loss or
             gradient norm (the larger of the actor's and the critic's count); reset by a good step.
         actor, critic: :class:`Role` (``critic`` ``None`` without ``use_critic``); ``ref``: the
-            reference model or ``None``; ``policy_loss`` / ``kl_loss``: the resolved plugins.
+            reference model or ``None`` (always ``None`` with LoRA: the reference is the actor with its
+            adapters off); ``policy_loss`` / ``kl_loss``: the resolved plugins; ``lora`` / ``critic_lora``:
+            the :class:`rlplug.lora.LoraSettings` of the actor / critic, ``None`` when they train every weight.
 
     Raises ``ValueError`` for settings this backend cannot honour (unknown ``compute_dtype`` or
     device, ``rollout.temperature <= 0``).
@@ -365,7 +368,7 @@ class TrainingBackendBase:
     log: logging.Logger = logger
     coordinator: Any = SINGLE_PROCESS
     capabilities: frozenset[str] = frozenset(
-        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase"}
+        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase", "lora"}
     )
     per_token_outputs: frozenset[str] = frozenset({"entropy", "sum_pi_squared"})
     metrics: tuple[str, ...] = (
@@ -375,6 +378,7 @@ class TrainingBackendBase:
     )
 
     def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
+        from .lora import LORA_CAPABILITY, apply_lora, check_target_modules, lora_settings
         from .models import load_causal_lm, load_value_model, resolve_critic_model_path
 
         self.config = config
@@ -417,6 +421,18 @@ class TrainingBackendBase:
         )
         trust = bool(config_get(model_cfg, "trust_remote_code", False))
         grad_ckpt = bool(config_get(model_cfg, "enable_gradient_checkpointing", False))
+        seed = int(config_get(trainer, "seed", 0))
+        # ---- LoRA (rlplug.lora): settings and target modules checked before any weights load
+        self.lora = lora_settings(model_cfg)
+        self.critic_lora = lora_settings(config_get(critic_cfg, "model"), "critic.model") if self.use_critic else None
+        if (self.lora or self.critic_lora) and LORA_CAPABILITY not in self.capabilities:
+            raise ValueError(f"The {self.backend_name} training backend does not support LoRA; use trainer=local.")
+        if self.lora is not None:
+            check_target_modules(self.lora, self.model_path, trust_remote_code=trust)
+        if self.critic_lora is not None:
+            check_target_modules(
+                self.critic_lora, str(self.critic_model_path), trust_remote_code=trust, value_model=True
+            )
 
         # ---- actor
         actor: Any = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
@@ -425,6 +441,8 @@ class TrainingBackendBase:
         if grad_ckpt:
             actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._warn_dropout(actor)
+        if self.lora is not None:  # the adapters train, the base weights are frozen
+            actor = apply_lora(actor, self.lora, seed=seed)
         actor = self._prepare_model(actor, "actor")
         actor_epochs = int(actor_cfg.ppo_epochs)
         self.actor = Role(
@@ -444,9 +462,9 @@ class TrainingBackendBase:
         self.policy_loss = registry.get("policy_loss", str(actor_cfg.policy_loss))
         self.kl_loss = registry.get("kl_penalty", str(actor_cfg.kl_loss_type)) if actor_cfg.use_kl_loss else None
 
-        # ---- reference model
+        # ---- reference model (with LoRA: the actor with its adapters switched off, no second copy)
         self.ref: torch.nn.Module | None = None
-        if self.use_ref:
+        if self.use_ref and self.lora is None:
             ref = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
             ref.requires_grad_(False)
             self.ref = self._prepare_model(ref, "ref").eval()
@@ -457,6 +475,8 @@ class TrainingBackendBase:
             critic: Any = load_value_model(str(self.critic_model_path), dtype=torch.float32, trust_remote_code=trust)
             if grad_ckpt:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if self.critic_lora is not None:  # adapters on the backbone; the value head trains fully
+                critic.backbone = apply_lora(critic.backbone, self.critic_lora, seed=seed, task_type=None)
             critic = self._prepare_model(critic, "critic")
             c_mini = int(config_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
             c_epochs = int(config_get(critic_cfg, "ppo_epochs", actor_epochs))
@@ -572,7 +592,7 @@ class TrainingBackendBase:
         from .registry import get_registry
 
         a, registry = config.actor, get_registry()
-        if a.use_kl_loss and self.ref is None:
+        if a.use_kl_loss and self.ref is None and self.lora is None:
             raise ValueError(
                 "apply_phase: the phase sets actor.use_kl_loss=true, but this backend was built without the "
                 "reference model (use_ref=False). Build it for the run (the trainer does when any phase uses KL)."
@@ -706,14 +726,19 @@ class TrainingBackendBase:
         ``actor.micro_batch_size_per_device``, rows grouped by length.
 
         Raises ``ValueError`` for an unknown ``which`` or extra (the message lists the valid ones),
-        ``which="ref"`` without a reference model, a missing tensor or an empty batch.
+        ``which="ref"`` without a reference model, a missing tensor or an empty batch. With LoRA
+        (``model.lora_rank > 0``) the reference is the actor with its adapters switched off (peft's
+        ``disable_adapter()``): the base model's log-probs, exactly, from the one copy of its weights.
         """
+        adapters_off: contextlib.AbstractContextManager = contextlib.nullcontext()
         if which == "actor":
             model = self.actor.model
         elif which == "ref":
-            if self.ref is None:
+            if self.ref is None and self.lora is None:
                 raise ValueError("compute_log_probs(which='ref') but this backend was built with use_ref=False.")
-            model = self.ref
+            model = self.ref if self.ref is not None else self.actor.model
+            if self.ref is None:
+                adapters_off = cast(Any, self.actor.model).disable_adapter()  # a peft model
         else:
             raise ValueError(f"compute_log_probs: which must be 'actor' or 'ref', got {which!r}.")
         extras = self._check_extras(extras)
@@ -724,16 +749,17 @@ class TrainingBackendBase:
         micros, order = self._micro_batches(
             self._rank_rows(batch, SEQUENCE_FIELDS), self.actor.micro_batch, self.budgets["log_prob"]
         )
-        for micro in micros:
-            out = self._forward_log_probs(
-                model,
-                self._to_device(micro, SEQUENCE_FIELDS),
-                t,
-                "entropy" in names,
-                tuple(e for e in extras if e != "entropy"),
-            )
-            for name in rows:
-                rows[name].append(out[name].float())
+        with adapters_off:
+            for micro in micros:
+                out = self._forward_log_probs(
+                    model,
+                    self._to_device(micro, SEQUENCE_FIELDS),
+                    t,
+                    "entropy" in names,
+                    tuple(e for e in extras if e != "entropy"),
+                )
+                for name in rows:
+                    rows[name].append(out[name].float())
         self._release(model)
         return {
             name: self._gather_rows(self._unsort(torch.cat(parts), order), len(batch), out_device)
@@ -1057,8 +1083,23 @@ class TrainingBackendBase:
     def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` for every actor weight, as in a Hugging Face checkpoint: tied
         weights once (under the embedding's name), detached views of the live fp32 parameters
-        on the training device (no copies). Consume before the next update."""
+        on the training device (no copies). Consume before the next update. With LoRA: the merged
+        weights ``W + (lora_alpha / r) * B @ A`` of the adapted layers as new tensors
+        (:func:`rlplug.lora.merged_weights`), views of the others; the trained model is unchanged."""
+        if self.lora is not None:
+            from .lora import merged_weights
+
+            yield from merged_weights(self.actor.model)
+            return
         yield from unique_state(self.actor.model).items()
+
+    def _role_lora(self, role: Role) -> Any:
+        """The :class:`rlplug.lora.LoraSettings` of ``role`` (``None``: it trains every weight)."""
+        return self.lora if role.name == "actor" else self.critic_lora
+
+    def _role_base(self, role: Role) -> str:
+        """The model folder ``role`` was loaded from (a LoRA checkpoint's base)."""
+        return self.model_path if role.name == "actor" else str(self.critic_model_path)
 
     def _roles(self) -> list[Role]:
         return [self.actor] + ([self.critic] if self.critic is not None else [])
@@ -1069,16 +1110,22 @@ class TrainingBackendBase:
         Layout: ``actor/model.safetensors`` (Hugging Face names, tied weights once),
         ``actor/optimizer.pt``, ``actor/scheduler.pt``, the same under ``critic/`` when there is a
         critic, and ``backend_state.json`` (counters). Reloaded by :meth:`load`, training continues
-        bitwise identically.
+        bitwise identically. A LoRA role writes its adapters and a pointer to its base model instead
+        of ``model.safetensors`` (:func:`rlplug.lora.save_lora_state`).
         """
         from safetensors.torch import save_file
+
+        from .lora import save_lora_state
 
         out = Path(directory)
         for role in self._roles():
             d = out / role.name
             d.mkdir(parents=True, exist_ok=True)
-            state = {k: v.contiguous().cpu() for k, v in unique_state(role.model).items()}
-            save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+            if self._role_lora(role) is not None:
+                save_lora_state(role.model, d, self._role_base(role), role.name)
+            else:
+                state = {k: v.contiguous().cpu() for k, v in unique_state(role.model).items()}
+                save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
             torch.save(role.optimizer.state_dict(), d / "optimizer.pt")
             torch.save(role.scheduler.state_dict(), d / "scheduler.pt")
         counters = {r.name: {"consecutive_bad_steps": r.consecutive_bad_steps} for r in self._roles()}
@@ -1093,24 +1140,35 @@ class TrainingBackendBase:
         """
         from safetensors.torch import load_file
 
+        from .lora import is_lora_role_dir, load_lora_state
+
         src = Path(directory)
         for role in self._roles():
             d = src / role.name
             weights = d / "model.safetensors"
-            if not weights.is_file():
+            key = "model" if role.name == "actor" else "critic.model"
+            if self._role_lora(role) is not None:
+                load_lora_state(role.model, d, self._role_base(role), role.name, key, self.device)
+            elif is_lora_role_dir(d):
+                raise ValueError(
+                    f"{d} holds LoRA adapters (that run trained with {key}.lora_rank > 0), but {key}.lora_rank=0 "
+                    f"now. Resume with the checkpointed run's {key}.lora_rank, lora_alpha and target_modules."
+                )
+            elif not weights.is_file():
                 raise FileNotFoundError(
                     f"{weights} is missing: {src} was not written by the {self.backend_name} backend's save() "
                     f"(or without a {role.name})."
                 )
-            state = load_file(str(weights), device=str(self.device))
-            result = role.model.load_state_dict(state, strict=False)
-            expected_missing = set(role.model.state_dict()) - set(unique_state(role.model))
-            missing = set(result.missing_keys) - expected_missing
-            if missing or result.unexpected_keys:
-                raise ValueError(
-                    f"{weights} does not match the {role.name} model: missing {sorted(missing)[:5]}, unexpected "
-                    f"{sorted(result.unexpected_keys)[:5]}. Was it saved from a different model?"
-                )
+            else:
+                state = load_file(str(weights), device=str(self.device))
+                result = role.model.load_state_dict(state, strict=False)
+                expected_missing = set(role.model.state_dict()) - set(unique_state(role.model))
+                missing = set(result.missing_keys) - expected_missing
+                if missing or result.unexpected_keys:
+                    raise ValueError(
+                        f"{weights} does not match the {role.name} model: missing {sorted(missing)[:5]}, unexpected "
+                        f"{sorted(result.unexpected_keys)[:5]}. Was it saved from a different model?"
+                    )
             role.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True, map_location=self.device))
             role.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
         state_file = src / STATE_FILE
@@ -1128,6 +1186,12 @@ class TrainingBackendBase:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         model: Any = self.actor.model
+        if self.lora is not None:  # base + merged adapters, the trained model unchanged (rlplug.lora)
+            from .lora import save_merged
+
+            save_merged(model, out, tokenizer)
+            apply_umask(out)
+            return out
         model.config.use_cache = True  # for generation from the exported folder
         try:
             model.save_pretrained(str(out), safe_serialization=True)

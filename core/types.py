@@ -398,12 +398,16 @@ class RolloutOutput:
     * ``log_probs``: optional list of ``B`` lists of float (nats) from the engine, aligned with
       ``response_ids``; used only for the optional importance-sampling correction.
     * ``prompt_index``: ``B`` ints, the index of the prompt each response answers.
+    * ``metrics``: optional numbers about the engine (``rollout/<name>``, run totals or gauges such as
+      ``rollout/resent_requests`` and ``rollout/live_replicas`` of the server backends), logged with
+      the step's metrics; a backend declares their names in its ``metrics`` attribute.
     """
 
     response_ids: list[list[int]]
     finish_reasons: list[str]
     prompt_index: list[int]
     log_probs: list[list[float]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -503,7 +507,8 @@ class TrainingBackend(Protocol):
       from the next step on, kept in its checkpoint; the ``trainer.alerts`` action ``scale_lr``),
       ``"apply_phase"`` (a method ``apply_phase(config)`` takes a whole run config's actor and critic
       settings for the following updates, keeping models and optimizer states; ``algorithm.schedule``
-      and ``rollout.n_schedule``, :mod:`rlplug.schedule`).
+      and ``rollout.n_schedule``, :mod:`rlplug.schedule`), ``"lora"`` (``model.lora_rank > 0`` /
+      ``critic.model.lora_rank > 0`` train peft adapters, :mod:`rlplug.lora`).
     * optional ``metrics: tuple[str, ...]``: the metric names (or :mod:`fnmatch` patterns) the
       updates log, which ``trainer.alerts`` rules may watch (:func:`rlplug.alerts.declared_metrics`).
     """
@@ -540,6 +545,7 @@ TRAINING_CAPABILITIES: tuple[str, ...] = (
     "policy_loss_minibatch_stats",
     "scale_lr",
     "apply_phase",
+    "lora",
 )
 
 

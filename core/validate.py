@@ -22,12 +22,16 @@ from omegaconf import DictConfig
 from .alerts import check_alert_config
 from .config import ConfigError
 from .contracts import built_classes
+from .data import check_train_weights
+from .dump import check_dump_config
 from .kl_control import KL_CONTROLLER_TYPES
+from .lora import check_lora_config
 from .losses import LOSS_AGG_MODES, VALUE_LOSS_TYPES
 from .metrics import tracker_names
 from .precision import DTYPE_CHOICES
 from .registry import PluginError, Registry, get_registry
 from .reward import load_custom_reward_function
+from .reward_model import check_reward_model_config
 from .reward_norm import check_normalize_config
 from .rollout_correction import rollout_correction_requires, validate_rollout_correction
 from .schedule import check_schedule_config
@@ -247,12 +251,15 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     for key, name in reward_names.items():
         _resolve(registry, "reward_function", key, name, choices)
     load_custom_reward_function(cfg.reward.custom_reward_function)  # its file, function and reward_kwargs
+    check_reward_model_config(cfg.reward)  # reward.reward_model: a one-label sequence classifier's folder
     _check_batch_filter(cfg, registry, choices)
     plan = plan_batch(cfg, registry)  # every required batch field has a producer
     # algorithm.rollout_correction and its alias; a loss with PolicyLoss.bypass_mode pairs with bypass mode
     validate_rollout_correction(cfg, plan.per_token, loss_is_bypass=bool(getattr(loss, "bypass_mode", False)))
     check_alert_config(cfg, plan, registry)  # trainer.alerts: rules and the metrics they name
     check_schedule_config(cfg, registry)  # algorithm.schedule, rollout.n_schedule: every phase, every n
+    check_lora_config(cfg, registry)  # model.lora_rank / critic.model.lora_rank: settings, backend capability
+    check_dump_config(cfg)  # trainer.dump_rollouts_freq (rlplug.dump)
 
     # ---- algorithm constraints
     if getattr(estimator, "group_based", False) and r.n < 2:
@@ -390,6 +397,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
         raise ConfigError(
             "No training data: set data.train_files=[...] (parquet in verl's schema) or data.task=<reasoning-gym task>."
         )
+    check_train_weights(list(d.train_files or []), list(d.train_weights or []))  # data.train_weights: before any file
     for key in ("train_files", "val_files"):
         for f in d[key]:
             if not Path(str(f)).expanduser().is_file():

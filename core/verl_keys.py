@@ -11,7 +11,7 @@ reference policy under ``actor_rollout_ref.``; rlplug flattens them (``actor.``,
   verl's "not set" and leaves rlplug's default;
 * **inert**: accepted and without effect on this setup (a parallel layout, a memory or speed
   setting, an off switch); a note is printed once at start (one line per reason, naming its keys).
-  Some inert keys accept only the values that really have no effect (``lora_rank=0``); another value
+  Some inert keys accept only the values that really have no effect (``mtp.enable=false``); another value
   is rejected;
 * **rejected**: a feature rlplug does not have; the error says why and what to use instead.
 
@@ -62,6 +62,10 @@ LEGACY_ALIASES: dict[str, str] = {
     "reward_model.reward_loop_module_path": "reward.reward_manager.module.path",
     "reward_model.reward_loop_class_name": "reward.reward_manager.module.name",
     "reward_model.model.path": "reward.reward_model.model_path",
+    "reward_model.model.trust_remote_code": "reward.reward_model.trust_remote_code",
+    "reward_model.micro_batch_size_per_gpu": "reward.reward_model.micro_batch_size_per_device",
+    "reward_model.micro_batch_size": "reward.reward_model.micro_batch_size",
+    "reward_model.max_length": "reward.reward_model.max_length",
     "reward_model.reward_kwargs": "reward.reward_kwargs",
     "reward_model.enable": "reward.reward_model.enable",
     "reward_model.enable_resource_pool": "reward.reward_model.enable_resource_pool",
@@ -212,10 +216,20 @@ _BUDGET = "tokens per forward pass, memory only; rlplug counts padded tokens (ro
 _PROFILE = "profiler settings: rlplug has no built-in profiler (it logs timing_s/* per stage)"
 _TEXT = "a multimodal setting: rlplug trains text-only models"
 _CKPT = "verl's checkpoint contents: an rlplug checkpoint always holds the model, optimizer and trainer state"
-_RM_OFF = "reward models are off (reward.reward_model.enable=false); they are not built yet (issue 18)"
+_RM_ENGINE = (
+    "verl serves the reward model with an inference engine; rlplug runs it with transformers in the trainer's "
+    "process on trainer.device (reward.reward_model.micro_batch_size_per_device, max_length: docs/reward_models.md)"
+)
 _NO_RAY = "rlplug does not use Ray"
 _MULTI_TURN = "Multi-turn/agent rollouts (tool calls) are not implemented in rlplug: rollouts are single-turn."
-_NO_LORA = "LoRA is not implemented in rlplug (full fine-tuning only); drop the LoRA settings."
+_NO_LORA_ADAPTER = (
+    "Starting from a pre-trained LoRA adapter is not implemented: merge it into its base model (peft's "
+    "merge_and_unload, then save_pretrained) and set model.path to that folder; model.lora_rank trains new adapters."
+)
+_NESTED_LORA = (
+    "verl's nested lora.* settings are its Megatron engine's; rlplug's LoRA takes the flat keys: set "
+    "actor_rollout_ref.model.lora_rank (rlplug: model.lora_rank), lora_alpha and target_modules instead."
+)
 _NO_MTP = "Multi-token prediction (MTP) is not implemented in rlplug."
 _NO_QAT = "Quantization-aware training (QAT) is not implemented in rlplug."
 _BACKENDS = "verl's megatron/veomni engines are not available; rlplug's backends are trainer=local and trainer=fsdp2."
@@ -310,6 +324,7 @@ def _optim(verl: str, ours: str, example_lr: float) -> list[VerlKey]:
 
 def _model(prefix: str, *, actor: bool) -> list[VerlKey]:
     """verl's ``HFModelConfig`` at ``prefix`` (the actor's model, or the critic's)."""
+    ours = "model" if actor else "critic.model"
     rows = []
     if actor:
         rows += [
@@ -376,20 +391,25 @@ def _model(prefix: str, *, actor: bool) -> list[VerlKey]:
         ),
         _i(f"{prefix}.enable_activation_offload", _MEMORY),
         _i(f"{prefix}.use_remove_padding", "a kernel optimisation (packed sequences); results are unchanged"),
-        _i(f"{prefix}.lora_rank", "LoRA off (rank 0)", {0, None}, _NO_LORA),
-        _i(f"{prefix}.lora_alpha", "used only with LoRA (lora_rank > 0)"),
-        _i(f"{prefix}.target_modules", "used only with LoRA (lora_rank > 0)"),
-        _i(f"{prefix}.exclude_modules", "used only with LoRA (lora_rank > 0)"),
-        _i(f"{prefix}.lora_adapter_path", "no LoRA adapter given", {None}, _NO_LORA),
+        _m(f"{prefix}.lora_rank", f"{ours}.lora_rank", 32, "LoRA adapters of this rank (0: off), docs/lora.md"),
+        _m(f"{prefix}.lora_alpha", f"{ours}.lora_alpha", 32, "the adapter update is scaled by lora_alpha / lora_rank"),
+        _m(
+            f"{prefix}.target_modules",
+            f"{ours}.target_modules",
+            ["q_proj", "v_proj"],
+            "all-linear, a list of layer names or a regular expression (peft's matching)",
+        ),
+        _m(f"{prefix}.exclude_modules", f"{ours}.exclude_modules", ["o_proj"], "layers left without adapters"),
+        _i(f"{prefix}.lora_adapter_path", "no LoRA adapter given", {None}, _NO_LORA_ADAPTER),
         _i(f"{prefix}.use_liger", _KERNEL),
         _i(f"{prefix}.use_fused_kernels", _KERNEL),
         _i(f"{prefix}.fused_kernel_options.*", _KERNEL),
         _i(f"{prefix}.tiled_mlp.*", _MEMORY),
         _i(f"{prefix}.mtp.enable", "multi-token prediction off", {False, None}, _NO_MTP),
         _i(f"{prefix}.mtp.*", "used only with multi-token prediction (mtp.enable=true)"),
-        _i(f"{prefix}.lora.rank", "LoRA off (rank 0)", {0, None}, _NO_LORA),
-        _i(f"{prefix}.lora.adapter_path", "no LoRA adapter given", {None}, _NO_LORA),
-        _i(f"{prefix}.lora.*", "used only with LoRA (lora.rank > 0)"),
+        _i(f"{prefix}.lora.rank", "verl's Megatron LoRA off (rank 0)", {0, None}, _NESTED_LORA),
+        _i(f"{prefix}.lora.adapter_path", "no LoRA adapter given", {None}, _NO_LORA_ADAPTER),
+        _i(f"{prefix}.lora.*", "used only with verl's Megatron LoRA (lora.rank > 0)"),
     ]
 
 
@@ -791,14 +811,30 @@ def _reward_rows() -> list[VerlKey]:
         ),
         _i("reward.reward_manager.module.path", "no reward manager module", {None}, _REWARD_FN),
         _i("reward.reward_manager.module.name", "used only with reward_manager.module.path"),
-        _i(
+        _m(
             "reward.reward_model.enable",
-            _RM_OFF,
-            {False, None},
-            "Reward models are not built yet (issue 18): score with a reward function "
-            "(reward.custom_reward_function.path or reward.reward_fn_map) and leave reward_model.enable=false.",
+            "reward.reward_model.enable",
+            True,
+            "a discriminative reward model (AutoModelForSequenceClassification, one label): the reward.shaping "
+            "entry reward_model, or the whole training score without one (docs/reward_models.md)",
         ),
-        _i("reward.reward_model.*", _RM_OFF),
+        _m("reward.reward_model.model_path", "reward.reward_model.model_path", "/models/my-rm"),
+        _m("reward.reward_model.micro_batch_size_per_device", "reward.reward_model.micro_batch_size_per_device", 4),
+        _m("reward.reward_model.max_length", "reward.reward_model.max_length", 2048, "longer inputs cut on the right"),
+        _m("reward.reward_model.trust_remote_code", "reward.reward_model.trust_remote_code", True),
+        _i("reward.reward_model.micro_batch_size", _OLD_MICRO, {None}, _OLD_MICRO + ": set micro_batch_size_per_gpu."),
+        _i("reward.reward_model.enable_resource_pool", _RM_ENGINE),
+        _i("reward.reward_model.n_gpus_per_node", _LAYOUT),
+        _i("reward.reward_model.nnodes", _LAYOUT),
+        _i(
+            "reward.reward_model.model.external_lib",
+            "no extra model library imported",
+            {None},
+            "A model library is not imported for the reward model: give a folder transformers loads as "
+            "AutoModelForSequenceClassification (reward.reward_model.trust_remote_code for custom code).",
+        ),
+        _i("reward.reward_model.model.*", _RM_ENGINE),
+        _i("reward.reward_model.rollout.*", _RM_ENGINE),
         _i(
             "reward.sandbox_fusion.url",
             "no code sandbox",
@@ -872,15 +908,15 @@ def _trainer_rows() -> list[VerlKey]:
             "trainer.rollout_data_dir",
             "no rollout dump",
             {None},
-            "Dumping training rollouts to a folder is not available yet; trainer.log_train_generations logs "
-            "samples to the trackers.",
+            "rlplug dumps rollouts to the run directory instead: set trainer.dump_rollouts=true (parquet files "
+            "rollouts/step_N.parquet, read by `rlplug replay`; docs/debugging.md).",
         ),
         _i(
             "trainer.validation_data_dir",
             "no validation dump",
             {None},
-            "Dumping validation generations to a folder is not available; trainer.val_samples_to_log logs "
-            "samples to the trackers.",
+            "Validation samples go to the run directory's validation_samples.jsonl (trainer.val_samples_to_log "
+            "per validation, shown by `rlplug report`) and to the trackers.",
         ),
         _i("trainer.nnodes", _LAYOUT),
         _i("trainer.n_gpus_per_node", _LAYOUT),
@@ -1097,6 +1133,16 @@ def _nullable(key: str) -> bool:
 _INTERPOLATED_KEY = re.compile(r"\$\{(oc\.select:)?\s*(\.*)([A-Za-z_][A-Za-z0-9_.]*)")
 
 
+def _interpolated_ref(m: re.Match[str], key: str) -> tuple[str, str | None]:
+    """``(absolute key, its rlplug key or None)`` of one :data:`_INTERPOLATED_KEY` match inside the value
+    of ``key``: a relative reference is resolved against ``key``'s parent (one dot), its grandparent
+    (two) ...; the rlplug key is set when the reference is a mapped verl key."""
+    dots, name = m.group(2), m.group(3)
+    ref = ".".join([*canonical_key(key).split(".")[: -len(dots)], name]) if dots else name
+    row = lookup(ref)
+    return ref, row.target_for(canonical_key(ref)) if row is not None and row.kind == MAPPED else None
+
+
 def _translate_interpolation(value: str, key: str, target: str) -> str | None:
     """verl's interpolation ``value`` (of verl ``key``) with the verl keys it names renamed to rlplug's,
     relative ones (``${.ppo_max_token_len_per_gpu}``) made absolute when they are renamed; None when it
@@ -1104,17 +1150,25 @@ def _translate_interpolation(value: str, key: str, target: str) -> str | None:
     refs: list[str] = []
 
     def sub(m: re.Match[str]) -> str:
-        dots, name = m.group(2), m.group(3)
-        ref = name
-        if dots:  # relative to the key's parent (one dot), its grandparent (two) ...
-            ref = ".".join([*canonical_key(key).split(".")[: -len(dots)], name])
-        row = lookup(ref)
-        renamed = row.target_for(canonical_key(ref)) if row is not None and row.kind == MAPPED else None
+        ref, renamed = _interpolated_ref(m, key)
         refs.append(renamed or ref)
-        return "${" + (m.group(1) or "") + (renamed or dots + name)
+        return "${" + (m.group(1) or "") + (renamed or m.group(2) + m.group(3))
 
     out = _INTERPOLATED_KEY.sub(sub, value)
     return None if target in refs else out
+
+
+def _comparable_interpolation(value: str, key: str) -> str:
+    """``value`` (an interpolation given for ``key``, in verl's or rlplug's spelling) in a form two
+    spellings of one setting can be compared in: every key it names made absolute (relative ones
+    resolved against ``key``'s parent) and renamed to rlplug's when it is a mapped verl key, and
+    whitespace removed (``${oc.select:a, 8}`` is ``${oc.select:a,8}``)."""
+
+    def sub(m: re.Match[str]) -> str:
+        ref, renamed = _interpolated_ref(m, key)
+        return "${" + (m.group(1) or "") + (renamed or ref)
+
+    return re.sub(r"\s+", "", _INTERPOLATED_KEY.sub(sub, value))
 
 
 def _unknown_verl_key(key: str) -> ConfigError:
@@ -1145,7 +1199,8 @@ def translate_overrides(overrides: Sequence[str]) -> Translation:
     Raises:
         ConfigError: a rejected key or value (the message says why and what to use instead); an unknown
             key under a verl-only section (``actor_rollout_ref.``, ...), with the close table keys; a verl
-            key and its rlplug key (or two verl keys of one rlplug key) given different values; an inert
+            key and its rlplug key (or two verl keys of one rlplug key) given different values (a section
+            given whole, ``custom_reward_function={...}``, counts for each of its keys); an inert
             key that must equal another setting and does not (``VerlKey.must_equal``).
     """
     out = Translation()
@@ -1177,8 +1232,8 @@ def _translate_one(
             raise _unknown_verl_key(key)
         if text is not None and prefix != "~":  # an rlplug key (a legacy spelling renamed), or a group choice
             ok, value = _parse_value(f"{canon}={text}")
-            if ok and not _is_interpolation(value):
-                given.setdefault(canon, {})[key] = value
+            if ok:  # an interpolation in its comparable form: another spelling must give the same one
+                _record(given, canon, key, _comparable_interpolation(value, key) if _is_interpolation(value) else value)
         return override if canon == key else f"{prefix}{canon}" + ("" if text is None else f"={text}")
     target = row.target_for(canon) if row.kind == MAPPED else ""
     if prefix == "~" or text is None:  # deleting: only a mapped key has an rlplug key to delete
@@ -1201,9 +1256,24 @@ def _translate_one(
     sent = _mapped_text(row, key, target, text, ok, value)
     if sent is None:
         return None
-    if ok and not _is_interpolation(value):
-        given.setdefault(target, {})[key] = row.convert(value) if row.convert else value
+    if ok and _is_interpolation(value):  # recorded as rlplug's spelling of it (verl keys renamed)
+        _record(given, target, key, _comparable_interpolation(str(value), key))
+    elif ok:
+        _record(given, target, key, row.convert(value) if row.convert else value)
     return sent if row.group else ("++" if prefix == "++" else "") + f"{target}={sent}"
+
+
+def _record(given: dict[str, dict[str, Any]], target: str, key: str, value: Any) -> None:
+    """Note that spelling ``key`` sets rlplug key ``target`` to ``value`` (the latest value of a spelling
+    wins; an interpolation is recorded unresolved, as :func:`_comparable_interpolation` writes it). A
+    section given whole (``custom_reward_function={path: f.py, name: g}``; Hydra merges it into the
+    section) sets each of its keys, spelled under the section's spelling (``custom_reward_function.path``),
+    so one of them given in another spelling (``reward.custom_reward_function.path``) is compared with it."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _record(given, f"{target}.{k}", f"{key}.{k}", v)
+    else:
+        given.setdefault(target, {})[key] = value
 
 
 def _mapped_text(row: VerlKey, key: str, target: str, text: str, ok: bool, value: Any) -> str | None:

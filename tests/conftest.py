@@ -32,3 +32,14 @@ def ref_model(model_path):
     from rlplug.models import load_causal_lm
 
     return load_causal_lm(model_path)
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (``-n 2``) each worker computes on one thread: two workers with the
+    default of one thread per core would oversubscribe the cores (each slows the other several-fold)."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)

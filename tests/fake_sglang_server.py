@@ -1,4 +1,4 @@
-"""A stand-in for an SGLang server: the subset of SGLang's HTTP API the ``sglang`` rollout uses.
+"""A stand-in for an SGLang server (the subset of SGLang's HTTP API the ``sglang`` rollout uses) and for vLLM's.
 
 SGLang itself cannot be installed on the CI machines, so the plugin's contract is tested against
 this server. Endpoints and fields follow SGLang's docs / ``http_server.py`` / ``io_struct.py``:
@@ -14,6 +14,18 @@ this server. Endpoints and fields follow SGLang's docs / ``http_server.py`` / ``
   ``{"success", "message", "num_paused_requests"}`` (400 with ``success: false`` when the folder
   has no ``model.safetensors``).
 * ``POST /flush_cache``: 200.
+
+The same "model" also answers the subset of vLLM's OpenAI-compatible server that
+``rollout=vllm rollout.mode=server`` uses (``vllm/entrypoints/openai/protocol.py``), so the
+replica tests run against both clients:
+
+* ``POST /v1/completions``: ``{"model", "prompt": [token ids], "max_tokens", "temperature", "top_p",
+  "top_k", "stop_token_ids", "return_token_ids", "skip_special_tokens", "logprobs"?, "min_tokens"?,
+  "seed"?, "n"}`` (unknown keys -> 400) -> ``{"choices": [{"token_ids", "finish_reason": "stop" |
+  "length", "stop_reason": <EOS id> | null, "logprobs": {"token_logprobs"} | null}]}`` (the EOS token
+  is in ``token_ids``);
+* ``POST /collective_rpc`` ``{"method": "rlplug_load_weights", "args": [folder]}`` (the weight
+  push: same ``shift`` rule) -> ``{"results": [{"tensors": N}]}``; ``POST /reset_prefix_cache``: 200.
 
 Deterministic "model" (so tests can derive expected outputs by hand), with ``V`` = vocab size and
 ``eos`` = EOS id from the model folder's ``config.json``:
@@ -76,6 +88,24 @@ SAMPLING_KEYS = {
     "stream_interval",
     "logit_bias",
     "sampling_seed",
+}
+
+
+#: the fields of vLLM's CompletionRequest the vllm server client sends
+COMPLETION_KEYS = {
+    "model",
+    "prompt",
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "return_token_ids",
+    "skip_special_tokens",
+    "logprobs",
 }
 
 
@@ -198,12 +228,22 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                 self.reply(
                     200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
                 )
-            elif self.path == "/flush_cache":
+            elif self.path == "/flush_cache" or self.path == "/reset_prefix_cache":
                 self.reply(200)
+            elif self.path == "/v1/completions":
+                self.completions(body)
+            elif self.path == "/collective_rpc":
+                f = Path(str((body.get("args") or [""])[0])) / "model.safetensors"
+                if body.get("method") != "rlplug_load_weights" or not f.is_file():
+                    self.reply(500, {"error": f"collective_rpc {body.get('method')}: no model.safetensors at {f}"})
+                    return
+                state.shift = round(first_element(str(f), "model.embed_tokens.weight"))
+                self.reply(200, {"results": [{"tensors": 1}]})
             else:
                 self.reply(404, {"detail": "Not Found"})
 
-        def generate(self, body: dict) -> None:
+        def faults(self) -> tuple[bool, int]:
+            """The injected faults of a generation request: (answered already, request number)."""
             with state.lock:
                 state.generate_count += 1
                 count = state.generate_count
@@ -214,9 +254,40 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                     os._exit(1)  # a crash with requests in flight
             if count <= state.fail_first:
                 self.reply(503, {"message": "Service Unavailable (injected)"})
-                return
+                return True, count
             if state.delay:
                 time.sleep(state.delay)
+            return False, count
+
+        def completions(self, body: dict) -> None:
+            answered, count = self.faults()
+            if answered:
+                return
+            unknown = set(body) - COMPLETION_KEYS
+            prompt = body.get("prompt")
+            if unknown or not isinstance(prompt, list) or not prompt:
+                self.reply(400, {"object": "error", "message": f"bad request (unknown {sorted(unknown)})", "code": 400})
+                return
+            sp = {"max_new_tokens": body.get("max_tokens", 16), "no_stop_trim": True}
+            if body.get("min_tokens", 0) >= sp["max_new_tokens"]:
+                sp["ignore_eos"] = True
+            out = state.generate_one(prompt, sp, True, count)
+            finish = out["meta_info"]["finish_reason"]
+            lps = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+            choice = {
+                "index": 0,
+                "text": out["text"],
+                "token_ids": out["output_ids"],
+                "finish_reason": finish["type"],
+                "stop_reason": finish.get("matched"),
+                "logprobs": {"token_logprobs": lps} if body.get("logprobs") is not None else None,
+            }
+            self.reply(200, {"id": f"cmpl-{count}", "object": "text_completion", "choices": [choice]})
+
+        def generate(self, body: dict) -> None:
+            answered, count = self.faults()
+            if answered:
+                return
             ids = body.get("input_ids")
             sp = body.get("sampling_params") or {}
             unknown = set(sp) - SAMPLING_KEYS

@@ -87,7 +87,7 @@ def test_parse_rules_names_thresholds_and_roles():
         ({"metric": "actor/ppo_kl", "max": 1.0, "min": 0.0}, "sets both max=1.0 and min=0.0"),
         (
             {"metric": "actor/ppo_kl", "max": 1.0, "action": "halt"},
-            "action=halt is not an alert action. Use one of: warn, stop, scale_lr, scale_kl_coef",
+            "action='halt' is not an alert action. Use one of: warn, stop, scale_lr, scale_kl_coef",
         ),
         ({"metric": "actor/ppo_kl", "max": 1.0, "action": "scale_lr"}, "factor, which must be > 0"),
         ({"metric": "actor/ppo_kl", "max": 1.0, "patience": -1}, "patience=-1 must be >= 1"),

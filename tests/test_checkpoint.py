@@ -366,6 +366,7 @@ def test_save_and_load_checkpoint_layout_state_and_rng(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == [
         "COMPLETE",
         "backend",
+        "checksums.json",
         "config.yaml",
         "hf_meta",
         "rng_state.pt",

@@ -90,7 +90,8 @@ def stub_registry() -> Registry:
         r.register("training_backend", name, _StubTraining, "rlplug", "0.1.0")
     for name in ("console", "mlflow"):
         r.register("tracker", name, _StubTracker, "rlplug", "0.1.0")
-    for name in ("gsm8k", "reasoning_gym", "math_verify", "length_penalty", "format"):  # debug=tiny, grpo_arithmetic
+    # debug=tiny, grpo_arithmetic, reward=reward_model
+    for name in ("gsm8k", "reasoning_gym", "math_verify", "length_penalty", "format", "reward_model"):
         r.register("reward_function", name, _noop, "rlplug", "0.1.0")
     r.register("batch_filter", "filter_groups", BatchFilter(_noop), "rlplug", "0.1.0")  # algorithm=dapo
     return r
@@ -108,6 +109,12 @@ def required_overrides(group: str, option: str, tmp_path: Path, model_dir: Path)
     """Values an option leaves mandatory (``???``)."""
     if (group, option) == ("model", "path"):
         return [f"model.path={model_dir}"]
+    if (group, option) == ("reward", "reward_model"):  # a one-label sequence classifier's folder
+        rm = tmp_path / "rm"
+        rm.mkdir()
+        (rm / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "x"}}')
+        (rm / "tokenizer_config.json").write_text("{}")
+        return [f"reward.reward_model.model_path={rm}"]
     if (group, option) == ("data", "files"):
         train, val = tmp_path / "train.parquet", tmp_path / "test.parquet"
         train.write_bytes(b"")

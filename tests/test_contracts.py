@@ -158,7 +158,7 @@ def test_unknown_training_capability_is_rejected():
     problems = check_object("training_backend", Odd, is_class=True)
     assert problems == [
         "Odd.capabilities lists unknown ['time_travel']; known: "
-        "['reuses_on_policy_log_probs', 'policy_loss_minibatch_stats', 'scale_lr', 'apply_phase']"
+        "['reuses_on_policy_log_probs', 'policy_loss_minibatch_stats', 'scale_lr', 'apply_phase', 'lora']"
     ]
 
 

@@ -474,6 +474,7 @@ def test_clip_cov_resume_is_bitwise_and_ignores_the_global_rng(model_path, tmp_p
 
 
 # --------------------------------------------------------------------------- fsdp2: global statistics
+@pytest.mark.slow  # over a minute on 2 cores: the slow CI step runs it
 def test_fsdp2_two_ranks_select_on_the_global_mini_batch(model_path, tmp_path):
     # 2 gloo ranks, each holding half of every mini-batch (rows 2 | 2 with very unequal token
     # counts, fsdp2_worker.RESP_LEN), micro-batches of 1, against the local backend with one

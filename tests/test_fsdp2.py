@@ -272,6 +272,7 @@ def test_bf16_parameters_close_to_fp32(step_results):
 
 
 # --------------------------------------------------------------------------- (c) checkpoints
+@pytest.mark.slow  # over a minute on 2 cores: the slow CI step runs it
 def test_save_on_two_ranks_resume_on_two_and_one(model_path, tmp_path):
     # Warmup (lr 1/3, 2/3, 1 of the peak) and betas 0.5 make the scheduler and the AdamW moments
     # matter for the second update, so a resume that lost either would not match.
@@ -347,6 +348,8 @@ def _run_cli(args: list[str], nproc: int, timeout: int = 300) -> subprocess.Comp
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # over a minute on 2 cores: the slow CI step runs it
+@pytest.mark.timeout(1800)  # several CLI runs, each with its own 300 s limit
 def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
     from safetensors.torch import load_file
 
@@ -386,6 +389,24 @@ def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert f"Resumed from {ckpt}" in proc.stdout
     assert (run_dir / "global_step_3" / "COMPLETE").is_file()
+
+
+@pytest.mark.slow  # two torchrun ranks of a tiny run: ~100 s on the 2-core test machine
+def test_disk_full_on_rank_zero_inside_the_backend_save_stops_both_ranks_with_74(tmp_path):
+    """Review finding 2: rank 0's write of the full weights failing (ENOSPC) inside the collective
+    ``fsdp2`` save left rank 1 in the final barrier while rank 0 broadcast the failure: a hang. Now the
+    save ends in an agreement, and both ranks stop with DiskFullStopped (exit code 74), nothing left."""
+    run_dir = tmp_path / "run"
+    args = ["trainer=fsdp2", "debug=tiny", f"trainer.default_local_dir={run_dir}", "trainer.val_before_train=false"]
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlplug", "train", *args]
+    env = dict(_env(), RLPLUG_TEST_KILL_AT="fsdp2_full_weights:1:ENOSPC")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)  # before the fix: a hang
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert out.count("Training stopped: Cannot write the checkpoint of step") == 2, out[-4000:]  # rank 0 and rank 1
+    assert "rank 0 failed to write its part of the checkpoint" not in out.split("Training stopped:")[1].split("\n")[0]
+    assert "exitcode  : 74" in out or "exitcode: 74" in out, out[-4000:]
+    assert not list(run_dir.glob("global_step_*")), sorted(p.name for p in run_dir.iterdir())
 
 
 # --------------------------------------------------------------------------- GPU (NCCL)

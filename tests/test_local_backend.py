@@ -194,7 +194,7 @@ def test_meets_the_training_backend_protocol(model_path):
     reg = rlplug.get_registry()
     reg.registration("training_backend", "local")  # raises PluginContractError when a member is missing
     assert LocalTrainingBackend.capabilities == frozenset(
-        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase"}
+        {"reuses_on_policy_log_probs", "policy_loss_minibatch_stats", "scale_lr", "apply_phase", "lora"}
     )
     assert LocalTrainingBackend.per_token_outputs == frozenset(PER_TOKEN_QUANTITIES)
     backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)

@@ -209,6 +209,7 @@ def test_pool_results_identical_to_serial_and_pool_reused():
         reward_fn_map={"g": "gsm8k", "countdown": "reasoning_gym", "r": "raises"},
         shaping=[{"name": "format", "weight": 0.25}],
         fallback_score=-0.5,
+        timeout_s=120.0,  # a fresh worker's first call imports reasoning_gym: seconds on a loaded machine
     )
     cd = '{"numbers": [9, 23, 15], "target": 17}'
     rows, resp = [], []
@@ -229,7 +230,8 @@ def test_pool_results_identical_to_serial_and_pool_reused():
         pool = pooled._pool
         second = pooled.score(rows, resp)
         assert pooled._pool is pool and pool is not None  # created once, reused
-    assert first == serial and second == serial
+    restarts = {"reward/worker_restarts": 0.0}  # the pool's metric (no worker died or hung)
+    assert first == (*serial[:2], {**serial[2], **restarts}) and second == first
     assert serial[2] == {
         "reward/failures": 6.0,
         "reward/timeouts": 0.0,
@@ -246,7 +248,12 @@ def test_pool_timeout_by_worker_timer_keeps_the_pool():
         scores, _, metrics = m.score([{"data_source": "s", "ground_truth": ""}] * 3, ["fast", "sleep", "fast"])
         assert time.perf_counter() - t0 < 10
         assert scores == [1.0, 0.0, 1.0]
-        assert metrics == {"reward/failures": 1.0, "reward/timeouts": 1.0, "reward/failed_samples": 1.0}
+        assert metrics == {
+            "reward/failures": 1.0,
+            "reward/timeouts": 1.0,
+            "reward/failed_samples": 1.0,
+            "reward/worker_restarts": 0.0,
+        }
         pool = m._pool
         assert m.score([{"data_source": "s", "ground_truth": ""}], ["fast"])[0] == [1.0]
         assert m._pool is pool
@@ -264,7 +271,8 @@ def test_pool_backstop_kills_a_worker_that_ignores_the_timer():
         scores, _, metrics = m.score([{"data_source": "s", "ground_truth": ""}], ["sleep"])
         assert time.perf_counter() - t0 < 15
         assert scores == [0.0] and metrics["reward/timeouts"] == 1.0
-        assert m._pool is None  # killed; the next call builds a new one
+        assert m._pool is not None and m._pool.restarts == 1  # killed and replaced by a new worker
+        assert metrics["reward/worker_restarts"] == 1.0
         assert m.score([{"data_source": "s", "ground_truth": ""}], ["fast"])[0] == [1.0]
     finally:
         m.close()

@@ -337,10 +337,10 @@ def test_every_command_in_the_rewards_doc_composes():
     commands = [
         shlex.split(line, comments=True)
         for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-        for line in block.splitlines()
-        if line.strip()
+        for line in block.replace("\\\n", " ").splitlines()  # join continued lines
+        if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert len(commands) == 7
+    assert len(commands) == 9
     for argv in commands:
         assert argv[:2] == ["rlplug", "train"], argv
         compose(argv[2:])

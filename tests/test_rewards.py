@@ -89,9 +89,9 @@ def test_gsm8k_flexible(response, gt, expected):
 def test_gsm8k_format_score_and_score_like_verl():
     # wrong but well-formed answer -> format_score; no answer at all -> 0 (verl's compute_score)
     diag = {"format": 1.0, "correct_unformatted": 0.0}
-    assert gsm8k(DS, "#### 71", "72", format_score=0.1) == {"score": 0.1, "acc": 0.0, **diag}
+    assert gsm8k(DS, "#### 71", "72", format_score=0.1) == {"score": 0.1, "acc": 0.0, **diag, "pred": "71"}
     assert gsm8k(DS, "no answer", "72", format_score=0.1) == {"score": 0.0, "acc": 0.0, **diag, "format": 0.0}
-    assert gsm8k(DS, "#### 72", "72", score=2.0) == {"score": 2.0, "acc": 1.0, **diag}
+    assert gsm8k(DS, "#### 72", "72", score=2.0) == {"score": 2.0, "acc": 1.0, **diag, "pred": "72"}
 
 
 @pytest.mark.parametrize(

@@ -267,8 +267,10 @@ def test_resuming_with_more_steps_and_other_logging_is_the_same_run(used_dir, ca
 
 
 def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(used_dir, capsys, caplog):
-    for step in (1, 2, 3):
+    for step in (1, 2, 3):  # as rlplug wrote them then: no fingerprint, no checksums.json (docs/reliability.md)
         (used_dir / f"global_step_{step}" / FINGERPRINT_FILE).unlink()
+        (used_dir / f"global_step_{step}" / "checksums.json").unlink()
+        (used_dir / f"global_step_{step}" / "COMPLETE").write_text(f'{{"step": {step}}}')
     cfg = run_config(GRPO, used_dir)  # even another algorithm: there is nothing to compare with
     with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
         _, start = open_run_dir(cfg, used_dir)

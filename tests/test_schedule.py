@@ -430,6 +430,7 @@ def _states(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # over a minute on 2 cores: the slow CI step runs it
 def test_sigkill_around_a_phase_boundary_then_resume_matches_uninterrupted(tmp_path):
     """Kill in step 3 (checkpoint 2, mid-phase 1), then in step 4 (checkpoint 3 = the last step of phase 1,
     killed after entering phase 2 at the boundary); the last run finishes. Weights, Adam states, learning

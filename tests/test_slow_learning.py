@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# 4 real steps with validation: about 30 minutes on 2 cores (fp32), far over the 900 s default limit
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -227,7 +227,7 @@ def test_mlflow_tracking_uri_env_overrides_the_local_store(mlflow_cfg, tmp_path,
     assert (tmp_path / "shared.db").is_file() and not (tmp_path / "run" / "mlflow.db").exists()
     tracker.log_metrics({"a": 1.0}, step=1)
     tracker.close()
-    assert tracker.client.get_run(tracker.run_id).data.metrics == {"a": 1.0}
+    assert tracker.client.get_run(tracker.run_id).data.metrics == {"a": 1.0, "trainer/attempt": 1.0}
 
 
 # ============================================================================ issue 14, item 8: MLflow content

@@ -63,6 +63,10 @@ def _tampered_copy(one_step_checkpoint: Path, tmp_path: Path, rel: str, payload_
     run_dir = tmp_path / "run"
     shutil.copytree(one_step_checkpoint, run_dir)
     (run_dir / "global_step_1" / rel).write_bytes(payload_bytes)
+    # checksums.json is no signature: a tamperer rewrites it too, so the load itself must refuse the payload
+    from rlplug.checkpoint import write_checksums
+
+    write_checksums(run_dir / "global_step_1")
     return run_dir
 
 

@@ -216,13 +216,12 @@ def test_a_value_rlplug_cannot_honour_is_rejected_with_the_reason(row):
 
 
 def test_rejected_examples_compose_errors():
-    with pytest.raises(ConfigError, match=r"reward_model\.enable=true: Reward models are not built yet \(issue 18\)"):
-        compose(["reward_model.enable=true"])
-    with pytest.raises(ConfigError, match=r"reward\.reward_model\.enable=true: Reward models are not built yet"):
-        compose(["reward.reward_model.enable=true"])
-    compose(["reward_model.enable=false", "reward.reward_model.enable=false"])  # off: inert
-    with pytest.raises(ConfigError, match=r"lora_rank=8: LoRA is not implemented"):
-        compose(["actor_rollout_ref.model.lora_rank=8"])
+    # reward models are built (issue 18): verl's keys are mapped, tests/test_reward_model.py
+    assert compose(["reward_model.enable=true"]).reward.reward_model.enable is True
+    assert compose(["reward.reward_model.enable=true"]).reward.reward_model.enable is True
+    assert compose(["actor_rollout_ref.model.lora_rank=8"]).model.lora_rank == 8  # LoRA: mapped (docs/lora.md)
+    with pytest.raises(ConfigError, match=r"lora_adapter_path=/a: Starting from a pre-trained LoRA adapter"):
+        compose(["actor_rollout_ref.model.lora_adapter_path=/a"])
     with pytest.raises(ConfigError, match=r"megatron\.tensor_model_parallel_size=2: verl's Megatron engine"):
         compose(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
     assert [r.key for r in TABLE if r.kind == REJECTED] == [
@@ -261,6 +260,64 @@ def test_a_verl_key_and_its_rlplug_key_with_different_values_is_an_error():
     )
     cfg = compose(["actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
     assert cfg.actor.ppo_mini_batch_size == 8
+
+
+def test_an_interpolation_in_one_spelling_and_a_value_in_another_is_an_error():
+    """An interpolation is compared as its text (unresolved): it agrees only with the same text."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor\.ppo_mini_batch_size='\$\{data\.train_batch_size\}' and "
+        r"actor_rollout_ref\.actor\.ppo_mini_batch_size=64 both set actor\.ppo_mini_batch_size",
+    ):
+        compose(
+            ["actor.ppo_mini_batch_size=${data.train_batch_size}", "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+        )
+    with pytest.raises(ConfigError, match=r"both set actor\.ppo_mini_batch_size"):  # either order
+        compose(
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor.ppo_mini_batch_size=${data.train_batch_size}"]
+        )
+    # two interpolations naming different keys conflict too; verl's spelling of the same one does not
+    with pytest.raises(ConfigError, match=r"both set actor\.ppo_mini_batch_size"):
+        compose(
+            [
+                "actor.ppo_mini_batch_size=${data.train_batch_size}",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=${data.val_batch_size}",
+            ]
+        )
+    cfg = compose(
+        [
+            "actor.ppo_mini_batch_size=${data.train_batch_size}",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=${data.train_batch_size}",
+            "data.train_batch_size=16",
+        ]
+    )
+    assert cfg.actor.ppo_mini_batch_size == 16
+    # compared after verl's key names inside it are renamed: ${actor_rollout_ref.rollout.n} is ${rollout.n}
+    cfg = compose(
+        [
+            "actor.micro_batch_size_per_device=${rollout.n}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=${actor_rollout_ref.rollout.n}",
+            "rollout.n=2",
+        ]
+    )
+    assert cfg.actor.micro_batch_size_per_device == 2
+    # relative references resolve against each spelling's own section; whitespace does not count
+    cfg = compose(
+        [
+            "actor.micro_batch_size_per_device=${.ppo_mini_batch_size}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=${.ppo_mini_batch_size}",
+            "actor.ppo_mini_batch_size=4",
+        ]
+    )
+    assert cfg.actor.micro_batch_size_per_device == 4
+    cfg = compose(
+        [
+            "actor.ppo_mini_batch_size=${oc.select:data.train_batch_size,8}",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=${oc.select:data.train_batch_size, 8}",
+            "data.train_batch_size=12",
+        ]
+    )
+    assert cfg.actor.ppo_mini_batch_size == 12
 
 
 # ---------------------------------------------------------------------------- trainer.logger

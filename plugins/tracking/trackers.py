@@ -4,7 +4,9 @@
 own entry point; every run also writes ``<run_dir>/metrics.jsonl``, :class:`rlplug.metrics.MetricsLog`.)
 
 Selected by the list ``trainer.logger`` (default ``[console, mlflow]``). Each registered object
-is a factory ``factory(config) -> tracker`` taking the whole resolved run config; a tracker has
+is a factory ``factory(config) -> tracker`` taking the whole resolved run config (a factory that also
+takes a ``resume_step`` keyword gets the step the trainer resumed from, 0 for a fresh start:
+:func:`rlplug.metrics.build_tracker`); a tracker has
 
 * ``log_params(params: dict) -> None``: run settings (nested dicts are flattened with ``.``);
 * ``log_metrics(metrics: dict[str, float], step: int) -> None``: one step's metrics, named
@@ -26,6 +28,15 @@ kept in ``<run_dir>/mlflow_run.json``; when the trainer will resume from a check
 (``trainer.resume_mode=auto`` with a complete ``global_step_N`` checkpoint in the run directory,
 or ``resume_mode=resume_path``) that MLflow run is continued, so a resumed training keeps one
 metric history; otherwise (a fresh start) a new run is created.
+
+Attempts: MLflow cannot delete metric points, so after a kill and a resume from the checkpoint of step
+``N`` the steps the lost attempt logged after ``N`` hold two values each (the lost attempt's and the
+resumed one's). Each attempt is numbered (1 for a fresh run, +1 per resume): the tag ``rlplug.attempt``
+holds the latest, ``rlplug.attempt.<n>.resume_step`` the step attempt ``n`` resumed after, and every
+logged step carries the metric ``trainer/attempt`` (the attempt number, logged with the same timestamp as
+the step's other metrics). :func:`clean_history` reads a metric's series as an uninterrupted run logs it
+(per step, the value of the last attempt that logged the step); ``<run_dir>/metrics.jsonl`` holds the
+same clean history for every metric (:func:`rlplug.metrics.read_metrics_jsonl`).
 
 What a run holds in MLflow: the flattened config as params (and the artifact ``config.yaml``);
 the tags ``rlplug.version``, ``rlplug.git_commit`` and ``rlplug.git_dirty`` (the git keys only
@@ -70,6 +81,10 @@ __all__ = [
     "MAX_PARAM_VALUE_LENGTH",
     "MAX_NAME_LENGTH",
     "MLFLOW_NAME_CHARS",
+    "ATTEMPT_TAG",
+    "ATTEMPT_METRIC",
+    "clean_history",
+    "clean_history_of_run_dir",
 ]
 
 log = logging.getLogger("rlplug.trackers")
@@ -81,6 +96,10 @@ _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
 _RUN_FILE = "mlflow_run.json"
 _STATUSES = {"finished": "FINISHED", "killed": "KILLED", "interrupted": "KILLED", "failed": "FAILED"}
+#: the run tag holding the latest attempt number (1: never resumed)
+ATTEMPT_TAG = "rlplug.attempt"
+#: the metric logged at every step with the number of the attempt that logged it
+ATTEMPT_METRIC = "trainer/attempt"
 
 
 # ============================================================================ helpers
@@ -311,8 +330,9 @@ def _quiet_mlflow() -> None:
 class MlflowTracker:
     """Logs params, metrics, tables and artifacts to MLflow (see the module docstring for the store).
 
-    ``factory(config, tracking_uri=None)``: ``config`` is the resolved run config; ``tracking_uri``
-    overrides ``MLFLOW_TRACKING_URI`` and the local default. On construction it opens (or
+    ``factory(config, tracking_uri=None, resume_step=None)``: ``config`` is the resolved run config; ``tracking_uri``
+    overrides ``MLFLOW_TRACKING_URI`` and the local default; ``resume_step`` is the step the trainer resumed
+    from (0: a fresh start, a new MLflow run; None: read from the run directory). On construction it opens (or
     continues) the run and logs the flattened config as params plus ``config.yaml``.
 
     Attributes: ``run_id``, ``tracking_uri``, ``experiment_id``, ``run_dir`` (Path),
@@ -321,7 +341,7 @@ class MlflowTracker:
     Raises ``mlflow.exceptions.MlflowException`` when the store cannot be opened.
     """
 
-    def __init__(self, config: Any, tracking_uri: str | None = None) -> None:
+    def __init__(self, config: Any, tracking_uri: str | None = None, resume_step: int | None = None) -> None:
         _quiet_mlflow()
         from mlflow.tracking import MlflowClient
 
@@ -339,7 +359,9 @@ class MlflowTracker:
         self._params: dict[str, str] | None = None
         self._warned: set[str] = set()
         self._tables: dict[str, dict] = {}
-        run_id = self._continue_run() if _will_resume(config, self.run_dir) else None
+        self._previous_attempt = 0
+        resuming = resume_step > 0 if resume_step is not None else _will_resume(config, self.run_dir)
+        run_id = self._continue_run() if resuming else None
         if run_id is None:
             run = self.client.create_run(
                 self.experiment_id, run_name=run_name, tags={"rlplug.run_dir": str(self.run_dir)}
@@ -347,6 +369,12 @@ class MlflowTracker:
             run_id = run.info.run_id
             self._params = {}
         self.run_id: str = run_id
+        #: this attempt's number: 1 for a fresh run, one more than the continued run's last attempt
+        self.attempt = self._previous_attempt + 1
+        from rlplug.checkpoint import tracker_resume_step  # lazy: torch
+
+        step = tracker_resume_step(config, self.run_dir, resume_step) if self.resumed else 0
+        self.set_tags({ATTEMPT_TAG: str(self.attempt), f"{ATTEMPT_TAG}.{self.attempt}.resume_step": str(step)})
         self._log_source_tags()
         (self.run_dir / _RUN_FILE).write_text(
             json.dumps({"run_id": self.run_id, "tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id})
@@ -391,6 +419,10 @@ class MlflowTracker:
         self.client.update_run(run.info.run_id, status="RUNNING")
         self.resumed = True
         self._params = dict(run.data.params)
+        try:
+            self._previous_attempt = int(run.data.tags.get(ATTEMPT_TAG, "1"))
+        except ValueError:  # a hand-edited tag: count this as the second attempt
+            self._previous_attempt = 1
         return run.info.run_id
 
     def _log_source_tags(self) -> None:
@@ -445,7 +477,8 @@ class MlflowTracker:
         self._params.update(todo)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Log ``metrics`` at ``step`` (names sanitized; non-numeric values skipped with a warning)."""
+        """Log ``metrics`` at ``step`` (names sanitized; non-numeric values skipped with a warning), and
+        ``trainer/attempt`` (:attr:`attempt`) at the same step and timestamp."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -458,8 +491,14 @@ class MlflowTracker:
                     log.warning("Metric '%s' is not a number (%r); not logged to MLflow.", key, type(value).__name__)
                 continue
             items.append(Metric(sanitize_name(key), v, now, int(step)))
+        if items:
+            items.append(Metric(ATTEMPT_METRIC, float(self.attempt), now, int(step)))
         for i in range(0, len(items), _MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i : i + _MAX_METRICS_PER_BATCH], synchronous=True)
+
+    def clean_history(self, key: str) -> list[tuple[int, float]]:
+        """:func:`clean_history` of the metric ``key`` (a verl name; sanitized here) in this run."""
+        return clean_history(self.client, self.run_id, sanitize_name(key))
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         """Log ``rows`` as the MLflow table ``tables/<name>`` (``.json`` added if missing), with a
@@ -546,6 +585,45 @@ class MlflowTracker:
             raise ValueError(f"close(status={status!r}): use 'FINISHED', 'KILLED' or 'FAILED'.")
         self.client.set_terminated(self.run_id, status=mlflow_status)
         self.closed = True
+
+
+# ============================================================================ reading the history back
+
+
+def clean_history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
+    """The series of the metric ``key`` (the name as logged: :func:`sanitize_name` of the verl name) of
+    the MLflow run ``run_id``, as an uninterrupted run would have logged it: ``[(step, value), ...]``
+    sorted by step, one value per step, the one logged by the last attempt that logged that step.
+
+    ``client`` is an ``mlflow.tracking.MlflowClient``. A point's attempt is the ``trainer/attempt`` value
+    logged at the same step with the same timestamp (:meth:`MlflowTracker.log_metrics` logs them in one
+    batch); points without one (runs logged before attempts were numbered) count as attempt 0, and among
+    equal attempts the later timestamp wins. Raises ``mlflow.exceptions.MlflowException`` for an unknown run.
+    """
+    attempt_of = {(m.step, m.timestamp): m.value for m in client.get_metric_history(run_id, ATTEMPT_METRIC)}
+    best: dict[int, tuple[tuple[float, int, int], float]] = {}
+    for order, m in enumerate(client.get_metric_history(run_id, key)):
+        rank = (attempt_of.get((m.step, m.timestamp), 0.0), m.timestamp, order)
+        if m.step not in best or rank > best[m.step][0]:
+            best[m.step] = (rank, m.value)
+    return [(step, value) for step, (_, value) in sorted(best.items())]
+
+
+def clean_history_of_run_dir(directory: str | os.PathLike, key: str) -> list[tuple[int, float]]:
+    """:func:`clean_history` of the verl metric name ``key`` in the MLflow run recorded in
+    ``<directory>/mlflow_run.json`` (the run directory of a training). Raises ``FileNotFoundError`` when
+    the run directory has no MLflow run."""
+    _quiet_mlflow()
+    from mlflow.tracking import MlflowClient
+
+    path = Path(directory) / _RUN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: no MLflow run was logged in {directory} (trainer.logger without mlflow?). "
+            "Read <run_dir>/metrics.jsonl instead (rlplug.metrics.read_metrics_jsonl)."
+        )
+    stored = json.loads(path.read_text())
+    return clean_history(MlflowClient(tracking_uri=stored["tracking_uri"]), stored["run_id"], sanitize_name(key))
 
 
 # ============================================================================ registration

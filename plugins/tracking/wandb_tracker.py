@@ -16,9 +16,14 @@ What it logs: every step's metrics with ``step=`` the global step, named with
 
 Resume: the run id is kept in ``<run_dir>/wandb_run.json``. When the trainer resumes from a checkpoint
 (``trainer.resume_mode=auto`` with a complete checkpoint, or ``resume_path``), the same id is used with
-``resume="allow"``, so ``wandb sync`` puts both attempts into one W&B run. W&B keeps a step it already has,
-so steps an earlier attempt logged after its last checkpoint keep that attempt's values there;
-``<run_dir>/metrics.jsonl`` (:func:`rlplug.metrics.read_metrics_jsonl`) is the clean history.
+``resume="allow"``, so ``wandb sync`` puts both attempts into one W&B run. W&B cannot delete logged points
+(and in offline mode nothing can be rewound): the steps the lost attempt logged after the checkpoint stay
+in its offline folder. Each attempt is numbered (1 for a fresh run, +1 per resume, kept in
+``wandb_run.json``): the run config holds ``rlplug.attempt`` and ``rlplug.resume_step`` of the latest, and
+every logged step carries the metric ``trainer/attempt``. :func:`clean_history` reads the offline folders
+of the run back (``run-<id>.wandb``, W&B's LevelDB-style record log of protobuf records) and returns every
+metric's series as an uninterrupted run logs it: per step, the values of the last attempt that logged the
+step. ``<run_dir>/metrics.jsonl`` (:func:`rlplug.metrics.read_metrics_jsonl`) holds the same clean history.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +43,11 @@ from rlplug.config import config_get
 from rlplug.metrics import metric_value as _number
 from rlplug.metrics import tracker_name
 
-__all__ = ["WandbTracker", "table_key"]
+__all__ = ["WandbTracker", "table_key", "ATTEMPT_METRIC", "history_records", "clean_history"]
 
 _RUN_FILE = "wandb_run.json"
+#: the metric logged at every step with the number of the attempt that logged it
+ATTEMPT_METRIC = "trainer/attempt"
 
 
 def _import_wandb() -> Any:
@@ -70,30 +78,19 @@ def table_key(name: str) -> str:
     return "tables/" + tracker_name(base)
 
 
-def _resuming(config: Any, run_dir: Path) -> bool:
-    """Whether the trainer continues a checkpoint of ``run_dir`` (:func:`rlplug.checkpoint.resume_checkpoint`)."""
-    from rlplug.checkpoint import CheckpointManager, resume_checkpoint
-
-    trainer = config_get(config, "trainer")
-    if trainer is None:
-        return False
-    try:
-        return resume_checkpoint(trainer, CheckpointManager(run_dir)) is not None
-    except Exception:  # an unreadable or missing resume path: the trainer reports it; start a new run here
-        return False
-
-
 class WandbTracker:
     """Logs to a W&B run (offline by default; see the module docstring).
 
-    ``factory(config)``: ``config`` is the resolved run config. Attributes: ``run`` (the ``wandb`` run),
-    ``run_id``, ``run_dir`` (Path), ``mode`` (``offline`` unless ``WANDB_MODE`` says otherwise) and
-    ``resumed`` (True when the run id of an earlier attempt was reused).
+    ``factory(config, resume_step=None)``: ``config`` is the resolved run config; ``resume_step`` the step
+    the trainer resumed from (0: fresh; None: read from the run directory). Attributes: ``run`` (the ``wandb`` run),
+    ``run_id``, ``run_dir`` (Path), ``mode`` (``offline`` unless ``WANDB_MODE`` says otherwise),
+    ``resumed`` (True when the run id of an earlier attempt was reused) and ``attempt`` (1 for a fresh run,
+    one more than the earlier attempt's on a resume).
 
     Raises ``ImportError`` naming the pip package when ``wandb`` is not installed.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, resume_step: int | None = None) -> None:
         from rlplug.trainer import run_dir_for
 
         wandb = _import_wandb()
@@ -102,13 +99,17 @@ class WandbTracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.mode = os.environ.get("WANDB_MODE") or "offline"
         self.closed = False
-        run_id, self.resumed = None, False
+        run_id, self.resumed, self.attempt = None, False, 1
         stored = self.run_dir / _RUN_FILE
-        if stored.is_file() and _resuming(config, self.run_dir):
+        from rlplug.checkpoint import tracker_resume_step  # lazy: torch
+
+        step = tracker_resume_step(config, self.run_dir, resume_step)
+        if stored.is_file() and step > 0:
             try:
-                run_id = str(json.loads(stored.read_text())["run_id"])
-                self.resumed = True
-            except (ValueError, KeyError):
+                record = json.loads(stored.read_text())
+                run_id = str(record["run_id"])
+                self.resumed, self.attempt = True, int(record.get("attempt", 1)) + 1
+            except (ValueError, KeyError, TypeError):
                 run_id = None
         plain: Any = {}
         try:
@@ -130,7 +131,12 @@ class WandbTracker:
             reinit="create_new",
         )
         self.run_id: str = str(self.run.id)
-        stored.write_text(json.dumps({"run_id": self.run_id, "mode": self.mode, "dir": str(self.run.dir)}))
+        self.run.config.update(
+            {"rlplug.attempt": self.attempt, "rlplug.resume_step": step if self.resumed else 0}, allow_val_change=True
+        )
+        stored.write_text(
+            json.dumps({"run_id": self.run_id, "mode": self.mode, "dir": str(self.run.dir), "attempt": self.attempt})
+        )
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Add the settings to the run config (the resolved config is already there); keys as logged."""
@@ -138,10 +144,13 @@ class WandbTracker:
             self.run.config.update({str(k): _scalar(v) for k, v in params.items()}, allow_val_change=True)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        """The numeric metrics at ``step`` (names mapped with :func:`rlplug.metrics.tracker_name`)."""
+        """The numeric metrics at ``step`` (names mapped with :func:`rlplug.metrics.tracker_name`), and
+        ``trainer/attempt`` (:attr:`attempt`) in the same row."""
         if self.closed:
             return
         values = {tracker_name(k): v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None}
+        if values:
+            values[ATTEMPT_METRIC] = self.attempt
         self.run.log(values, step=int(step))
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
@@ -179,6 +188,98 @@ class WandbTracker:
         if not self.closed:
             self.closed = True
             self.run.finish(exit_code=0 if str(status).upper() == "FINISHED" else 1)
+
+
+# ============================================================================ reading the history back
+
+_BLOCK = 32768  # the LevelDB log block size W&B's record files use
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _records(path: Path) -> Iterator[bytes]:
+    """The raw records of a W&B run file (``run-<id>.wandb``): a 7-byte header (``:W&B``, a 2-byte magic,
+    a version byte), then LevelDB log blocks of 32 KiB whose records carry a 7-byte header (CRC-32,
+    length, type: full / first / middle / last fragment). W&B's Python package no longer ships a reader
+    (its Go core writes the file), hence this one. A record cut short by a kill ends the scan."""
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file (it does not start with ':W&B').")
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        room = _BLOCK - pos % _BLOCK
+        if room < 7:  # a block's tail too short for a header is zero padding
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:  # zero padding up to the block end
+            pos += room
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if len(chunk) < length:
+            return
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+
+
+def history_records(run_dir: str | os.PathLike, run_id: str | None = None) -> list[dict[str, Any]]:
+    """Every history row W&B recorded for the run ``run_id`` (default: the one in ``<run_dir>/wandb_run.json``)
+    under ``<run_dir>/wandb/``, attempt after attempt (folders in the order of their start time, rows in
+    logging order), as ``{"_step": step, name: value, ...}`` dicts, values JSON-decoded. Raises
+    ``FileNotFoundError`` when there is no such run there."""
+    from wandb.proto import wandb_internal_pb2
+
+    root = Path(run_dir)
+    if run_id is None:
+        stored = root / _RUN_FILE
+        if not stored.is_file():
+            raise FileNotFoundError(f"{stored} is missing: no W&B run was logged in {root}.")
+        run_id = str(json.loads(stored.read_text())["run_id"])
+    files = sorted(root.glob(f"wandb/*-{run_id}/run-{run_id}.wandb"), key=lambda p: p.parent.name.split("-")[-2])
+    if not files:
+        raise FileNotFoundError(f"No W&B run files for run {run_id} under {root / 'wandb'}.")
+    rows = []
+    for file in files:
+        for raw in _records(file):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated protobuf module
+            record.ParseFromString(raw)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+    return rows
+
+
+def clean_history(run_dir: str | os.PathLike, run_id: str | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's series in the W&B run of ``run_dir`` (:func:`history_records`) as an uninterrupted run
+    logs it: ``{name: [(step, value), ...]}`` sorted by step, per metric and step the value logged by the
+    last attempt that logged it (``trainer/attempt``; rows without it count as attempt 0; among rows of one
+    attempt, the later wins).
+    W&B's own keys (``_step``, ``_timestamp``, ``_runtime``) and non-numeric values (tables) are left out."""
+    best: dict[tuple[str, int], tuple[float, float]] = {}  # (name, step) -> (attempt, value)
+    for row in history_records(run_dir, run_id):
+        step, attempt = int(row.get("_step", -1)), float(row.get(ATTEMPT_METRIC, 0))
+        for key, value in row.items():
+            number = _number(value) if not isinstance(value, str) else _nonfinite(value)
+            if key.startswith("_") or number is None:
+                continue
+            if (key, step) not in best or attempt >= best[key, step][0]:  # equal: the later row wins
+                best[key, step] = (attempt, number)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for (key, step), (_, value) in sorted(best.items()):
+        out.setdefault(key, []).append((step, value))
+    return out
+
+
+def _nonfinite(text: str) -> float | None:
+    return float(text) if text in ("NaN", "Infinity", "-Infinity", "nan", "inf", "-inf") else None
 
 
 @rlplug.hookimpl

@@ -175,12 +175,28 @@ def _quiet_view_warning() -> Iterator[None]:
 # ============================================================================ the backend
 
 
+def _dcp_failure(exc: BaseException) -> Exception:
+    """The error to raise for DCP's ``CheckpointException`` ``exc`` (a ``BaseException`` that
+    ``except Exception`` misses, raised on every rank when any rank's write failed): an ``OSError``
+    with the first failing rank's errno when it had one (``ENOSPC``: :mod:`rlplug.checkpoint` reports a
+    full disk, exit code 74), else a ``RuntimeError``; the message names the ranks and their errors."""
+    failures = getattr(exc, "failures", None) or {}
+    parts, code = [], None
+    for rank, pair in sorted(failures.items()):
+        err = pair[0] if isinstance(pair, tuple) else pair
+        parts.append(f"rank {rank}: {type(err).__name__}: {err}")
+        if code is None and isinstance(err, OSError) and err.errno is not None:
+            code = err.errno
+    msg = "The distributed checkpoint write failed (" + ("; ".join(parts) or str(exc)) + ")"
+    return OSError(code, msg) if code is not None else RuntimeError(msg)
+
+
 class FSDP2TrainingBackend(TrainingBackendBase):
     """Training backend sharded over a ``torch.distributed`` group (``trainer.backend=fsdp2``).
 
     Same factory signature, methods, metrics and checkpoint contract as
     :class:`rlplug.training.TrainingBackendBase` (see there and the module docstring), and the
-    same ``capabilities`` and ``per_token_outputs``. Every method is collective: all ranks must
+    same ``capabilities`` (but ``"lora"``: LoRA needs ``trainer=local``) and ``per_token_outputs``. Every method is collective: all ranks must
     call it, in the same order, with the same batch.
 
     Attributes:
@@ -195,6 +211,8 @@ class FSDP2TrainingBackend(TrainingBackendBase):
     backend_name = "fsdp2"
     log = logger
     coordinator: TorchDistributedCoordinator
+    #: no LoRA: adapters are not sharded here (rlplug.lora.check_lora_config refuses it at config time)
+    capabilities = TrainingBackendBase.capabilities - {"lora"}
 
     def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
         self._owns_group = False
@@ -544,14 +562,25 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         reshardable to any number of ranks), ``<role>/scheduler.pt`` for ``actor`` and ``critic``,
         ``actor/model.safetensors`` (full actor weights, Hugging Face names, for ``rlplug export``)
         and ``backend_state.json`` (counters, world size).
+
+        Raises on every rank when any rank's part failed (so no rank is left in a collective the others
+        skipped): a failed DCP write raises on every rank (DCP gathers every rank's result; its
+        ``CheckpointException`` is re-raised as the first failing rank's ``OSError``, errno kept, else a
+        ``RuntimeError``), and rank 0's own writes (schedulers, full weights, state file), done after every
+        collective, end in one agreement (:meth:`_agree_saved`): rank 0 raises its error, the others an
+        ``OSError`` with its errno (a full disk reads as one, ``ENOSPC``) or a ``RuntimeError``.
         """
         import torch.distributed.checkpoint as dcp
         from safetensors.torch import save_file
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        from rlplug.checkpoint import _fault_point
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         optim_saved: dict[str, bool] = {}
+        schedulers: dict[str, dict[str, Any]] = {}
         for role in self._roles():
             d = out / role.name
             d.mkdir(parents=True, exist_ok=True)
@@ -563,20 +592,51 @@ class FSDP2TrainingBackend(TrainingBackendBase):
                 state = {"model": model_sd, "optim": optim_sd}
             else:
                 state = {"model": get_model_state_dict(role.model)}
-            dcp.save(state, checkpoint_id=str(d / "dcp"))
-            if self.is_main_process:
-                torch.save(role.scheduler.state_dict(), d / "scheduler.pt")
-        actor_state = self._full_actor_state_on_main()
+            try:
+                dcp.save(state, checkpoint_id=str(d / "dcp"))
+            except CheckpointException as exc:  # raised on every rank alike: a BaseException, made an error
+                raise _dcp_failure(exc) from None
+            schedulers[role.name] = role.scheduler.state_dict()
+        actor_state = self._full_actor_state_on_main()  # the last collective before the agreement
+        error: Exception | None = None
         if self.is_main_process:
-            save_file(actor_state, str(out / "actor" / "model.safetensors"), metadata={"format": "pt"})
-            meta = {
-                r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
-                for r in self._roles()
-            }
-            meta["world_size"] = self.world_size  # type: ignore[assignment]
-            (out / STATE_FILE).write_text(json.dumps(meta, indent=1))
+            try:
+                for name, sd in schedulers.items():
+                    torch.save(sd, out / name / "scheduler.pt")
+                _fault_point("fsdp2_full_weights")  # testing aid: a write failing on rank 0 only
+                save_file(actor_state, str(out / "actor" / "model.safetensors"), metadata={"format": "pt"})
+                meta = {
+                    r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
+                    for r in self._roles()
+                }
+                meta["world_size"] = self.world_size  # type: ignore[assignment]
+                (out / STATE_FILE).write_text(json.dumps(meta, indent=1))
+            except Exception as exc:
+                error = exc
         del actor_state
-        self._barrier()
+        self._agree_saved(error, out)
+
+    def _agree_saved(self, error: Exception | None, directory: Path) -> None:
+        """The end of :meth:`save` on every rank (a collective; the barrier it replaces): each rank's
+        outcome is gathered on every rank (``all_gather_object``); a rank whose part failed raises its
+        ``error``; when another rank's failed, this one raises an ``OSError`` with that error's errno (a
+        full disk stays ``ENOSPC`` for :mod:`rlplug.checkpoint`) or a ``RuntimeError``, naming the rank."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else (type(error).__name__, str(error), getattr(error, "errno", None))
+        outcomes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outcomes, mine)
+        if error is not None:
+            raise error
+        failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+        if failed:
+            rank, (name, text, code) = failed[0]
+            msg = f"rank {rank} failed to write its part of the checkpoint in {directory}: {name}: {text}"
+            if isinstance(code, int):
+                raise OSError(code, msg)
+            raise RuntimeError(msg)
 
     def load(self, directory: str | Path) -> None:
         """Restore what :meth:`save` wrote, on any number of ranks (DCP reshards). Collective.

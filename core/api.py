@@ -1,0 +1,403 @@
+"""The Python entry points: :func:`train` (for TRL users) and :func:`score_response` (``rlplug reward``).
+
+::
+
+    import rlplug
+    from datasets import Dataset
+
+    def brevity(prompts, completions, **columns):          # TRL's reward-function contract
+        return [-len(c) / 100 for c in completions]
+
+    ds = Dataset.from_dict({"prompt": ["2 + 3 =", "7 - 4 ="], "answer": ["5", "3"]})
+    result = rlplug.train(["algorithm=grpo", "debug=tiny"], train_dataset=ds, reward_funcs=[brevity])
+    result.run_dir, result.metrics["critic/score/mean"]
+
+:func:`train` takes the config as Hydra override strings (``["algorithm=grpo", "rollout.n=4"]``, verl's
+key names too), as a dict / ``DictConfig`` of values merged onto the default config (``{"rollout": {"n":
+4}}``; a dict may hold ``"overrides"``: a list of override strings composed first, for config groups such
+as ``debug=tiny``), or as a config composed with :func:`rlplug.config.compose`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainResult", "train", "score_response", "build_config", "dataset_to_parquet", "register_reward_funcs"]
+
+#: the data_source of rows from a dataset without a ``data_source`` column
+DEFAULT_DATA_SOURCE = "trl"
+#: the distribution name of reward functions registered by :func:`train`
+_DIST = "rlplug.train"
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns: the run directory, how the run ended (``status``: ``"finished"`` or
+    ``"interrupted"``), the last global step, the final model folder (None unless finished), ``metrics``
+    (every metric logged at the last step, verl's names: ``critic/score/mean``, ``actor/pg_loss`` ...) and
+    ``history`` (the run's ``metrics.jsonl`` records, one dict per logged step)."""
+
+    run_dir: Path
+    status: str
+    global_step: int
+    final_model: Path | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_config(config_or_overrides: Any = None) -> Any:
+    """The run config (composed, writable, not yet validated) from what :func:`train` accepts (see the
+    module docstring). Raises :class:`rlplug.config.ConfigError` for an unknown key or a bad value, and
+    ``TypeError`` for another kind of argument."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config import ConfigError, compose
+
+    if config_or_overrides is None:
+        config_or_overrides = []
+    if isinstance(config_or_overrides, str):
+        raise TypeError(f"train() takes a list of override strings, not one string: use [{config_or_overrides!r}].")
+    if (
+        isinstance(config_or_overrides, DictConfig)
+        and "trainer" in config_or_overrides
+        and "data" in config_or_overrides
+    ):
+        cfg = config_or_overrides.copy()  # already composed
+        OmegaConf.set_readonly(cfg, False)
+        return cfg
+    if isinstance(config_or_overrides, (Mapping, DictConfig)):
+        values = OmegaConf.to_container(OmegaConf.create(dict(config_or_overrides)), resolve=False)
+        assert isinstance(values, dict)
+        overrides = values.pop("overrides", []) or []
+        cfg = compose([str(o) for o in overrides])
+        OmegaConf.set_readonly(cfg, False)
+        try:
+            merged = OmegaConf.merge(cfg, values)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"train(): the config dict does not fit the schema: {exc}") from exc
+        return merged
+    if isinstance(config_or_overrides, Sequence):
+        cfg = compose([str(o) for o in config_or_overrides])
+        OmegaConf.set_readonly(cfg, False)
+        return cfg
+    raise TypeError(
+        f"train() takes a list of override strings, a dict or a DictConfig; got {type(config_or_overrides).__name__}."
+    )
+
+
+def dataset_to_parquet(dataset: Any, path: str | Path) -> Path:
+    """Write ``dataset`` (a Hugging Face ``datasets.Dataset``, a list of dicts or a dict of columns, in TRL's
+    layout) as a parquet file in verl's row schema (:mod:`rlplug.data`) at ``path``; returns ``path``.
+
+    Each example needs a ``prompt``: a string or a list of ``{role, content}`` messages (TRL's standard and
+    conversational formats). ``data_source`` and ``reward_model`` (``{ground_truth}``) columns are used when
+    present (else ``data_source="trl"`` and a ``ground_truth`` column, or ""); ``extra_info`` gets the
+    example's ``extra_info`` entries, every other column, and the prompt as it was under ``"prompt"``, so a
+    TRL-contract reward function receives the prompts and columns TRL would pass
+    (:mod:`rlplug.reward_contract`).
+
+    Raises:
+        rlplug.data.DatasetError: an empty dataset or an example without a ``prompt``.
+    """
+    return _write_rows(_verl_rows(dataset), Path(path))
+
+
+def _verl_rows(dataset: Any) -> list[dict[str, Any]]:
+    """``dataset`` as a list of rows in verl's schema (:func:`dataset_to_parquet`); raises ``DatasetError``."""
+    from .data import DatasetError
+
+    if isinstance(dataset, Mapping) and all(isinstance(v, list) for v in dataset.values()):  # columns
+        dataset = [dict(zip(dataset, values)) for values in zip(*dataset.values())]
+    elif hasattr(dataset, "keys") and hasattr(dataset, "values") and not hasattr(dataset, "to_list"):
+        raise DatasetError(
+            f"train(): got a {type(dataset).__name__} of splits {sorted(dataset.keys())}; pass one split, e.g. "
+            "train_dataset=ds['train'], eval_dataset=ds['test']."
+        )
+    examples = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    if not examples:
+        raise DatasetError("train(): the dataset has no rows.")
+    rows = []
+    for i, ex in enumerate(examples):
+        if not isinstance(ex, Mapping) or "prompt" not in ex:
+            cols = sorted(ex) if isinstance(ex, Mapping) else type(ex).__name__
+            raise DatasetError(
+                f"train(): dataset row {i} has no 'prompt' (columns: {cols}); TRL's convention is a 'prompt' column "
+                "holding a string or a list of {role, content} messages. Rename the column or add it."
+            )
+        prompt = ex["prompt"]
+        others = {k: v for k, v in ex.items() if k not in ("prompt", "data_source", "reward_model", "extra_info")}
+        rm = ex.get("reward_model")
+        gt = rm.get("ground_truth") if isinstance(rm, Mapping) else ex.get("ground_truth")
+        rows.append(
+            {
+                "data_source": str(ex.get("data_source") or DEFAULT_DATA_SOURCE),
+                "prompt": prompt,
+                "reward_model": {"style": "rule", "ground_truth": "" if gt is None else str(gt)},
+                "extra_info": {**dict(ex.get("extra_info") or {}), **others, "prompt": prompt},
+            }
+        )
+    return rows
+
+
+def _write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Write ``rows`` to ``path`` atomically (a temp file, then ``os.replace``); returns ``path``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def dataset_file_name(rows: list[dict[str, Any]], stem: str) -> str:
+    """The content-addressed file name of ``rows`` (verl-schema rows): ``<stem>-<16 hex>.parquet``, the hex
+    digits the start of the sha256 of the rows as canonical JSON (sorted keys; values JSON cannot hold as
+    their ``repr``). The same data always gets the same name, different data another one, so
+    :func:`train` never overwrites a file an earlier run of the same run dir read, and the run fingerprint
+    (which holds ``data.train_files``) changes with the data: resuming with other data is refused."""
+    blob = json.dumps(rows, sort_keys=True, default=repr, ensure_ascii=False).encode()
+    return f"{stem}-{hashlib.sha256(blob).hexdigest()[:16]}.parquet"
+
+
+def _data_files(data: Any, folder: Path, stem: str) -> list[str]:
+    """``data`` as ``data.*_files``: path(s) as given, else a dataset written to ``folder`` under its
+    content-addressed name (:func:`dataset_file_name`; an existing file of that name already holds it)."""
+    if isinstance(data, (str, os.PathLike)):
+        return [str(data)]
+    if isinstance(data, Sequence) and data and all(isinstance(x, (str, os.PathLike)) for x in data):
+        return [str(x) for x in data]
+    rows = _verl_rows(data)
+    path = folder / dataset_file_name(rows, stem)
+    return [str(path if path.is_file() else _write_rows(rows, path))]
+
+
+def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, contract: str = "auto") -> list[str]:
+    """Register ``reward_funcs`` (functions, with TRL's or verl's contract, or names of registered reward
+    functions) as kind ``reward_function`` and return their names. A function is registered under its
+    ``__name__`` (``reward_func_<i>`` for a lambda) with the contract :func:`rlplug.reward_contract.as_reward_function`
+    finds (or ``contract``); a name registered by an earlier :func:`train` call in this process is replaced.
+
+    Raises:
+        rlplug.config.ConfigError: the name is taken by an installed plugin (rename the function), or a
+            contract cannot be told (:class:`rlplug.reward_contract.RewardContractError` as the cause).
+    """
+    from .config import ConfigError
+    from .registry import get_registry
+    from .reward_contract import RewardContractError, as_reward_function
+
+    registry = registry or get_registry()
+    names: list[str] = []
+    for i, fn in enumerate(reward_funcs):
+        if isinstance(fn, str):
+            names.append(fn)
+            continue
+        try:
+            obj = as_reward_function(fn, contract)
+        except RewardContractError as exc:
+            raise ConfigError(str(exc)) from exc
+        name = str(getattr(obj, "name", None) or getattr(fn, "__name__", ""))
+        if not name.isidentifier():
+            name = f"reward_func_{i}"
+        existing = registry.entries["reward_function"].get(name)
+        if existing is not None and existing.distribution != _DIST:
+            raise ConfigError(
+                f"train(): a reward function named '{name}' is already registered by {existing.distribution}; "
+                "rename your function (the name selects it in reward.reward_fn_map / reward.shaping)."
+            )
+        registry.entries["reward_function"].pop(name, None)
+        registry.register("reward_function", name, obj, distribution=_DIST)
+        names.append(name)
+    return names
+
+
+def train(
+    config_or_overrides: Any = None,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+    reward_funcs: Sequence[Any] | Callable[..., Any] | None = None,
+) -> TrainResult:
+    """Train with rlplug from Python, TRL-style; returns a :class:`TrainResult`.
+
+    Args:
+        config_or_overrides: Hydra override strings, a dict / ``DictConfig`` (module docstring), or None
+            (the default experiment).
+        train_dataset: a ``datasets.Dataset`` (or list of dicts) with a ``prompt`` column, written to
+            ``<run dir>/datasets/train-<hash of the data>.parquet`` (:func:`dataset_file_name`: never
+            overwritten, so a live or earlier run's data stays as it read it), or parquet path(s) in verl's
+            schema; sets ``data.train_files`` (``data.task`` is then unused). None: the config's data.
+        eval_dataset: the same for validation (``data.val_files``); needs ``train_dataset`` or
+            ``data.train_files`` (a prepared ``data.task`` brings its own test split).
+        reward_funcs: reward functions with TRL's batched contract ``fn(prompts, completions, **columns)
+            -> list[float]`` or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``
+            (told apart by :func:`rlplug.reward_contract.as_reward_function`), or registered names. They
+            score every data source: the first is the correctness function (``reward.default``, with
+            ``reward.reward_fn_map`` emptied), the others are ``reward.shaping`` terms of weight 1.0 (TRL
+            sums its reward functions). None: the config's reward.
+
+    Raises:
+        rlplug.config.ConfigError: a bad config, a reward-function name clash or contract problem, or
+            eval data without training files.
+        rlplug.data.DatasetError: a dataset without rows or prompts.
+        rlplug.exit_codes.TrainingStopped: the run stopped early (non-finite steps, reward failures, an
+            alert); its checkpoint is intact.
+    """
+    from omegaconf import open_dict
+
+    from .config import ConfigError
+    from .metrics import read_metrics_jsonl
+    from .trainer import Trainer, run_dir_for
+    from .validate import validate_config
+
+    cfg = build_config(config_or_overrides)
+    run_dir = run_dir_for(cfg)
+    with open_dict(cfg):
+        if train_dataset is not None:
+            cfg.data.train_files = _data_files(train_dataset, run_dir / "datasets", "train")
+            cfg.data.prompt_key = "prompt"
+        if eval_dataset is not None:
+            if not cfg.data.train_files:
+                raise ConfigError(
+                    "train(eval_dataset=...) needs train_dataset (or data.train_files): with data.task the "
+                    "validation set is the task's prepared test split."
+                )
+            cfg.data.val_files = _data_files(eval_dataset, run_dir / "datasets", "eval")
+        if reward_funcs is not None:
+            funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
+            if not funcs:
+                raise ConfigError(
+                    "train(reward_funcs=[]): give at least one reward function, or None for the config's."
+                )
+            names = register_reward_funcs(funcs)
+            cfg.reward.reward_fn_map = {}
+            cfg.reward.default = names[0]
+            cfg.reward.custom_reward_function.path = None
+            cfg.reward.shaping = [{"name": n, "weight": 1.0} for n in names[1:]]
+    validate_config(cfg)
+    from omegaconf import OmegaConf
+
+    OmegaConf.set_readonly(cfg, False)
+    trainer = Trainer(cfg)
+    try:
+        status = trainer.fit()
+        step = trainer.global_step
+    finally:
+        trainer.close()
+    history = read_metrics_jsonl(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    metrics: dict[str, float] = {}
+    for record in history:
+        if record.get("step") == step:
+            metrics.update({k: v for k, v in record.items() if k not in ("step", "wall_time")})
+    final = run_dir / "final_model"
+    return TrainResult(
+        run_dir=run_dir,
+        status=status,
+        global_step=step,
+        final_model=final if status == "finished" and final.is_dir() else None,
+        metrics=metrics,
+        history=history,
+    )
+
+
+def score_response(
+    cfg: Any,
+    *,
+    data_source: str,
+    response: str,
+    ground_truth: Any = None,
+    extra_info: Mapping[str, Any] | None = None,
+    prompt: str | None = None,
+    response_length: int | None = None,
+    registry: Any = None,
+) -> dict[str, Any]:
+    """Score one ``response`` with the run config's reward pipeline (``cfg.reward``: the data source's
+    correctness function, the ``reward.shaping`` terms, the overlong penalty when
+    ``reward.overlong_buffer.enable``), as training does (:meth:`rlplug.reward.RewardManager.score`).
+
+    ``response_length`` (tokens, EOS included) feeds the overlong penalty; None: the response's token count
+    under the config's tokenizer plus one for the EOS (loaded only when the penalty is on). ``prompt`` (one
+    user message) is passed as the row's chat messages (a reward model or a TRL-contract function reads it).
+
+    Returns a dict: ``total`` (the score), ``function`` (the correctness function and the setting that chose
+    it), ``terms`` (a list of ``{name, value, weight, contribution}``: ``correctness``, each
+    ``shaping/<name>``, ``overlong_reward``; the contributions sum to ``total``), ``reported`` (the other
+    values the functions reported: ``acc``, ``format`` ...), ``failed`` and ``error`` (a reward failure's
+    message, the score is then ``reward.fallback_score``), ``response_length``.
+
+    Raises:
+        rlplug.reward.RewardConfigError: no reward function for ``data_source`` (the message lists the
+            choices), or a bad reward config.
+    """
+    from .reward import FAILED, RewardManager
+
+    row: dict[str, Any] = {
+        "data_source": data_source,
+        "ground_truth": ground_truth,
+        "extra_info": dict(extra_info or {}),
+        "messages": [{"role": "user", "content": prompt}] if prompt is not None else None,
+    }
+    with RewardManager(cfg.reward, registry=registry) as reward:
+        reward.check_data_sources([data_source])
+        if reward.overlong is not None and response_length is None:
+            from .models import load_tokenizer, resolve_model_path
+
+            tok = load_tokenizer(resolve_model_path(cfg.model), trust_remote_code=bool(cfg.model.trust_remote_code))
+            response_length = len(tok(response, add_special_tokens=False)["input_ids"]) + 1
+        lengths = [int(response_length)] if response_length is not None else None
+        scores, extra, _ = reward.score([row], [response], lengths=lengths)
+        cw = float(getattr(reward, "correctness_weight", 1.0))
+        terms: list[dict[str, Any]] = [{"name": "correctness", "value": extra["correctness"][0], "weight": cw}]
+        terms += [
+            {"name": f"shaping/{label}", "value": extra[f"shaping/{label}"][0], "weight": w}
+            for label, _, w, _ in reward.shaping
+        ]
+        if "overlong_reward" in extra:
+            terms.append({"name": "overlong_reward", "value": extra["overlong_reward"][0], "weight": 1.0})
+        for t in terms:
+            t["contribution"] = t["weight"] * t["value"]
+        shown = {t["name"] for t in terms} | {FAILED, "overlong"}
+        reported = {k: v[0] for k, v in extra.items() if k not in shown}
+        return {
+            "total": scores[0],
+            "function": f"{reward.fn_name_for(data_source)} (chosen by {reward.chosen_by(data_source)})",
+            "terms": terms,
+            "reported": reported,
+            "failed": bool(extra[FAILED][0]),
+            "error": reward.last_error,
+            "response_length": response_length,
+        }
+
+
+def print_score(result: Mapping[str, Any], console: Any) -> None:
+    """Print :func:`score_response`'s result with ``console`` (a ``rich.console.Console``): the function,
+    a table of the terms (value, weight, contribution), the other reported values and the total."""
+    from rich.table import Table
+
+    console.print(f"correctness function: {result['function']}", markup=False, highlight=False)
+    table = Table()
+    for col in ("term", "value", "weight", "contribution"):
+        table.add_column(col)
+    for t in result["terms"]:
+        table.add_row(t["name"], f"{t['value']:g}", f"{t['weight']:g}", f"{t['contribution']:g}")
+    table.add_row("total", "", "", f"{result['total']:g}")
+    console.print(table)
+    if result["reported"]:
+        console.print(
+            "also reported: "
+            + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in result["reported"].items()),
+            markup=False,
+            highlight=False,
+        )
+    if result["response_length"] is not None:
+        console.print(f"response length: {result['response_length']} tokens", markup=False, highlight=False)
+    if result["failed"]:
+        console.print(f"reward FAILED: {result['error']}", markup=False, highlight=False)
+    console.print(f"total: {result['total']:g}", markup=False, highlight=False)

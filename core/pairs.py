@@ -1,0 +1,261 @@
+"""Preference pairs: reading them (``rlplug rm train``) and building them from a task (``rlplug data pairs``).
+
+A pairs file is a parquet table with one pair per row::
+
+    prompt         list<struct{role, content}>   the chat messages (a plain string is one user message)
+    chosen         str                           the preferred response
+    rejected       str                           the other response
+    chosen_source  str (optional)                "sample" (a sampled response the rule reward scored
+                                                 correct) or "reference" (the task's answer, formatted)
+    data_source, ground_truth  str (optional)    the task row the pair comes from
+
+:func:`build_pairs` labels sampled responses with the rule reward (a response is correct when its
+correctness function reports ``acc`` 1): for each prompt the first correct sample is ``chosen`` and
+the first incorrect one ``rejected``. When no sample of a prompt is correct, ``chosen`` is the
+reference answer in the recipe's format (``#### <answer>``, :func:`reference_answer`) and
+``chosen_source`` says ``reference``; a prompt whose samples are all correct gives no pair.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .reward_model import RewardModelError
+
+__all__ = ["PAIR_COLUMNS", "build_pairs", "make_pairs", "read_pairs", "reference_answer", "write_pairs"]
+
+logger = logging.getLogger("rlplug.pairs")
+
+#: the columns ``rlplug rm train`` needs
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise RewardModelError(f"{where}: the prompt is empty; each pair needs the prompt its responses answer.")
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        from .data import ALLOWED_ROLES
+
+        for j, m in enumerate(prompt):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str) or role not in ALLOWED_ROLES:
+                raise RewardModelError(
+                    f"{where}: message {j} of the prompt has role {role!r}; allowed roles: {', '.join(ALLOWED_ROLES)}."
+                )
+            if content is not None and not isinstance(content, str):
+                raise RewardModelError(
+                    f"{where}: message {j} of the prompt has content {type(content).__name__} {content!r:.60}; "
+                    "expected a string."
+                )
+        msgs = [{"role": str(m["role"]), "content": m.get("content") or ""} for m in prompt]
+        if all(not m["content"].strip() for m in msgs):
+            raise RewardModelError(f"{where}: every message of the prompt is empty.")
+        return msgs
+    raise RewardModelError(
+        f"{where}: the prompt is {type(prompt).__name__} {prompt!r:.60}; expected a string or a list of "
+        "{role, content} messages."
+    )
+
+
+def read_pairs(path: str | Path) -> list[dict[str, Any]]:
+    """The pairs of a parquet file as ``[{prompt: messages, chosen: str, rejected: str}, ...]``.
+
+    Raises:
+        RewardModelError: a missing or unreadable file, a missing column (the message lists the
+            columns found), an empty prompt / chosen / rejected, a non-string response, a prompt message
+            with a role outside :data:`rlplug.data.ALLOWED_ROLES` or non-string content, or a pair whose
+            chosen and rejected responses are the same text (it carries no preference).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise RewardModelError(f"--pairs {p}: no such file. Build one with `rlplug data pairs TASK --out {p}`.")
+    try:
+        table = pq.read_table(str(p))
+    except (pa.ArrowException, OSError) as exc:
+        raise RewardModelError(f"--pairs {p}: not a readable parquet file ({exc}).") from exc
+    missing = [c for c in PAIR_COLUMNS if c not in table.column_names]
+    if missing:
+        raise RewardModelError(
+            f"--pairs {p} lacks the column(s) {missing}; found {table.column_names}. A pairs file needs "
+            f"{', '.join(PAIR_COLUMNS)} (prompt: a string or chat messages; chosen/rejected: the two responses)."
+        )
+    cols = {c: table.column(c).to_pylist() for c in PAIR_COLUMNS}
+    rows = []
+    for i in range(table.num_rows):
+        where = f"--pairs {p} row {i}"
+        prompt = _messages(cols["prompt"][i], where)
+        texts = {}
+        for c in ("chosen", "rejected"):
+            v = cols[c][i]
+            if not isinstance(v, str) or not v.strip():
+                raise RewardModelError(f"{where}: '{c}' is {v!r:.60}; expected a non-empty response string.")
+            texts[c] = v
+        if texts["chosen"].strip() == texts["rejected"].strip():
+            raise RewardModelError(
+                f"{where}: chosen and rejected are the same text ({texts['chosen']!r:.60}), so the pair prefers "
+                "nothing. Drop the row or give it a different rejected response."
+            )
+        rows.append({"prompt": prompt, **texts})
+    if not rows:
+        raise RewardModelError(f"--pairs {p} has no rows.")
+    return rows
+
+
+def reference_answer(row: Mapping[str, Any]) -> str:
+    """The task's own answer in the recipe's format (the ``####`` line the default instructions ask
+    for): ``#### <extra_info.answer>``, or the ground truth when the row has no answer."""
+    extra = row.get("extra_info") or {}
+    answer = extra.get("answer") if isinstance(extra, Mapping) else None
+    if answer is None or not str(answer).strip():
+        answer = row.get("ground_truth")
+    return f"#### {str(answer).strip()}"
+
+
+def build_pairs(
+    rows: Sequence[Mapping[str, Any]],
+    sample: Callable[[Sequence[Mapping[str, Any]]], Sequence[Sequence[str]]],
+    reward: Any,
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Preference pairs for ``rows`` (dataset rows with ``messages``, ``data_source``, ``ground_truth``).
+
+    ``sample(rows)`` returns the sampled responses of each row (a list per row); ``reward`` is a
+    :class:`rlplug.reward.RewardManager` (the rule reward) that labels them: ``acc >= 0.5`` correct,
+    else incorrect (a response whose reward failed is neither). See the module docstring for the
+    choice. Returns ``(pairs, counts)``: pairs with the columns of the module docstring, counts
+    ``prompts``, ``pairs``, ``chosen_from_reference``, ``all_correct`` (prompts without a pair).
+    """
+    from .reward import FAILED
+
+    samples = [list(s) for s in sample(rows)]
+    if len(samples) != len(rows):
+        raise ValueError(f"sample() returned responses for {len(samples)} prompts; expected {len(rows)}")
+    flat_rows = [rows[i] for i, s in enumerate(samples) for _ in s]
+    flat = [t for s in samples for t in s]
+    _, extra, _ = reward.score(flat_rows, flat, report_acc=True) if flat else ([], {"acc": []}, {})
+    acc, failed = list(extra["acc"]), list(extra.get(FAILED) or [0.0] * len(flat))
+    pairs: list[dict[str, Any]] = []
+    counts = {"prompts": len(rows), "pairs": 0, "chosen_from_reference": 0, "all_correct": 0}
+    pos = 0
+    for row, texts in zip(rows, samples):
+        labels = [(t, acc[pos + j] >= 0.5, bool(failed[pos + j])) for j, t in enumerate(texts)]
+        pos += len(texts)
+        correct = [t for t, ok, bad in labels if ok and not bad]
+        wrong = [t for t, ok, bad in labels if not ok and not bad and t.strip()]
+        if not wrong:
+            counts["all_correct"] += 1
+            continue
+        source = "sample" if correct else "reference"
+        chosen = correct[0] if correct else reference_answer(row)
+        rejected = next((t for t in wrong if t.strip() != chosen.strip()), None)
+        if rejected is None:
+            continue
+        counts["chosen_from_reference"] += source == "reference"
+        pairs.append(
+            {
+                "prompt": [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"]],
+                "chosen": chosen,
+                "rejected": rejected,
+                "chosen_source": source,
+                "data_source": str(row["data_source"]),
+                "ground_truth": str(row["ground_truth"]),
+            }
+        )
+    counts["pairs"] = len(pairs)
+    return pairs, counts
+
+
+def write_pairs(pairs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Write ``pairs`` (:func:`build_pairs`) to the parquet file ``path`` (folders created)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    msg = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    schema = pa.schema(
+        [("prompt", msg)]
+        + [(c, pa.string()) for c in ("chosen", "rejected", "chosen_source", "data_source", "ground_truth")]
+    )
+    out = Path(path).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([dict(p) for p in pairs], schema=schema), str(out))
+    return out
+
+
+def make_pairs(
+    task: str, out: str | Path, *, overrides: Sequence[str] = (), size: int = 256, n: int = 4
+) -> dict[str, Any]:
+    """``rlplug data pairs TASK --out PAIRS.parquet``: sample ``n`` responses for each of ``size`` training
+    prompts of the reasoning-gym ``task`` with the run's model and rollout backend (``overrides``: the
+    run config, e.g. ``debug=tiny``, ``rollout.temperature``), label them with the rule reward
+    (``reward.*``, the reward model off) and write the pairs (:func:`build_pairs`, :func:`write_pairs`).
+
+    Returns the counts of :func:`build_pairs` with ``path``. Raises ``ConfigError`` for a bad config or task.
+    """
+    from .config import compose
+    from .data import read_dataset
+    from .data_prepare import prepare_dataset
+    from .models import load_tokenizer, resolve_model_path
+    from .registry import get_registry
+    from .reward import RewardManager
+    from .trainer import sampling_params
+
+    cfg = compose([*overrides, f"data.task={task}", "reward.reward_model.enable=false"])
+    registry = get_registry()
+    reward = RewardManager(cfg.reward, registry=registry)
+    model_path = resolve_model_path(cfg.model)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
+    with tempfile.TemporaryDirectory(prefix="rlplug-pairs-") as tmp:
+        d = cfg.data
+        kwargs = dict(d.task_kwargs) if d.get("task_kwargs") else None
+        files = prepare_dataset(
+            task,
+            tmp,
+            train_size=size,
+            test_size=1,
+            seed=int(d.seed or 0),
+            task_kwargs=kwargs,
+            instruction=d.instruction,
+        )
+        ds = read_dataset(files["train_path"], tokenizer=tokenizer, max_prompt_length=int(d.max_prompt_length))
+        rows = [ds[i] for i in range(len(ds))]
+    params = sampling_params(cfg, step=0)
+    params.n = int(n)
+    rollout = registry.get("rollout_backend", cfg.rollout.name)(cfg, model_path, tokenizer)
+
+    def sample(batch: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+        got: list[list[str]] = [[] for _ in batch]
+        step = int(cfg.data.train_batch_size)
+        for lo in range(0, len(batch), step):
+            chunk = batch[lo : lo + step]
+            rollout.wake_up()
+            try:
+                res = rollout.generate([list(r["prompt_ids"]) for r in chunk], params)
+            finally:
+                rollout.sleep()
+            texts = tokenizer.batch_decode(res.response_ids, skip_special_tokens=True)
+            for i, t in zip(res.prompt_index, texts):
+                got[lo + i].append(t)
+        return got
+
+    try:
+        pairs, counts = build_pairs(rows, sample, reward)
+    finally:
+        rollout.close()
+        reward.close()
+    path = write_pairs(pairs, out)
+    if counts["chosen_from_reference"]:
+        logger.warning(
+            "%d of %d pairs have the reference answer as chosen (no sample of their prompt was correct; column "
+            "chosen_source=reference).",
+            counts["chosen_from_reference"],
+            counts["pairs"],
+        )
+    return {**counts, "path": str(path)}
