@@ -32,7 +32,9 @@ held-but-free (``mallinfo2``: uordblks + hblkhd, and fordblks), and the bytes of
 tensors the garbage collector can reach (unique storages, MiB). Growing free heap with flat
 tensor bytes is fragmentation; growing tensor bytes is a live reference; growing RssShmem is
 shared memory (the weight pushes to the engine). ``--trim`` calls glibc's ``malloc_trim(0)``
-after each step's record and logs the RSS after it too (it returns freed heap to the system).
+after each step's record and logs the RSS after it too (it returns freed heap to the system). The
+trainer itself trims after every step unless ``trainer.malloc_trim=false`` (:mod:`rlplug.host_memory`);
+pass that override to measure the allocator's growth without it.
 
 Extra arguments are Hydra overrides (e.g. ``algorithm=grpo rollout.n=4``).
 """
@@ -327,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{half_slope:+.4f} MiB/step; Python objects {obj_slope:+.1f}/step; "
         f"median step {np.median([r[3] for r in recorder.rows]):.2f} s. "
         f"Overrides: {' '.join(shown)}. "
-        f"Host: {os.cpu_count()} cores, torch threads {args.threads}."
+        f"Host: {os.cpu_count()} cores, torch threads {args.threads}; "
+        f"trainer.malloc_trim={str(bool(cfg.trainer.malloc_trim)).lower()}."
     )
     if tree is not None:
         summary += (

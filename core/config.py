@@ -638,6 +638,9 @@ class TrainerConfig:
     dump_rollouts_freq: int = 1
     #: stop after this many wall-clock seconds (None: no limit); a checkpoint is written
     max_wall_time_s: float | None = None
+    #: after every step, return the C heap's free memory to the OS (glibc malloc_trim(0); nothing elsewhere):
+    #: the resident size then follows what the process uses (rlplug.host_memory; logged: perf/rss_gb)
+    malloc_trim: bool = True
     #: backend-specific settings (fsdp2: mixed precision, offload, ...)
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
     #: metric alerts evaluated after every step, each {metric, max | min, action, factor, patience, name,

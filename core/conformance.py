@@ -480,10 +480,18 @@ def check_reward_function(
     function's ``reward.kwargs.<name>``. Checks: the Protocol (verl's call signature); every result
     is a float (or int) or a dict with a finite float ``"score"`` and float-convertible extras;
     the same call gives the same result; with ``picklable`` (needed by ``reward.num_workers > 0``)
-    ``pickle`` round-trips it.
+    ``pickle`` round-trips it. A function with the optional ``prepare(kwargs)`` method (start-up
+    work the reward manager runs once, outside ``reward.timeout_s``: see
+    :class:`rlplug.types.RewardFunction`) has it called with ``kwargs`` twice before the cases (it
+    must accept one mapping, return None and be idempotent).
     """
     fn = _resolve("reward_function", fn)
     check_protocol("reward_function", fn)
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:
+        assert callable(prepare), f"the reward function's 'prepare' must be a method, got {type(prepare).__name__}"
+        for _ in range(2):  # idempotent: the manager calls it again after a close
+            assert prepare(dict(kwargs or {})) is None, "prepare(kwargs) must return None"
     cases = list(
         cases
         or [

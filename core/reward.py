@@ -743,6 +743,7 @@ class RewardManager:
             self._fns[self.custom.label] = self.custom
             self.fn_kwargs[self.custom.label] = dict(_section(cfg["custom_reward_function"]).get("reward_kwargs") or {})
         self._reported = False  # check_data_sources' one-time warnings
+        self._prepared = False  # prepare() ran (score() calls it first; close() undoes it)
         #: DAPO's overlong shaping ({len, penalty_factor, log, max_resp_len}) or None (off): overlong_config()
         self.overlong = overlong_config(cfg)
 
@@ -960,6 +961,7 @@ class RewardManager:
         n = len(responses)
         ds, gts, extras = self._fields(rows_or_fields, n)
         self.check_data_sources(set(ds))
+        self.prepare()  # start-up work (a judge's server) outside every per-response timeout
         for i, r in enumerate(responses):
             if not isinstance(r, str):
                 raise TypeError(f"responses[{i}] is {type(r).__name__}; expected decoded text (str).")
@@ -1191,6 +1193,48 @@ class RewardManager:
         if pool is not None:
             pool.kill()
 
+    def prepare(self) -> None:
+        """Call ``fn.prepare(kwargs)`` once on every configured reward function that has a ``prepare``
+        method (the ``judge`` starts its server, a reward model loads), with the kwargs it scores with:
+        the correctness functions of ``reward.default`` and ``reward.reward_fn_map`` with
+        ``reward.kwargs.<name>``, the custom function with its ``reward_kwargs``, each shaping entry with
+        its own. It runs in this process with **no** ``reward.timeout_s``: start-up work that takes
+        minutes must not be charged to the first responses' timeouts (which would turn every one of
+        them into a fallback score). The trainer calls it at setup, before any rollout, so a function
+        that cannot start fails the run before compute is spent; :meth:`score` calls it first when
+        nobody has. Idempotent until :meth:`close`. Functions run in ``reward.num_workers`` worker
+        processes are prepared here too, not in the workers.
+
+        Raises:
+            whatever a ``prepare`` raises (e.g. :class:`rlplug.plugins.rewards.judge.JudgeServerError`
+            for a judge server that does not start), unchanged: it is a setup failure, not a
+            failure to score one response.
+        """
+        if self._prepared:
+            return
+        entries: list[tuple[str, Callable, dict]] = []
+        names = [n for n in dict.fromkeys([self.default, *self.fn_map.values()]) if n]
+        for name in names:
+            try:
+                fn = self._resolve(name, f"reward.reward_fn_map (or reward.default) '{name}'")
+            except RewardConfigError:
+                continue  # an unknown name: check_data_sources reports it where a data source uses it
+            entries.append((name, fn, self.fn_kwargs.get(name, {})))
+        if self.custom is not None:
+            entries.append((self.custom.label, self.custom, self.fn_kwargs.get(self.custom.label, {})))
+        entries += [(label, self._fns[name], kwargs) for label, name, _, kwargs in self.shaping]
+        done: set[tuple[int, str]] = set()
+        for label, fn, kwargs in entries:
+            prep = getattr(fn, "prepare", None)
+            key = (id(fn), repr(sorted(kwargs.items(), key=lambda kv: str(kv[0]))))
+            if not callable(prep) or key in done:
+                continue
+            done.add(key)
+            t0 = time.perf_counter()
+            prep(dict(kwargs))
+            logger.info("reward function '%s' prepared in %.1f s", label, time.perf_counter() - t0)
+        self._prepared = True
+
     def close(self) -> None:
         """Wait for a running :meth:`score_async` call (bounded by ``timeout_s`` per call), then shut the
         worker pool down and call ``close()`` on each reward function object that has one (the ``judge``
@@ -1202,6 +1246,7 @@ class RewardManager:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+        self._prepared = False  # a later score() prepares again (the judge's server was stopped below)
         for fn in {id(f): f for f in self._fns.values()}.values():
             closer = getattr(fn, "close", None)  # a function holding resources (the judge's server)
             if callable(closer):

@@ -417,6 +417,11 @@ class RewardModelFunction(ScoresOneAsABatch):
             )
         return get_scorer(**kwargs).score(messages, solution_strs)
 
+    def prepare(self, kwargs: Mapping[str, Any]) -> None:
+        """Load the reward model for these settings now (at the trainer's setup, with no per-response
+        timeout: :meth:`rlplug.reward.RewardManager.prepare`); the scorer is shared with later calls."""
+        get_scorer(**kwargs)
+
     def validate_kwargs(self, kwargs: Mapping[str, Any]) -> None:
         """Config-time check of the settings and the folder (no weights loaded); raises ``RewardModelError``."""
         _check_settings(kwargs)

@@ -66,6 +66,7 @@ from .data_prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401
 from .dump import dump_rollouts
 from .exit_codes import ExitCode, TrainingStopped
 from .export import finish_export
+from .host_memory import malloc_trim, rss_bytes
 from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
 from .metrics import (
     Trackers,
@@ -296,10 +297,13 @@ class Trainer:
         self.coordinator = self.backend.coordinator
         self.distributed, self.is_main = self.coordinator.world_size > 1, bool(self.coordinator.is_main)
         rollout_factory = self.registry.get("rollout_backend", cfg.rollout.name)
+        self.rollout: Any = None
         try:
-            self.rollout: Any = rollout_factory(cfg, self.model_path, self.tokenizer) if self.is_main else None
+            if self.is_main:
+                self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer)
+                for manager in dict.fromkeys([self.reward, self.val_reward]):
+                    manager.prepare()  # a judge's server starts, a reward model loads: outside reward.timeout_s
         except BaseException:
-            self.rollout = None
             self.close()  # the backend (and a process group) is already up: do not leak it
             raise
         self.pad_id = (
@@ -536,6 +540,7 @@ class Trainer:
                     if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                         with stage(metrics, "testing", fault=None):
                             metrics.update(self._run_validation(log_now=False))
+                    metrics.update(self._host_memory())
                     metrics.update(self.alerts.observe(step, metrics, self))  # trainer.alerts: alerts/<name>
                     self.trackers.log_metrics(metrics, step)
                     self.registry.hook.on_step_end(step=step, metrics=metrics)
@@ -561,6 +566,20 @@ class Trainer:
         finally:
             self.registry.hook.on_train_end(step=self.global_step, status=status)
             self.trackers.close(status)
+
+    def _host_memory(self) -> dict[str, float]:
+        """After a step (and its validation): with ``trainer.malloc_trim``, give the C heap's free memory
+        back to the OS (``timing_s/malloc_trim``, seconds); then ``perf/rss_gb``, this process's
+        resident memory in GiB (:mod:`rlplug.host_memory`)."""
+        out: dict[str, float] = {}
+        if self.cfg.trainer.get("malloc_trim", True):
+            took = malloc_trim()
+            if took is not None:
+                out["timing_s/malloc_trim"] = took
+        rss = rss_bytes()
+        if rss:
+            out["perf/rss_gb"] = rss / 2**30
+        return out
 
     def _finish(self) -> None:
         final = self.run_dir / "final_model"

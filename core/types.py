@@ -353,6 +353,13 @@ class RewardFunction(Protocol):
     and ``rlplug eval`` then headline ``val-core/<data_source>/acc/mean@N``; for any other reward
     (a continuous score, a shaping term) they report the score as ``val-core/<data_source>/reward/mean@N``
     (verl's names; :func:`rlplug.metrics.validation_metrics`).
+
+    Optional methods, looked up with ``getattr``: ``validate_kwargs(kwargs)`` (config-time check,
+    raises ``ValueError``), ``prepare(kwargs) -> None`` (start-up work such as starting a judge
+    server or loading a model, called once per kwargs by :meth:`rlplug.reward.RewardManager.prepare`
+    at the trainer's setup, in the manager's process and with no ``reward.timeout_s``; must be
+    idempotent) and ``close()`` (release what ``prepare`` or a call acquired; the manager calls it
+    when it closes).
     """
 
     def __call__(

@@ -4,7 +4,7 @@ Endpoints (the subset ``rlplug.plugins.rewards.judge`` uses, fields as in OpenAI
 ``protocol.py``):
 
 * ``GET /health``: 200, empty body; ``GET /v1/models``: ``{"object": "list", "data": [{"id": <model>}]}`` (HTTP 500 with
-  ``--broken-models``).
+  ``--broken-models``). ``--startup-delay S`` waits ``S`` seconds before listening, as a server loading its model.
 * ``POST /v1/chat/completions``: ``{"model", "messages": [{"role", "content"}], "temperature"?,
   "max_tokens"?, ...}`` -> ``{"id", "object": "chat.completion", "model", "choices": [{"index": 0,
   "message": {"role": "assistant", "content"}, "finish_reason": "stop"}], "usage"}``. A body without
@@ -173,7 +173,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model", default="judge")
     ap.add_argument("--broken-models", action="store_true", help="answer /v1/models with HTTP 500")
+    ap.add_argument(
+        "--startup-delay", type=float, default=0.0, help="seconds to wait before listening (a model loading)"
+    )
     args = ap.parse_args()
+    time.sleep(args.startup_delay)
     server = FakeOpenAIServer((args.host, args.port), args.model)
     server.broken_models = args.broken_models
     server.serve_forever()

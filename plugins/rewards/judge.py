@@ -598,6 +598,14 @@ class JudgeReward(BatchedRewardFunction):
         ) as ex:
             return list(ex.map(one, range(n)))
 
+    def prepare(self, kwargs: Mapping[str, Any]) -> None:
+        """Open the judge client for these settings now: start the judge server (``model_path``) and
+        wait for its ``/health`` (at most ``server_timeout_s``), then find the model to ask. The reward
+        manager calls it at setup with no per-response timeout (:meth:`rlplug.reward.RewardManager.prepare`),
+        so a server that loads for minutes is not charged to the first responses' ``reward.timeout_s``.
+        Raises :class:`JudgeServerError` (the server exited, did not answer in time, or lists no model)."""
+        _client(JudgeSettings.from_kwargs(kwargs))
+
     def close(self) -> None:
         """Close every judge client of this process and stop the servers they started
         (:func:`close_judges`; a later call starts them again). Called by

@@ -1,0 +1,59 @@
+"""Host (CPU) memory of the training process: its resident size, and giving the C heap's free
+memory back to the operating system after each step (``trainer.malloc_trim``).
+
+Why: the trainer frees and allocates tensors of many sizes every step. glibc keeps freed heap
+memory mapped for reuse, fragmented between live blocks, so the resident size of a real-model run
+grows for about 20 steps although no tensor or Python object is kept alive (measured with
+``benchmarks/soak.py --diagnose``: 3.8 GiB of an 8.2 GiB trainer was heap held as free;
+``benchmarks/results/soak_real_diagnose.txt``). ``malloc_trim(0)`` returns the free pages of every
+arena (``madvise(MADV_DONTNEED)``), so what the process holds follows what it uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import time
+from typing import Any
+
+__all__ = ["malloc_trim", "rss_bytes"]
+
+
+@functools.cache
+def _glibc() -> Any:
+    """glibc's ``malloc_trim`` (a ctypes function), or None where the C library is not glibc (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def malloc_trim() -> float | None:
+    """Return the free memory of the C heap (every malloc arena) to the OS: glibc's ``malloc_trim(0)``.
+
+    Returns the seconds it took (tens of milliseconds for a few GiB of free heap), or None where the
+    C library has no ``malloc_trim`` (then nothing is done). It frees nothing that is in use, so it
+    cannot change results; memory it returns is faulted in again (zeroed) when reused.
+    """
+    fn = _glibc()
+    if fn is None:
+        return None
+    t0 = time.perf_counter()
+    fn(0)
+    return time.perf_counter() - t0
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """The resident set size of process ``pid`` (default: this one) in bytes, from ``/proc/<pid>/statm``
+    (Linux); 0 where that file cannot be read."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
