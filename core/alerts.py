@@ -110,6 +110,8 @@ TRAINER_METRICS: tuple[str, ...] = (
     "perf/total_num_tokens",
     "perf/throughput",
     "perf/gen_tokens_per_s",
+    "perf/rss_gb",
+    "timing_s/malloc_trim",
     "critic/score/mean",
     "critic/score/max",
     "critic/score/min",

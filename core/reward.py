@@ -206,6 +206,12 @@ class FileRewardFunction:
         """The file's function's own ``binary`` declaration (:class:`rlplug.types.RewardFunction`)."""
         return bool(getattr(self.fn, "binary", False))
 
+    @property
+    def prepare(self) -> Callable[[dict], None] | None:
+        """The file function's own ``prepare(kwargs)`` (:meth:`RewardManager.prepare`), or None."""
+        prep = getattr(self.fn, "prepare", None)
+        return prep if callable(prep) else None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
@@ -743,7 +749,7 @@ class RewardManager:
             self._fns[self.custom.label] = self.custom
             self.fn_kwargs[self.custom.label] = dict(_section(cfg["custom_reward_function"]).get("reward_kwargs") or {})
         self._reported = False  # check_data_sources' one-time warnings
-        self._prepared = False  # prepare() ran (score() calls it first; close() undoes it)
+        self._prepared: set[tuple[int, str]] = set()  # (function, kwargs) prepare() ran for; close() clears
         #: DAPO's overlong shaping ({len, penalty_factor, log, max_resp_len}) or None (off): overlong_config()
         self.overlong = overlong_config(cfg)
 
@@ -797,6 +803,11 @@ class RewardManager:
         if data_source in self.fn_map:
             return f"reward.reward_fn_map.{data_source}"
         return "reward.default" if self.default else None
+
+    @property
+    def seen_data_sources(self) -> frozenset[str]:
+        """The data sources :meth:`check_data_sources` has checked so far (the trainer's train and validation files)."""
+        return frozenset(self._checked)
 
     def check_data_sources(self, data_sources: set[str] | Sequence[str]) -> None:
         """Check before training that every data source has a reward function, and report the choice.
@@ -960,8 +971,7 @@ class RewardManager:
         responses = list(responses)
         n = len(responses)
         ds, gts, extras = self._fields(rows_or_fields, n)
-        self.check_data_sources(set(ds))
-        self.prepare()  # start-up work (a judge's server) outside every per-response timeout
+        self.prepare(set(ds))  # checks the data sources; start-up work (a judge's server) outside every timeout
         for i, r in enumerate(responses):
             if not isinstance(r, str):
                 raise TypeError(f"responses[{i}] is {type(r).__name__}; expected decoded text (str).")
@@ -1193,47 +1203,44 @@ class RewardManager:
         if pool is not None:
             pool.kill()
 
-    def prepare(self) -> None:
-        """Call ``fn.prepare(kwargs)`` once on every configured reward function that has a ``prepare``
-        method (the ``judge`` starts its server, a reward model loads), with the kwargs it scores with:
-        the correctness functions of ``reward.default`` and ``reward.reward_fn_map`` with
-        ``reward.kwargs.<name>``, the custom function with its ``reward_kwargs``, each shaping entry with
-        its own. It runs in this process with **no** ``reward.timeout_s``: start-up work that takes
-        minutes must not be charged to the first responses' timeouts (which would turn every one of
-        them into a fallback score). The trainer calls it at setup, before any rollout, so a function
-        that cannot start fails the run before compute is spent; :meth:`score` calls it first when
-        nobody has. Idempotent until :meth:`close`. Functions run in ``reward.num_workers`` worker
-        processes are prepared here too, not in the workers.
+    def prepare(self, data_sources: set[str] | Sequence[str] | None = None) -> None:
+        """Call ``fn.prepare(kwargs)`` once on every reward function in use that has a ``prepare``
+        method (the ``judge`` starts its server, the reward model loads), with the kwargs it scores
+        with: the correctness function of each data source (``data_sources``, default: every one
+        :meth:`check_data_sources` has seen: the trainer's train and validation files) with
+        ``reward.kwargs.<name>`` (the custom function with its ``reward_kwargs``), and each
+        ``reward.shaping`` entry with its own. A function no data source uses is not started.
+
+        It runs in this process with **no** ``reward.timeout_s``: start-up work that takes minutes must
+        not be charged to the first responses' timeouts (which would turn every one of them into a
+        fallback score). The trainer calls it at setup, before any rollout, so a function that cannot
+        start fails the run before compute is spent; :meth:`score` calls it for its batch's data
+        sources (a no-op for those already prepared). Each (function, kwargs) is prepared once until
+        :meth:`close`. Functions run per sample in ``reward.num_workers`` worker processes get their
+        ``prepare`` here too, in this process: start-up they need inside a worker is theirs to do.
 
         Raises:
             whatever a ``prepare`` raises (e.g. :class:`rlplug.plugins.rewards.judge.JudgeServerError`
             for a judge server that does not start), unchanged: it is a setup failure, not a
-            failure to score one response.
+            failure to score one response. :class:`RewardConfigError` for a data source without a
+            function (:meth:`check_data_sources`).
         """
-        if self._prepared:
-            return
+        sources = self._checked if data_sources is None else set(data_sources)
+        if data_sources is not None:
+            self.check_data_sources(sources)
         entries: list[tuple[str, Callable, dict]] = []
-        names = [n for n in dict.fromkeys([self.default, *self.fn_map.values()]) if n]
-        for name in names:
-            try:
-                fn = self._resolve(name, f"reward.reward_fn_map (or reward.default) '{name}'")
-            except RewardConfigError:
-                continue  # an unknown name: check_data_sources reports it where a data source uses it
-            entries.append((name, fn, self.fn_kwargs.get(name, {})))
-        if self.custom is not None:
-            entries.append((self.custom.label, self.custom, self.fn_kwargs.get(self.custom.label, {})))
+        for name in sorted({cast(str, self.fn_name_for(ds)) for ds in sources}):
+            entries.append((name, self._fns[name], self.fn_kwargs.get(name, {})))
         entries += [(label, self._fns[name], kwargs) for label, name, _, kwargs in self.shaping]
-        done: set[tuple[int, str]] = set()
         for label, fn, kwargs in entries:
             prep = getattr(fn, "prepare", None)
             key = (id(fn), repr(sorted(kwargs.items(), key=lambda kv: str(kv[0]))))
-            if not callable(prep) or key in done:
+            if not callable(prep) or key in self._prepared:
                 continue
-            done.add(key)
             t0 = time.perf_counter()
             prep(dict(kwargs))
+            self._prepared.add(key)
             logger.info("reward function '%s' prepared in %.1f s", label, time.perf_counter() - t0)
-        self._prepared = True
 
     def close(self) -> None:
         """Wait for a running :meth:`score_async` call (bounded by ``timeout_s`` per call), then shut the
@@ -1246,7 +1253,7 @@ class RewardManager:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-        self._prepared = False  # a later score() prepares again (the judge's server was stopped below)
+        self._prepared.clear()  # a later score() prepares again (the judge's server was stopped below)
         for fn in {id(f): f for f in self._fns.values()}.values():
             closer = getattr(fn, "close", None)  # a function holding resources (the judge's server)
             if callable(closer):

@@ -301,8 +301,9 @@ class Trainer:
         try:
             if self.is_main:
                 self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer)
+                sources = self.reward.seen_data_sources  # the train and validation files' (read_run_datasets)
                 for manager in dict.fromkeys([self.reward, self.val_reward]):
-                    manager.prepare()  # a judge's server starts, a reward model loads: outside reward.timeout_s
+                    manager.prepare(sources)  # a judge's server starts, a reward model loads: outside reward.timeout_s
         except BaseException:
             self.close()  # the backend (and a process group) is already up: do not leak it
             raise
@@ -485,16 +486,23 @@ class Trainer:
         """Generate for the validation prompts (``rollout.val_kwargs``) and score them, as ``rlplug eval`` does
         (:func:`rlplug.evaluate.score_responses`); the metrics are :func:`rlplug.metrics.validation_metrics`'
         (``val-core/<data_source>/acc/mean@N``, or ``.../reward/mean@N`` without an accuracy); keeps samples."""
-        from .evaluate import score_responses
-
         if self.val_ds is None or len(self.val_ds) == 0:
             return {}
         rows = [self.val_ds[i] for i in range(len(self.val_ds))][: self.cfg.data.val_max_samples or None]
         params = self.sampling_params(validation=True)
-        generate = functools.partial(self._generate, params=params, label="validation")
-        scored = score_responses(rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size)
+        scored = self._validation_scores(rows, params)
         self._last_val_samples = validation_samples(scored[: self.cfg.trainer.val_samples_to_log])
         return validation_metrics(scored, n=params.n)
+
+    @on_main_then_broadcast
+    def _validation_scores(self, rows: list[dict], params: SamplingParams) -> list[Any]:
+        """Generate and score the validation rows on the main process (the one that owns the engine and
+        has prepared the rewards: a judge's server starts there only); every process gets the result."""
+        from .evaluate import score_responses
+
+        # the undecorated generate: this already runs on the main process alone
+        generate = functools.partial(Trainer._generate.__wrapped__, self, params=params, label="validation")  # type: ignore[attr-defined]
+        return score_responses(rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size)
 
     # ------------------------------------------------------------------ main loop
     def _handle_signal(self, signum: int, frame: Any) -> None:

@@ -274,7 +274,8 @@ def test_judge_with_a_real_vllm_server_rlplug_starts():
     loopback: every response gets a score in [0, 1] or a counted failure (a 135M model often writes no
     'Score:' line), never anything else, and the server is gone afterwards. The server starts in
     ``RewardManager.prepare`` (which ``score`` calls first), not inside the first sample's call, so its
-    minutes of loading are not charged to the 120 s per-response timeout: no request times out."""
+    minutes of loading are not charged to the reward manager's timeout (``reward.timeout_s``, 10 s per
+    response: 40 s for the batch; the judge's own HTTP ``timeout_s`` is 120 s): no request times out."""
     from rlplug.models import default_model_dir
 
     model_path = str(default_model_dir())  # the converted default model (model.path is null until resolved)

@@ -67,21 +67,46 @@ def test_prepare_runs_once_per_kwargs_outside_the_timeout_and_again_after_close(
     assert len(fn.prepared) == 2  # idempotent
     m.close()
     assert fn.closed == 1
-    m.prepare()  # after close (the judge stopped its server) it prepares again
+    m.prepare()  # after close (the judge stopped its server) it prepares again, for the data sources seen
     assert len(fn.prepared) == 4
     m.close()
 
 
-def test_a_failing_prepare_raises_unchanged_and_an_unknown_mapped_name_is_left_to_the_data_check():
+def test_a_failing_prepare_raises_unchanged_and_unused_functions_are_not_started(tmp_path):
     class Broken(SlowStart):
         def prepare(self, kwargs):
             raise RuntimeError("the judge server exited while starting")
 
-    conf = {"reward_fn_map": {"a": "slow", "z": "no_such_function"}}
-    m = _manager(Broken(0.0), conf)
+    reg = Registry(load_entry_points=False)
+    reg.register("reward_function", "broken", Broken(0.0))
+    unused = SlowStart(0.0)
+    reg.register("reward_function", "unused", unused)
+    m = RewardManager({"reward_fn_map": {"a": "broken", "b": "unused"}}, registry=reg)
+    m.prepare({"b"})  # only the functions of these data sources start
+    assert len(unused.prepared) == 1
     with pytest.raises(RuntimeError, match="exited while starting"):
-        m.prepare()
-    assert not m._prepared
+        m.prepare({"a"})
+    with pytest.raises(RuntimeError, match="exited while starting"):  # not marked prepared: tried again
+        m.score([{"data_source": "a", "ground_truth": "x"}], ["x"])
+    m.prepare({"b"})
+    assert len(unused.prepared) == 1
+    # a custom reward file scores every data source: its own prepare is called, the map's functions are not
+    f = tmp_path / "my_reward.py"
+    f.write_text(
+        "calls = []\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+        "    return 1.0 if calls else -5.0\n"
+        "def _prepare(kwargs):\n"
+        "    calls.append(dict(kwargs))\n"
+        "compute_score.prepare = _prepare\n"
+    )
+    conf = {
+        "reward_fn_map": {"a": "broken"},
+        "custom_reward_function": {"path": str(f), "name": "compute_score", "reward_kwargs": {"k": 1}},
+    }
+    m = RewardManager(conf, registry=reg)
+    scores, _, _ = m.score([{"data_source": "a", "ground_truth": "x"}], ["x"])
+    assert scores == [1.0] and m.custom is not None and m.custom.fn.__globals__["calls"] == [{"k": 1}]
 
 
 def test_the_trainer_prepares_its_reward_managers_at_setup_before_any_rollout(tmp_path, monkeypatch):
@@ -106,7 +131,7 @@ def test_the_trainer_prepares_its_reward_managers_at_setup_before_any_rollout(tm
     )
     calls: list[str] = []
 
-    def failing_prepare(self):
+    def failing_prepare(self, data_sources=None):
         calls.append("prepare")
         raise RuntimeError("judge server did not start")
 
@@ -119,40 +144,40 @@ def test_the_trainer_prepares_its_reward_managers_at_setup_before_any_rollout(tm
     prepared: list[str] = []
     real = RewardManager.prepare
 
-    def recording(self):
-        prepared.append("prepare")
-        real(self)
+    def recording(self, data_sources=None):
+        prepared.append(sorted(data_sources))
+        real(self, data_sources)
 
     monkeypatch.setattr(RewardManager, "prepare", recording)
     trainer = Trainer(cfg)
     try:
-        assert prepared == ["prepare"]  # the rule reward's manager (validation shares it here)
-        assert trainer.reward._prepared
+        # the rule reward's manager (validation shares it here), for the train and validation files' sources
+        assert prepared == [sorted(trainer.reward.seen_data_sources)] and prepared[0]
     finally:
         trainer.close()
 
 
 def test_a_slow_starting_judge_server_is_not_charged_to_the_first_responses_timeouts():
-    """The judge's server takes 3 s to listen (a model loading), the per-response timeout is 0.5 s:
+    """The judge's server takes 5 s to listen (a model loading), the per-response timeout is 2 s:
     every response still gets its score, none times out, and no second server is started."""
     from rlplug.plugins.rewards import judge as judge_module
 
     cmd = [sys.executable, str(HERE / "fake_openai_server.py"), "--host", "{host}", "--port", "{port}"]
-    cmd += ["--startup-delay", "3"]
+    cmd += ["--startup-delay", "5"]
     reg = Registry(load_entry_points=False)
     reg.register("reward_function", "judge", judge)
     kwargs = {"model_path": "fake-model", "server_cmd": cmd, "server_timeout_s": 120.0}
-    conf = {"reward_fn_map": {"qa": "judge"}, "kwargs": {"judge": kwargs}, "fallback_score": -1.0, "timeout_s": 0.5}
+    conf = {"reward_fn_map": {"qa": "judge"}, "kwargs": {"judge": kwargs}, "fallback_score": -1.0, "timeout_s": 2.0}
     m = RewardManager(conf, registry=reg)
     rows = [{"data_source": "qa", "ground_truth": "4", "messages": [{"role": "user", "content": "2+2?"}]}] * 2
     try:
         t0 = time.perf_counter()
-        m.prepare()
-        assert time.perf_counter() - t0 >= 3.0  # the server's start was waited for here
+        m.prepare({"qa"})
+        assert time.perf_counter() - t0 >= 5.0  # the server's start was waited for here
         (client,) = judge_module._CLIENTS.values()
         t0 = time.perf_counter()
         scores, extra, metrics = m.score(rows, ["4 [[score:9]]", "5 [[score:2]]"])
-        assert time.perf_counter() - t0 < 1.0
+        assert time.perf_counter() - t0 < 4.0  # the batch's budget: 2 x 2 s, less than the server's start
         assert scores == [pytest.approx(0.9), pytest.approx(0.2)]
         assert metrics["reward/timeouts"] == 0.0 and metrics["reward/failures"] == 0.0
         assert list(judge_module._CLIENTS.values()) == [client]
