@@ -219,6 +219,50 @@ def slope(steps: np.ndarray, values: np.ndarray) -> float:
     return float(np.polyfit(steps.astype(float), values.astype(float), 1)[0])
 
 
+def fit_warmup(steps: np.ndarray, warmup: int) -> int:
+    """``warmup``, or, when fewer than 5 steps come after it (a slow machine's short run), the step
+    that leaves the last two thirds of the run for the slope (printed)."""
+    if int((steps >= warmup).sum()) >= 5:
+        return warmup
+    lowered = int(steps[len(steps) // 3]) if len(steps) else warmup
+    print(f"only {int((steps >= warmup).sum())} steps after --warmup {warmup}: the slope starts at step {lowered}")
+    return lowered
+
+
+def summarize_csv(csv: Path, warmup: int, tolerance_mb: float) -> int:
+    """The summary of a finished soak recomputed from its CSV (``--summarize``); 0 for PASS, 1 for FAIL."""
+    table = np.genfromtxt(csv, delimiter=",", names=True)
+    steps, rss = table["step"], table["rss_mib"]
+    warmup = fit_warmup(steps, warmup)
+    tail = steps >= warmup
+    half = steps >= steps[-1] / 2
+    rss_slope, half_slope = slope(steps[tail], rss[tail]), slope(steps[half], rss[half])
+    obj_slope = slope(steps[tail], table["py_objects"][tail])
+    parts = [
+        f"{len(steps)} steps in {table['step_s'].sum():.0f} s of steps; RSS {rss[0]:.0f} MiB after step 1, "
+        f"{rss[tail][0]:.0f} MiB at step {int(steps[tail][0])}, {rss[-1]:.0f} MiB at step {int(steps[-1])} "
+        f"(max {rss.max():.0f}); slope over steps {warmup}..{int(steps[-1])}: {rss_slope:+.4f} MiB/step "
+        f"(tolerance < {tolerance_mb} MiB/step); over steps {int(steps[half][0])}..{int(steps[-1])}: "
+        f"{half_slope:+.4f} MiB/step; Python objects {obj_slope:+.1f}/step; median step {np.median(table['step_s']):.2f} s."
+    ]
+    leak = rss_slope >= tolerance_mb
+    if "tree_rss_mib" in (table.dtype.names or ()):
+        tree = table["tree_rss_mib"]
+        tree_slope = slope(steps[tail], tree[tail])
+        leak = leak or tree_slope >= tolerance_mb
+        parts.append(
+            f"Process tree (trainer + engine + reward workers): RSS {tree[0]:.0f} MiB after step 1, {tree[-1]:.0f} MiB "
+            f"at the end (max {tree.max():.0f}), slope over steps {warmup}..{int(steps[-1])}: {tree_slope:+.3f} MiB/step; "
+            f"open fds {int(table['tree_fds'][0])} after step 1, {int(table['tree_fds'][-1])} at the last step; /dev/shm "
+            f"{int(table['shm_files'][0])} files ({table['shm_mib'][0]:.1f} MiB) after step 1, "
+            f"{int(table['shm_files'][-1])} ({table['shm_mib'][-1]:.1f} MiB) at the last step."
+        )
+    summary = f"soak {'FAIL' if leak else 'PASS'} (recomputed from {csv.name}): " + " ".join(parts)
+    print(summary)
+    csv.with_suffix(".txt").write_text(summary + "\n")
+    return 1 if leak else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -234,8 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (and the vLLM engine)")
     p.add_argument("--diagnose", action="store_true", help="also write <out>_memory.csv (RSS split, heap, tensors)")
     p.add_argument("--trim", action="store_true", help="with --diagnose: malloc_trim(0) after each step")
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        default=None,
+        help="recompute the summary from a soak's CSV (with --warmup); fds and /dev/shm before and after the run "
+        "were not recorded there. Writes <csv without .csv>.txt",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.summarize is not None:
+        return summarize_csv(args.summarize, args.warmup, args.tolerance_mb)
     if args.trim and not args.diagnose:
         p.error("--trim needs --diagnose (it logs the RSS after the trim there)")
     real = args.real_minutes is not None
@@ -302,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in diagnosis.rows:
                 f.write(",".join(f"{v:.2f}" if i else str(int(v)) for i, v in enumerate(row)) + "\n")
     data = np.array([(s, r, o) for s, r, o, _ in recorder.rows], dtype=float)
+    args.warmup = fit_warmup(data[:, 0], args.warmup)
     tail = data[data[:, 0] >= args.warmup]
     rss_slope = slope(tail[:, 0], tail[:, 1])
     obj_slope = slope(tail[:, 0], tail[:, 2])

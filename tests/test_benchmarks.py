@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -129,3 +130,25 @@ def test_learning_check_curve_over_seeds_from_run_dirs_and_copied_files(tmp_path
     assert "| 20 | 2 | **34.0%** | 30.0% - 38.0% |" in out
     saved = json.loads((tmp_path / "curve_acc.json").read_text())
     assert saved["metric"] == key and [r["step"] for r in saved["rows"]] == [0, 10, 20]
+
+
+def test_soak_summary_from_a_csv_gives_the_hand_computed_slopes(tmp_path):
+    """``soak.py --summarize``: RSS 1000 + 2 * step MiB after a jump at step 3 -> slope +2.0 MiB/step from
+    the warm-up on; a warm-up past the run's end is lowered to the step a third of the way in."""
+    import soak
+
+    csv = tmp_path / "soak_real.csv"
+    rows = ["step,rss_mib,py_objects,step_s,tree_rss_mib,tree_fds,tree_procs,shm_files,shm_mib"]
+    for step in range(1, 13):
+        rss = 500.0 if step < 3 else 1000.0 + 2.0 * step
+        rows.append(f"{step},{rss},{1000 + step},10.0,{rss + 4000.0},69,2,1,256.0")
+    csv.write_text("\n".join(rows) + "\n")
+    assert soak.summarize_csv(csv, warmup=3, tolerance_mb=0.5) == 1  # +2 MiB/step: FAIL
+    text = csv.with_suffix(".txt").read_text()
+    assert "slope over steps 3..12: +2.0000 MiB/step" in text and "+1.0/step" in text
+    assert "12 steps in 120 s" in text and "open fds 69 after step 1, 69 at the last step" in text
+    assert soak.fit_warmup(np.arange(1, 13, dtype=float), 20) == 5  # steps[12 // 3]
+    assert soak.fit_warmup(np.arange(1, 13, dtype=float), 3) == 3
+    flat = tmp_path / "flat.csv"
+    flat.write_text("step,rss_mib,py_objects,step_s\n" + "".join(f"{s},700.0,5,1.0\n" for s in range(1, 9)))
+    assert soak.summarize_csv(flat, warmup=2, tolerance_mb=0.5) == 0
