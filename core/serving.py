@@ -70,6 +70,7 @@ ones are.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import math
@@ -261,12 +262,18 @@ def _supervise(parent_pid: int, cmd: list[str], cleanup: Iterable[str] = ()) -> 
         signal.signal(sig, lambda *_: stop.set())
     child = subprocess.Popen(cmd)
     orphaned = False
+    me, pgid = os.getpid(), os.getpgid(0)
+    segments: set[str] = set()  # the group's shared-memory segments (psm_* in /dev/shm) seen so far
+    polls = 0
     while not stop.wait(0.2):
         if child.poll() is not None:
             break
         if os.getppid() != parent_pid:
             orphaned = True
             break
+        polls += 1
+        if polls % 5 == 1:  # about once a second
+            segments |= _shm_segments_of([p for p in _group_members(pgid) if p != me])
     if orphaned:
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)
@@ -277,7 +284,6 @@ def _supervise(parent_pid: int, cmd: list[str], cleanup: Iterable[str] = ()) -> 
         except subprocess.TimeoutExpired:
             pass
     # the server's own children (engine core, workers, ...): SIGTERM, a short grace, then SIGKILL
-    me, pgid = os.getpid(), os.getpgid(0)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     others = [p for p in _group_members(pgid) if p != me]
     if others:
@@ -285,10 +291,47 @@ def _supervise(parent_pid: int, cmd: list[str], cleanup: Iterable[str] = ()) -> 
         deadline = time.monotonic() + 5
         while [p for p in _group_members(pgid) if p != me] and time.monotonic() < deadline:
             time.sleep(0.05)
+    left = [p for p in _group_members(pgid) if p != me]
+    for p in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while [p for p in _group_members(pgid) if p != me] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _remove_segments(segments)  # (a segment still mapped by a straggler is freed when it ends)
     if [p for p in _group_members(pgid) if p != me]:
-        os.killpg(pgid, signal.SIGKILL)  # ends this supervisor too
+        os.killpg(pgid, signal.SIGKILL)  # a straggler (started after the list above): ends this supervisor too
     rc = child.poll()
     return 0 if rc is None else (rc if rc >= 0 else 128 - rc)
+
+
+def _shm_segments_of(pids: Iterable[int]) -> set[str]:
+    """The Python shared-memory segments (``/dev/shm/psm_*``, ``multiprocessing.shared_memory``'s names,
+    which vLLM's message queues use) that processes ``pids`` map or hold open."""
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find("/dev/shm/psm_")
+                    if i >= 0:
+                        found.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/psm_"):
+                        found.add(target.removesuffix(" (deleted)"))
+    return found
+
+
+def _remove_segments(segments: Iterable[str]) -> None:
+    """Unlink the server group's shared-memory segments that are still there once the group is gone: a
+    server killed with SIGKILL cannot unlink its own (vLLM's message queues left 400 MiB in /dev/shm)."""
+    for path in sorted(segments):
+        if os.path.dirname(path) == "/dev/shm" and os.path.basename(path).startswith("psm_"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 # live backends, closed at interpreter exit

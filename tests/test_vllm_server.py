@@ -123,6 +123,9 @@ def test_weight_push_changes_output_as_derived(server, ref_model) -> None:
 def test_killing_the_server_mid_run_is_survived(server, ref_model) -> None:
     server.update_weights(forcing_weights(ref_model, 7))
     victim, group = server.server_pid, server.server_group_pids()
+    from rlplug.serving import _shm_segments_of
+
+    segments = _shm_segments_of(group)  # vLLM's message queues: a SIGKILLed server cannot unlink them
     prompts = [[1, 100 + i, 28, 540] for i in range(16)]
     result: dict = {}
 
@@ -141,6 +144,7 @@ def test_killing_the_server_mid_run_is_survived(server, ref_model) -> None:
     # every response once, in order, from the latest pushed weights (token 7 forever), not the original ones
     assert out.response_ids == [[7] * 1024] * 32 and out.prompt_index == [i // 2 for i in range(32)]
     assert server.restarts == 1 and server.server_pid not in (None, victim)
+    assert segments and not [p for p in segments if os.path.exists(p)]  # the supervisor removed them
     assert all(
         not os.path.exists(f"/proc/{p}") or open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
         for p in group
