@@ -419,8 +419,9 @@ class RewardModelFunction(ScoresOneAsABatch):
 
     def prepare(self, kwargs: Mapping[str, Any]) -> None:
         """Load the reward model for these settings now (at the trainer's setup, with no per-response
-        timeout: :meth:`rlplug.reward.RewardManager.prepare`); the scorer is shared with later calls."""
-        get_scorer(**kwargs)
+        timeout: :meth:`rlplug.reward.RewardManager.prepare`); the scorer is shared with later calls.
+        A ``messages`` entry (a per-call argument, not a setting) is ignored."""
+        get_scorer(**{k: v for k, v in kwargs.items() if k != "messages"})
 
     def validate_kwargs(self, kwargs: Mapping[str, Any]) -> None:
         """Config-time check of the settings and the folder (no weights loaded); raises ``RewardModelError``."""

@@ -603,8 +603,9 @@ class JudgeReward(BatchedRewardFunction):
         wait for its ``/health`` (at most ``server_timeout_s``), then find the model to ask. The reward
         manager calls it at setup with no per-response timeout (:meth:`rlplug.reward.RewardManager.prepare`),
         so a server that loads for minutes is not charged to the first responses' ``reward.timeout_s``.
-        Raises :class:`JudgeServerError` (the server exited, did not answer in time, or lists no model)."""
-        _client(JudgeSettings.from_kwargs(kwargs))
+        Raises :class:`JudgeServerError` (the server exited, did not answer in time, or lists no model).
+        A ``messages`` entry (a per-call argument, not a setting) is ignored."""
+        _client(JudgeSettings.from_kwargs({k: v for k, v in kwargs.items() if k != "messages"}))
 
     def close(self) -> None:
         """Close every judge client of this process and stop the servers they started
