@@ -68,30 +68,15 @@ def test_malloc_trim_reports_its_time():
 
 
 def test_a_tiny_run_logs_rss_and_trim_time_and_the_switch_turns_the_trim_off(tmp_path):
-    from rlplug.config import compose
+    from test_reward_prepare import tiny_run_cfg
+
     from rlplug.metrics import read_metrics_jsonl
     from rlplug.trainer import Trainer
     from rlplug.validate import validate_config
 
     def run(sub: str, *extra: str) -> list[dict]:
-        cfg = compose(
-            [
-                "debug=tiny",
-                "model.tiny.num_hidden_layers=1",
-                "data.train_batch_size=2",
-                "actor.ppo_mini_batch_size=1",
-                "actor.micro_batch_size_per_device=1",
-                "data.max_response_length=4",
-                "trainer.total_training_steps=1",
-                "trainer.save_freq=0",
-                "trainer.test_freq=0",
-                "trainer.val_before_train=false",
-                "trainer.logger=[console]",
-                "trainer.num_threads=1",
-                "trainer.device=cpu",
-                f"trainer.default_local_dir={tmp_path / sub}",
-                *extra,
-            ]
+        cfg = tiny_run_cfg(
+            tmp_path / sub, "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false", *extra
         )
         validate_config(cfg)
         trainer = Trainer(cfg)

@@ -37,6 +37,28 @@ class SlowStart:
         self.closed += 1
 
 
+def tiny_run_cfg(run_dir, *extra: str):
+    """A one-step tiny PPO run in ``run_dir`` (console only, one thread), with Hydra overrides ``extra``."""
+    from rlplug.config import compose
+
+    return compose(
+        [
+            "debug=tiny",
+            "model.tiny.num_hidden_layers=1",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=1",
+            "actor.micro_batch_size_per_device=1",
+            "data.max_response_length=4",
+            "trainer.total_training_steps=1",
+            "trainer.logger=[console]",
+            "trainer.num_threads=1",
+            "trainer.device=cpu",
+            f"trainer.default_local_dir={run_dir}",
+            *extra,
+        ]
+    )
+
+
 def _manager(fn, conf):
     reg = Registry(load_entry_points=False)
     reg.register("reward_function", "slow", fn)
@@ -111,24 +133,9 @@ def test_a_failing_prepare_raises_unchanged_and_unused_functions_are_not_started
 
 def test_the_trainer_prepares_its_reward_managers_at_setup_before_any_rollout(tmp_path, monkeypatch):
     """A reward function that cannot start fails the run at setup, and the trainer closes what it built."""
-    from rlplug.config import compose
     from rlplug.trainer import Trainer
 
-    cfg = compose(
-        [
-            "debug=tiny",
-            "model.tiny.num_hidden_layers=1",
-            "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=1",
-            "actor.micro_batch_size_per_device=1",
-            "data.max_response_length=4",
-            "trainer.total_training_steps=1",
-            "trainer.logger=[console]",
-            "trainer.num_threads=1",
-            "trainer.device=cpu",
-            f"trainer.default_local_dir={tmp_path}",
-        ]
-    )
+    cfg = tiny_run_cfg(tmp_path)
     calls: list[str] = []
 
     def failing_prepare(self, data_sources=None):
