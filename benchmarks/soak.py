@@ -57,6 +57,7 @@ import psutil
 
 import rlplug
 from rlplug.config import compose
+from rlplug.host_memory import malloc_trim
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer
 from rlplug.validate import validate_config
@@ -113,7 +114,6 @@ def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
         return libc
     except (OSError, AttributeError):  # not glibc (or older than 2.33): no heap figures
         return None
@@ -182,7 +182,7 @@ class MemoryDiagnosis:
         tensors = live_tensor_mib()
         after = float("nan")
         if self.trim:
-            self.libc.malloc_trim(0)
+            malloc_trim()
             after = self.proc.memory_info().rss / 2**20
         self.rows.append((step, rss, anon, file_, shmem, used, free, tensors, after))
         self.recorder.last += time.perf_counter() - start  # the gc scan and trim are not the step's time
