@@ -42,9 +42,8 @@ Extra arguments are Hydra overrides (e.g. ``algorithm=grpo rollout.n=4``).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import gc
+import math
 import os
 import sys
 import tempfile
@@ -57,7 +56,7 @@ import psutil
 
 import rlplug
 from rlplug.config import compose
-from rlplug.host_memory import malloc_trim
+from rlplug.host_memory import heap_mib, malloc_trim
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer
 from rlplug.validate import validate_config
@@ -90,33 +89,6 @@ def shm_usage(root: Path = Path("/dev/shm")) -> tuple[int, float]:
             except OSError:
                 continue
     return files, size / 2**20
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        return libc
-    except (OSError, AttributeError):  # not glibc (or older than 2.33): no heap figures
-        return None
 
 
 def status_mib(fields: tuple[str, ...] = ("RssAnon", "RssFile", "RssShmem")) -> list[float]:
@@ -162,9 +134,9 @@ class MemoryDiagnosis:
     def __init__(self, trim: bool, recorder: RssRecorder) -> None:
         self.recorder = recorder  # its step clock is moved past this hook's own time
         self.proc = psutil.Process()
-        self.libc = _libc()
-        self.trim = trim and self.libc is not None
-        if self.libc is None:
+        self.has_heap = not math.isnan(heap_mib()[0])
+        self.trim = trim and self.has_heap
+        if not self.has_heap:
             print(
                 "--diagnose: no glibc mallinfo2/malloc_trim here (not glibc, or older than 2.33): heap columns NaN, no trim"
             )
@@ -175,10 +147,7 @@ class MemoryDiagnosis:
         start = time.perf_counter()
         rss = self.proc.memory_info().rss / 2**20
         anon, file_, shmem = status_mib()
-        used = free = float("nan")
-        if self.libc is not None:
-            mi = self.libc.mallinfo2()
-            used, free = (mi.uordblks + mi.hblkhd) / 2**20, mi.fordblks / 2**20
+        used, free = heap_mib()
         tensors = live_tensor_mib()
         after = float("nan")
         if self.trim:

@@ -18,7 +18,52 @@ import os
 import time
 from typing import Any
 
-__all__ = ["malloc_trim", "rss_bytes"]
+__all__ = ["heap_mib", "malloc_trim", "rss_bytes"]
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc >= 2.33): sizes in bytes."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (a ctypes function), or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = []
+    fn.restype = _MallInfo2
+    return fn
+
+
+def heap_mib() -> tuple[float, float]:
+    """``(in_use, free)``: MiB of this process's C heap in use (``uordblks + hblkhd``: allocated blocks,
+    mmapped ones included) and held free by malloc (``fordblks``; :func:`malloc_trim` gives their pages back to the OS, but
+    malloc still counts them here),
+    over every arena, from glibc's ``mallinfo2``. ``(nan, nan)`` where the C library has none."""
+    fn = _mallinfo2()
+    if fn is None:
+        return float("nan"), float("nan")
+    mi = fn()
+    return (mi.uordblks + mi.hblkhd) / 2**20, mi.fordblks / 2**20
 
 
 @functools.cache

@@ -578,7 +578,8 @@ class Trainer:
     def _host_memory(self) -> dict[str, float]:
         """After a step (and its validation): with ``trainer.malloc_trim``, give the C heap's free memory
         back to the OS (``timing_s/malloc_trim``, seconds); then ``perf/rss_gb``, this process's
-        resident memory in GiB (:mod:`rlplug.host_memory`)."""
+        resident memory in GiB (:mod:`rlplug.host_memory`), and ``perf/rollout_rss_gb``, the rollout
+        engine's process's, where the rollout backend has an integer ``pid`` (vllm's engine child)."""
         out: dict[str, float] = {}
         if self.cfg.trainer.get("malloc_trim", True):
             took = malloc_trim()
@@ -587,6 +588,9 @@ class Trainer:
         rss = rss_bytes()
         if rss:
             out["perf/rss_gb"] = rss / 2**30
+        pid = getattr(self.rollout, "pid", None)  # a rollout engine in a process of its own (vllm)
+        if isinstance(pid, int) and (engine_rss := rss_bytes(pid)):
+            out["perf/rollout_rss_gb"] = engine_rss / 2**30
         return out
 
     def _finish(self) -> None:

@@ -36,7 +36,13 @@ from rlplug.testing import algorithm_config, check_batch_filter
 from rlplug.types import BatchFilter, RolloutOutput, SamplingParams
 from rlplug.validate import validate_config
 
-WALL_CLOCK = ("timing_s/", "perf/throughput", "perf/gen_tokens_per_s", "perf/rss_gb")  # vary run to run
+WALL_CLOCK = (
+    "timing_s/",
+    "perf/throughput",
+    "perf/gen_tokens_per_s",
+    "perf/rss_gb",
+    "perf/rollout_rss_gb",
+)  # vary run to run
 
 
 def _fields(index, seq_scores, components: dict[str, list[float]], T: int = 3) -> Fields:

@@ -44,7 +44,13 @@ BASE = TINY_CPU_RUN + [  # on CPU: bitwise comparisons need its deterministic ke
     "trainer.logger=[]",
     *LENGTH_SHAPING,  # scores differ between responses
 ]
-WALL_CLOCK = ("timing_s/", "perf/throughput", "perf/gen_tokens_per_s", "perf/rss_gb")  # vary run to run
+WALL_CLOCK = (
+    "timing_s/",
+    "perf/throughput",
+    "perf/gen_tokens_per_s",
+    "perf/rss_gb",
+    "perf/rollout_rss_gb",
+)  # vary run to run
 
 
 class _Recorder:

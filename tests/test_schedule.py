@@ -36,7 +36,13 @@ BASE = TINY_CPU_RUN + [
     "trainer.logger=[]",
     *LENGTH_SHAPING,  # scores differ between responses
 ]
-WALL_CLOCK = ("timing_s/", "perf/throughput", "perf/gen_tokens_per_s", "perf/rss_gb")  # vary run to run
+WALL_CLOCK = (
+    "timing_s/",
+    "perf/throughput",
+    "perf/gen_tokens_per_s",
+    "perf/rss_gb",
+    "perf/rollout_rss_gb",
+)  # vary run to run
 SCHEDULE_METRICS = ("training/phase", "training/rollout_n")
 
 #: GRPO (groups of 2, its KL loss, a critic trained on the MC return) for 2 steps, then PPO with clip

@@ -163,7 +163,13 @@ RUN = [
     "reward.normalize.momentum=0.9",
     *LENGTH_SHAPING,  # scores differ between responses
 ]
-WALL_CLOCK = ("timing_s/", "perf/throughput", "perf/gen_tokens_per_s", "perf/rss_gb")  # vary run to run
+WALL_CLOCK = (
+    "timing_s/",
+    "perf/throughput",
+    "perf/gen_tokens_per_s",
+    "perf/rss_gb",
+    "perf/rollout_rss_gb",
+)  # vary run to run
 
 
 class _Recorder:

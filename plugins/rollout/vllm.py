@@ -117,6 +117,9 @@ class VLLMRollout:
     fails to start.
     """
 
+    #: what the trainer logs for this backend: the engine child's resident memory in GiB after each step
+    metrics: tuple[str, ...] = ("perf/rollout_rss_gb",)
+
     #: the engine child's command (the pipes' fds are appended); tests put a stub speaking the protocol here
     engine_argv: tuple[str, ...] = (sys.executable, "-m", "rlplug.plugins.rollout.vllm", "--engine-child")
 
@@ -165,6 +168,7 @@ class VLLMRollout:
             TOKENIZERS_PARALLELISM="false",
         )
         env.setdefault("KMP_BLOCKTIME", "0")
+        env["RLPLUG_MALLOC_TRIM"] = "1" if config_get(config, "trainer.malloc_trim", True) else "0"
         # vLLM's warnings repeat on every weight push ("Failed to load weights" for the tied
         # lm_head, which is handled) -- keep the training log readable; errors come back as
         # tracebacks through the pipe anyway. Set VLLM_LOGGING_LEVEL=INFO to see everything.
@@ -320,6 +324,13 @@ class VLLMRollout:
 
     def wake_up(self) -> None:
         """No-op (see :meth:`sleep`)."""
+
+    def memory(self) -> dict[str, float | bool]:
+        """The engine child's memory: ``rss_mib`` (resident size), ``heap_used_mib`` / ``heap_free_mib``
+        (its C heap in use / held free by malloc; NaN where the C library is not glibc), all MiB, and
+        ``malloc_trim`` (whether it trims after each command: ``trainer.malloc_trim``). Raises
+        :class:`EngineError` if the child cannot answer."""
+        return dict(self._call("memory", None, timeout=60.0))
 
     @property
     def pid(self) -> int | None:
@@ -940,6 +951,31 @@ def _child_update_weights(llm: Any, path: str) -> float:
     return time.perf_counter() - t0
 
 
+def _child_trim() -> None:
+    """After a generate or a weight push: give the C heap's free memory back to the OS (glibc's
+    ``malloc_trim(0)``, :mod:`rlplug.host_memory`) unless ``RLPLUG_MALLOC_TRIM=0`` (the parent sets it
+    from ``trainer.malloc_trim``). Each push frees a whole state dict (the safetensors file read into
+    memory) and each batch its own buffers; without the trim glibc keeps those pages mapped and the
+    child's resident size creeps up step after step (``benchmarks/bench_engine_memory.py``)."""
+    if os.environ.get("RLPLUG_MALLOC_TRIM", "1") != "0":
+        from rlplug.host_memory import malloc_trim
+
+        malloc_trim()
+
+
+def _child_memory() -> dict[str, float | bool]:
+    """The ``memory`` command: this child's resident size and C heap in MiB (:mod:`rlplug.host_memory`)."""
+    from rlplug.host_memory import heap_mib, rss_bytes
+
+    used, free = heap_mib()
+    return {
+        "rss_mib": rss_bytes() / 2**20,
+        "heap_used_mib": used,
+        "heap_free_mib": free,
+        "malloc_trim": os.environ.get("RLPLUG_MALLOC_TRIM", "1") != "0",
+    }
+
+
 def _engine_child_main(read_fd: int, write_fd: int) -> int:
     _exit_with_parent()
     recv = Connection(read_fd, writable=False)
@@ -963,14 +999,18 @@ def _engine_child_main(read_fd: int, write_fd: int) -> int:
                     "vllm_version": vllm.__version__,
                     "pid": os.getpid(),
                 }
+            elif cmd == "ping":
+                result = "pong"
+            elif cmd == "memory":
+                result = _child_memory()
             elif llm is None:
                 raise RuntimeError(f"command '{cmd}' before 'init'")
             elif cmd == "generate":
                 result = _child_generate(llm, payload)
+                _child_trim()
             elif cmd == "update_weights":
                 result = _child_update_weights(llm, payload)
-            elif cmd == "ping":
-                result = "pong"
+                _child_trim()
             else:
                 raise ValueError(f"unknown command '{cmd}'")
             send.send(("ok", result))
