@@ -15,16 +15,22 @@ Real run (the default 135M model, GPU)::
 
 ``--tiny``: the same three stages on the random tiny model in seconds, on the CPU (a smoke test of
 the wiring; its numbers mean nothing). ``summary.json`` in ``--out`` collects the pairs counts, the
-reward model's accuracy and the first and last validation accuracy. Extra Hydra overrides after
-``--`` go to stages 1 and 3 (e.g. ``-- rollout=hf``).
+reward model's accuracy and the first and last validation accuracy; ``curve.csv`` the run's learned
+reward, response length and validations per step; stage 4 (:func:`probe`) compares the base and the
+trained model greedy on the validation prompts for reward hacking (``summary.json``'s ``probe``;
+``--probe-only`` reruns it on a finished ``--out``). Extra Hydra overrides after ``--`` go to stages
+1, 3 and 4 (e.g. ``-- rollout=hf``).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 TINY = [
     "debug=tiny",
@@ -34,6 +40,106 @@ TINY = [
     "trainer.num_threads=1",
     "trainer.device=cpu",
 ]
+
+
+def repetition(text: str, n: int = 3, times: int = 3) -> bool:
+    """Whether some word ``n``-gram occurs at least ``times`` times in ``text`` (a looping response)."""
+    words = text.split()
+    grams = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+    return bool(grams) and max(grams.values()) >= times
+
+
+def distinct_2(texts: list[str]) -> float:
+    """Unique word bigrams over all bigrams of ``texts`` (1.0: no bigram repeats anywhere)."""
+    grams = [tuple(w[i : i + 2]) for w in (t.split() for t in texts) for i in range(len(w) - 1)]
+    return len(set(grams)) / len(grams) if grams else float("nan")
+
+
+def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
+    """Stage 4, the reward-hacking probe: the base model and the trained one (``run/final_model``), greedy on
+    the validation prompts, each response scored by the rule reward (accuracy, format) and by the learned
+    reward model; their lengths (tokens) and repetition (:func:`repetition`, :func:`distinct_2`). A reward
+    model being gamed shows as its score rising while accuracy does not, or as longer / looping responses."""
+    import numpy as np
+
+    from rlplug.config import compose
+    from rlplug.data import read_dataset
+    from rlplug.data_prepare import prepared_data_files
+    from rlplug.evaluate import eval_sampling_params, score_responses
+    from rlplug.models import load_tokenizer, resolve_model_path
+    from rlplug.registry import get_registry
+    from rlplug.reward import RewardManager
+
+    cfg = compose(
+        [
+            *overrides,
+            f"data.task={task}",
+            "reward.reward_model.enable=true",
+            f"reward.reward_model.model_path={out / 'rm'}",
+            "reward.shaping=[]",
+        ]
+    )
+    models = {"base": resolve_model_path(cfg.model), "trained": str(out / "run" / "final_model")}
+    result: dict[str, Any] = {}
+    for name, path in models.items():
+        tok = load_tokenizer(path)
+        _, val_files = prepared_data_files(cfg)
+        ds = read_dataset(val_files, tokenizer=tok, max_prompt_length=cfg.data.max_prompt_length)
+        rows = [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
+        params = eval_sampling_params(cfg)
+        rollout = get_registry().get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
+        try:
+            with RewardManager(cfg.reward, validation=True) as rule:
+                scored = score_responses(
+                    rows,
+                    lambda ids, r=rollout, sp=params: r.generate(ids, sp),
+                    lambda o, t=tok: t.batch_decode(o.response_ids, skip_special_tokens=True),
+                    rule,
+                    batch_size=cfg.data.val_batch_size,
+                )
+        finally:
+            rollout.close()
+        texts = [x.response for x in scored]
+        with RewardManager(cfg.reward) as learned:
+            rm_scores, _, _ = learned.score([x.row for x in scored], texts)
+        lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        result[name] = {
+            "model": path,
+            "responses": len(texts),
+            "acc": float(np.mean([x.acc for x in scored])),
+            "format": float(np.mean([x.components.get("format", float("nan")) for x in scored])),
+            "reward_model_score": float(np.mean(rm_scores)),
+            "response_tokens_mean": float(np.mean(lengths)),
+            "response_tokens_max": int(max(lengths)),
+            "repeating_share": float(np.mean([repetition(t) for t in texts])),
+            "distinct_2": distinct_2(texts),
+            "samples": [
+                {"prompt": str(x.row.get("ground_truth", "")), "response": x.response, "acc": x.acc, "rm": r}
+                for x, r in list(zip(scored, rm_scores))[:6]
+            ],
+        }
+        print(f"probe {name}: " + json.dumps({k: v for k, v in result[name].items() if k != "samples"}), flush=True)
+    return result
+
+
+def curve(out: Path, task: str) -> list[dict[str, Any]]:
+    """The run's per-step curve from ``run/metrics.jsonl`` into ``curve.csv``: the learned reward's mean,
+    response length, truncation share, and the validations' strict accuracy and format rate."""
+    from rlplug.metrics import read_metrics_jsonl
+
+    cols = {
+        "rm_score": "critic/score/mean",
+        "response_length": "response_length/mean",
+        "clip_ratio": "response_length/clip_ratio",
+        "val_acc": f"val-core/{task}/acc/mean@1",
+        "val_format": f"val-aux/{task}/format/mean@1",
+    }
+    rows = [{"step": m["step"], **{k: m.get(v, "") for k, v in cols.items()}} for m in read_metrics_jsonl(out / "run")]
+    with open(out / "curve.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["step", *cols])
+        w.writeheader()
+        w.writerows(rows)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rm-lr", type=float, default=1e-5)
     p.add_argument("--steps", type=int, default=40, help="PPO steps against the reward model")
     p.add_argument("--tiny", action="store_true", help="the random tiny model on the CPU: a wiring check only")
+    p.add_argument("--probe-only", action="store_true", help="only stage 4 (and curve.csv) on a finished --out")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for the sampling and training stages")
     args = p.parse_args(argv)
 
@@ -61,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*(TINY if args.tiny else []), *args.overrides]
+    if args.probe_only:
+        summary = json.loads((out / "summary.json").read_text())
+        summary["curve"] = curve(out, args.task)
+        summary["probe"] = probe(out, args.task, overrides)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        return 0
     size = 8 if args.tiny else args.pairs
     counts = make_pairs(args.task, out / "pairs.parquet", overrides=overrides, size=size, n=args.n)
     print(f"pairs: {counts}", flush=True)
@@ -108,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         "exit_code": code,
         "tiny": bool(args.tiny),
     }
+    if code == 0:
+        summary["curve"] = curve(out, args.task)
+        summary["probe"] = probe(out, args.task, overrides)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(json.dumps(summary, indent=1, default=str), flush=True)
     return int(code)
