@@ -82,9 +82,16 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
     models = {"base": resolve_model_path(cfg.model), "trained": str(out / "run" / "final_model")}
     result: dict[str, Any] = {}
     for name, path in models.items():
-        tok = load_tokenizer(path)
+        tok = load_tokenizer(path, trust_remote_code=bool(cfg.model.trust_remote_code))
         _, val_files = prepared_data_files(cfg)
-        ds = read_dataset(val_files, tokenizer=tok, max_prompt_length=cfg.data.max_prompt_length)
+        ds = read_dataset(  # the run's validation prompts, loaded as rlplug.evaluate loads them
+            val_files,
+            tokenizer=tok,
+            max_prompt_length=cfg.data.max_prompt_length,
+            filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+            prompt_key=cfg.data.prompt_key,
+            system_prompt=cfg.data.system_prompt,
+        )
         rows = [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
         params = eval_sampling_params(cfg)
         rollout = get_registry().get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
@@ -101,7 +108,8 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
             rollout.close()
         texts = [x.response for x in scored]
         with RewardManager(cfg.reward) as learned:
-            rm_scores, _, _ = learned.score([x.row for x in scored], texts)
+            _, extra, _ = learned.score([x.row for x in scored], texts)
+        rm_scores = extra["shaping/reward_model"]  # the reward model's own score, whatever else is weighted in
         lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
         result[name] = {
             "model": path,
@@ -110,11 +118,11 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
             "format": float(np.mean([x.components.get("format", float("nan")) for x in scored])),
             "reward_model_score": float(np.mean(rm_scores)),
             "response_tokens_mean": float(np.mean(lengths)),
-            "response_tokens_max": int(max(lengths)),
+            "response_tokens_max": int(max(lengths, default=0)),
             "repeating_share": float(np.mean([repetition(t) for t in texts])),
             "distinct_2": distinct_2(texts),
             "samples": [
-                {"prompt": str(x.row.get("ground_truth", "")), "response": x.response, "acc": x.acc, "rm": r}
+                {"ground_truth": str(x.row.get("ground_truth", "")), "response": x.response, "acc": x.acc, "rm": r}
                 for x, r in list(zip(scored, rm_scores))[:6]
             ],
         }
@@ -128,7 +136,7 @@ def curve(out: Path, task: str) -> list[dict[str, Any]]:
     from rlplug.metrics import read_metrics_jsonl
 
     cols = {
-        "rm_score": "critic/score/mean",
+        "rm_score": "critic/shaping/reward_model/mean",  # the reward model's own score (unweighted)
         "response_length": "response_length/mean",
         "clip_ratio": "response_length/clip_ratio",
         "val_acc": f"val-core/{task}/acc/mean@1",
@@ -169,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*(TINY if args.tiny else []), *args.overrides]
     if args.probe_only:
-        summary = json.loads((out / "summary.json").read_text())
+        done = out / "summary.json"
+        summary = json.loads(done.read_text()) if done.exists() else {}
         summary["curve"] = curve(out, args.task)
         summary["probe"] = probe(out, args.task, overrides)
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -221,10 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         "exit_code": code,
         "tiny": bool(args.tiny),
     }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))  # kept if the probe fails
     if code == 0:
         summary["curve"] = curve(out, args.task)
         summary["probe"] = probe(out, args.task, overrides)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(json.dumps(summary, indent=1, default=str), flush=True)
     return int(code)
 

@@ -297,6 +297,7 @@ def test_real_vllm_engine_killed_mid_generation_restarts_with_the_pushed_weights
     after the batch was done (CI: ``restarts == 0``)."""
     from safetensors.torch import load_file
 
+    from rlplug.plugins.rollout import vllm as vllm_mod
     from rlplug.plugins.rollout.vllm import VLLMRollout
     from rlplug.types import SamplingParams
 
@@ -335,8 +336,9 @@ def test_real_vllm_engine_killed_mid_generation_restarts_with_the_pushed_weights
     # nothing of the killed child, its successor or the pushed weights is left in shared memory (the
     # in-process engine's semaphores are unlinked at creation; a vLLM *server* leaves psm_* segments,
     # which core/serving.py's supervisor removes: tests/test_server_shm.py)
+    # (machine-wide: the slow tests run one at a time, so no other test's engine makes entries meanwhile)
     left = sorted(set(os.listdir(shm)) - before) if shm.is_dir() else []
-    assert not [n for n in left if n.startswith(("psm_", "sem.", "rlplug-vllm-weights-"))], left
+    assert not [n for n in left if n.startswith(("psm_", "sem.", vllm_mod.weights_file_prefix()))], left
 
 
 if __name__ == "__main__":

@@ -328,8 +328,11 @@ class VLLMRollout:
     def memory(self) -> dict[str, float | bool]:
         """The engine child's memory: ``rss_mib`` (resident size), ``heap_used_mib`` / ``heap_free_mib``
         (its C heap in use / held free by malloc; NaN where the C library is not glibc), all MiB, and
-        ``malloc_trim`` (whether it trims after each command: ``trainer.malloc_trim``). Raises
-        :class:`EngineError` if the child cannot answer."""
+        ``malloc_trim`` (whether it trims after each command: ``trainer.malloc_trim``). A command like
+        the others: call it between commands, from the thread that generates (the child answers one at a
+        time). Not a health check: like any command sent without restart, a dead child raises
+        :class:`EngineDied` here and the engine is closed (the trainer reads the child's resident size
+        from ``/proc`` instead). Raises :class:`EngineError` if the child does not answer in 60 s."""
         return dict(self._call("memory", None, timeout=60.0))
 
     @property
