@@ -1,7 +1,9 @@
 """The learned-reward pipeline end to end: preference pairs from the model -> a reward model -> PPO on it.
 
 1. ``rlplug data pairs TASK``: sample ``--n`` responses per prompt with the policy model, label them
-   with the rule reward (the reference answer where no sample is right: ``chosen_source``);
+   with the rule reward, the rejected sample in the chosen's form (the corrected wrong sample, or the
+   reference answer, where no sample is right: ``chosen_source``; ``--no-match-format``: the first
+   wrong sample and the bare reference, which mostly teaches the format);
 2. ``rlplug rm train``: a Bradley-Terry reward model on those pairs (base: the policy model with a
    new score head), its held-out pairwise accuracy in ``rm/metrics.json``;
 3. ``rlplug train`` with the reward model **alone** as the training reward
@@ -9,9 +11,13 @@
    only in validation (the default ``reward.val_reward_model=false``), so the run's
    ``val-core/<task>/acc/mean@1`` says whether optimising the learned reward improved real accuracy.
 
-Real run (the default 135M model, GPU)::
+Real runs (the default 135M model; the committed ones, ``benchmarks/results/rm_pipeline/``, on a
+2-core CPU, about 50 minutes each)::
 
-    python benchmarks/rm_pipeline.py --out results/rm_pipeline --task basic_arithmetic --pairs 2000 --steps 40
+    python benchmarks/rm_pipeline.py --out runs/rm_matched --pairs 500 --rm-epochs 1 --steps 12 -- trainer.test_freq=4
+    python benchmarks/rm_pipeline.py --out runs/rm_format_only --no-match-format --pairs 500 --rm-epochs 1 \
+        --steps 12 -- trainer.test_freq=4
+    python benchmarks/rm_pipeline.py --out runs/rm_matched --cross runs/rm_format_only   # each RM on both pair sets
 
 ``--tiny``: the same three stages on the random tiny model in seconds, on the CPU (a smoke test of
 the wiring; its numbers mean nothing). ``summary.json`` in ``--out`` collects the pairs counts, the
@@ -130,6 +136,34 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
     return result
 
 
+def pairwise(rm_dir: Path, pairs_path: Path, limit: int = 200) -> dict[str, Any]:
+    """The pairwise accuracy of the reward model in ``rm_dir`` on the first ``limit`` pairs of ``pairs_path``
+    (the share with r(chosen) > r(rejected)), split by ``chosen_source``. Used with ``--cross`` to score a
+    reward model on pairs built another way (e.g. format-matched pairs for a model trained on
+    format-only ones): a high accuracy on its own held-out pairs says nothing about pairs that differ in
+    the answer only."""
+    import pyarrow.parquet as pq
+
+    from rlplug.reward_model import RewardModelScorer
+
+    table = pq.read_table(str(pairs_path)).slice(0, limit).to_pylist()
+    scorer = RewardModelScorer(rm_dir, device="cpu", micro_batch_size_per_device=16)
+    msgs = [r["prompt"] for r in table]
+    good = scorer.score(msgs, [r["chosen"] for r in table])
+    bad = scorer.score(msgs, [r["rejected"] for r in table])
+    wins: dict[str, list[bool]] = {}
+    for r, g, b in zip(table, good, bad):
+        wins.setdefault(str(r.get("chosen_source") or "all"), []).append(g > b)
+    every = [w for ws in wins.values() for w in ws]
+    return {
+        "reward_model": str(rm_dir),
+        "pairs": str(pairs_path),
+        "n": len(every),
+        "accuracy": sum(every) / max(1, len(every)),
+        "by_chosen_source": {k: {"n": len(v), "accuracy": sum(v) / len(v)} for k, v in sorted(wins.items())},
+    }
+
+
 def curve(out: Path, task: str) -> list[dict[str, Any]]:
     """The run's per-step curve from ``run/metrics.jsonl`` into ``curve.csv``: the learned reward's mean,
     response length, truncation share, and the validations' strict accuracy and format rate."""
@@ -161,6 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="PPO steps against the reward model")
     p.add_argument("--tiny", action="store_true", help="the random tiny model on the CPU: a wiring check only")
     p.add_argument("--probe-only", action="store_true", help="only stage 4 (and curve.csv) on a finished --out")
+    p.add_argument(
+        "--no-match-format",
+        dest="match_format",
+        action="store_false",
+        help="pairs as `rlplug data pairs --no-match-format` builds them (a format-only preference, mostly)",
+    )
+    p.add_argument(
+        "--cross",
+        default=None,
+        metavar="OTHER_OUT",
+        help="only: each of the two finished folders' reward models scored on both folders' pairs",
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides for the sampling and training stages")
     args = p.parse_args(argv)
 
@@ -176,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*(TINY if args.tiny else []), *args.overrides]
+    if args.cross:
+        other = Path(args.cross).expanduser().resolve()
+        cross = [pairwise(a / "rm", b / "pairs.parquet") for a in (out, other) for b in (out, other)]
+        for c in cross:
+            print(json.dumps(c), flush=True)
+        (out / "cross.json").write_text(json.dumps(cross, indent=1))
+        return 0
     if args.probe_only:
         done = out / "summary.json"
         summary = json.loads(done.read_text()) if done.exists() else {}
@@ -184,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         return 0
     size = 8 if args.tiny else args.pairs
-    counts = make_pairs(args.task, out / "pairs.parquet", overrides=overrides, size=size, n=args.n)
+    counts = make_pairs(
+        args.task, out / "pairs.parquet", overrides=overrides, size=size, n=args.n, match_format=args.match_format
+    )
     print(f"pairs: {counts}", flush=True)
 
     base = resolve_model_path(compose(overrides).model)  # the policy model: its tokenizer and a new score head

@@ -149,7 +149,11 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_data_pairs(args: argparse.Namespace) -> int:
     from .pairs import make_pairs
 
-    console.print(make_pairs(args.task, args.out, overrides=_overrides(args), size=args.size, n=args.n))
+    console.print(
+        make_pairs(
+            args.task, args.out, overrides=_overrides(args), size=args.size, n=args.n, match_format=args.match_format
+        )
+    )
     return 0
 
 
@@ -314,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--out", required=True, help="the pairs parquet file to write")
     dp.add_argument("--size", type=int, default=256, help="training prompts to sample for")
     dp.add_argument("--n", type=int, default=4, help="responses sampled per prompt")
+    dp.add_argument(
+        "--no-match-format",
+        dest="match_format",
+        action="store_false",
+        help="rejected: the first wrong sample, whatever its form; chosen: the bare reference when no sample is "
+        "right (default: a wrong sample in the chosen's form, and the corrected wrong sample as chosen)",
+    )
     _add_overrides_args(dp)
     dp.set_defaults(func=cmd_data_pairs)
 

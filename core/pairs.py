@@ -11,14 +11,23 @@ A pairs file is a parquet table with one pair per row::
 
 :func:`build_pairs` labels sampled responses with the rule reward (a response is correct when its
 correctness function reports ``acc`` 1): for each prompt the first correct sample is ``chosen`` and
-the first incorrect one ``rejected``. When no sample of a prompt is correct, ``chosen`` is the
-reference answer in the recipe's format (``#### <answer>``, :func:`reference_answer`) and
-``chosen_source`` says ``reference``; a prompt whose samples are all correct gives no pair.
+an incorrect one ``rejected``. With ``match_format`` (the default) the rejected response is the first
+incorrect sample in the same form as the chosen one (both with a ``####`` answer line, or both
+without), falling back to the first incorrect sample: a pair then differs in the answer, not in the
+format, so the reward model cannot score well by learning the format alone (with the first incorrect
+sample, most pairs of a weak policy are "formatted and right" against "unformatted", and PPO against
+such a model learns the format and loses the arithmetic: ``docs/reward_models.md``). When no sample
+of a prompt is correct, ``chosen`` is, with ``match_format``, the rejected sample with its answer after
+``####`` replaced by the reference answer (``chosen_source`` ``corrected``: the pair differs in that
+number only), else the reference answer in the recipe's format (``#### <answer>``,
+:func:`reference_answer`; ``chosen_source`` ``reference``). A prompt whose samples are all correct
+gives no pair.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,7 +35,15 @@ from typing import Any
 
 from .reward_model import RewardModelError
 
-__all__ = ["PAIR_COLUMNS", "build_pairs", "make_pairs", "read_pairs", "reference_answer", "write_pairs"]
+__all__ = [
+    "PAIR_COLUMNS",
+    "build_pairs",
+    "corrected_answer",
+    "make_pairs",
+    "read_pairs",
+    "reference_answer",
+    "write_pairs",
+]
 
 logger = logging.getLogger("rlplug.pairs")
 
@@ -120,18 +137,37 @@ def reference_answer(row: Mapping[str, Any]) -> str:
     return f"#### {str(answer).strip()}"
 
 
+#: the answer after the last ``####`` of a response (the recipes' answer line), a number
+_ANSWER_LINE = re.compile(r"(####\s*)([-+]?[0-9][0-9,]*(?:\.[0-9]+)?)")
+
+
+def corrected_answer(text: str, row: Mapping[str, Any]) -> str | None:
+    """``text`` with the number after its last ``####`` replaced by the row's reference answer
+    (:func:`reference_answer`'s), or None when ``text`` has no ``#### <number>``. E.g. ``"2 + 5 = 8\n#### 8"``
+    for ground truth 7 gives ``"2 + 5 = 8\n#### 7"``."""
+    found = list(_ANSWER_LINE.finditer(text))
+    if not found:
+        return None
+    m = found[-1]
+    answer = reference_answer(row)[len("#### ") :]
+    return text[: m.start(2)] + answer + text[m.end(2) :]
+
+
 def build_pairs(
     rows: Sequence[Mapping[str, Any]],
     sample: Callable[[Sequence[Mapping[str, Any]]], Sequence[Sequence[str]]],
     reward: Any,
+    *,
+    match_format: bool = True,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Preference pairs for ``rows`` (dataset rows with ``messages``, ``data_source``, ``ground_truth``).
 
     ``sample(rows)`` returns the sampled responses of each row (a list per row); ``reward`` is a
     :class:`rlplug.reward.RewardManager` (the rule reward) that labels them: ``acc >= 0.5`` correct,
     else incorrect (a response whose reward failed is neither). See the module docstring for the
-    choice. Returns ``(pairs, counts)``: pairs with the columns of the module docstring, counts
-    ``prompts``, ``pairs``, ``chosen_from_reference``, ``all_correct`` (prompts without a pair).
+    choice and ``match_format``. Returns ``(pairs, counts)``: pairs with the columns of the module
+    docstring, counts ``prompts``, ``pairs``, ``chosen_from_reference``, ``chosen_corrected``,
+    ``all_correct`` (prompts without a pair).
     """
     from .reward import FAILED
 
@@ -143,7 +179,7 @@ def build_pairs(
     _, extra, _ = reward.score(flat_rows, flat, report_acc=True) if flat else ([], {"acc": []}, {})
     acc, failed = list(extra["acc"]), list(extra.get(FAILED) or [0.0] * len(flat))
     pairs: list[dict[str, Any]] = []
-    counts = {"prompts": len(rows), "pairs": 0, "chosen_from_reference": 0, "all_correct": 0}
+    counts = {"prompts": len(rows), "pairs": 0, "chosen_from_reference": 0, "chosen_corrected": 0, "all_correct": 0}
     pos = 0
     for row, texts in zip(rows, samples):
         labels = [(t, acc[pos + j] >= 0.5, bool(failed[pos + j])) for j, t in enumerate(texts)]
@@ -153,12 +189,21 @@ def build_pairs(
         if not wrong:
             counts["all_correct"] += 1
             continue
-        source = "sample" if correct else "reference"
-        chosen = correct[0] if correct else reference_answer(row)
-        rejected = next((t for t in wrong if t.strip() != chosen.strip()), None)
+        if correct:
+            source, chosen = "sample", correct[0]
+            rejected = _pick_rejected(wrong, chosen, match_format)
+        else:
+            rejected = _pick_rejected(wrong, reference_answer(row), match_format)
+            fixed = corrected_answer(rejected, row) if match_format and rejected is not None else None
+            if fixed is not None and fixed.strip() != rejected.strip():
+                source, chosen = "corrected", fixed
+            else:
+                source, chosen = "reference", reference_answer(row)
+                rejected = next((t for t in wrong if t.strip() != chosen.strip()), None)
         if rejected is None:
             continue
         counts["chosen_from_reference"] += source == "reference"
+        counts["chosen_corrected"] += source == "corrected"
         pairs.append(
             {
                 "prompt": [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"]],
@@ -171,6 +216,18 @@ def build_pairs(
         )
     counts["pairs"] = len(pairs)
     return pairs, counts
+
+
+def _pick_rejected(wrong: Sequence[str], chosen: str, match_format: bool) -> str | None:
+    """The first of ``wrong`` that differs from ``chosen``, preferring (``match_format``) one that has a
+    ``#### <number>`` answer line exactly when ``chosen`` has one."""
+    others = [t for t in wrong if t.strip() != chosen.strip()]
+    if match_format:
+        form = _ANSWER_LINE.search(chosen) is not None
+        same = [t for t in others if (_ANSWER_LINE.search(t) is not None) == form]
+        if same:
+            return same[0]
+    return others[0] if others else None
 
 
 def write_pairs(pairs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
@@ -190,12 +247,19 @@ def write_pairs(pairs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
 
 
 def make_pairs(
-    task: str, out: str | Path, *, overrides: Sequence[str] = (), size: int = 256, n: int = 4
+    task: str,
+    out: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    size: int = 256,
+    n: int = 4,
+    match_format: bool = True,
 ) -> dict[str, Any]:
     """``rlplug data pairs TASK --out PAIRS.parquet``: sample ``n`` responses for each of ``size`` training
     prompts of the reasoning-gym ``task`` with the run's model and rollout backend (``overrides``: the
     run config, e.g. ``debug=tiny``, ``rollout.temperature``), label them with the rule reward
-    (``reward.*``, the reward model off) and write the pairs (:func:`build_pairs`, :func:`write_pairs`).
+    (``reward.*``, the reward model off) and write the pairs (:func:`build_pairs` with ``match_format``,
+    :func:`write_pairs`).
 
     Returns the counts of :func:`build_pairs` with ``path``. Raises ``ConfigError`` for a bad config or task.
     """
@@ -246,11 +310,18 @@ def make_pairs(
         return got
 
     try:
-        pairs, counts = build_pairs(rows, sample, reward)
+        pairs, counts = build_pairs(rows, sample, reward, match_format=match_format)
     finally:
         rollout.close()
         reward.close()
     path = write_pairs(pairs, out)
+    if counts["chosen_corrected"]:
+        logger.info(
+            "%d of %d pairs have as chosen the rejected sample with its answer corrected (no sample of their prompt "
+            "was correct; column chosen_source=corrected).",
+            counts["chosen_corrected"],
+            counts["pairs"],
+        )
     if counts["chosen_from_reference"]:
         logger.warning(
             "%d of %d pairs have the reference answer as chosen (no sample of their prompt was correct; column "

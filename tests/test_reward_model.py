@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from rlplug.config import ConfigError, compose
 from rlplug.losses import compute_token_level_scores
-from rlplug.pairs import build_pairs, read_pairs, reference_answer, write_pairs
+from rlplug.pairs import build_pairs, corrected_answer, read_pairs, reference_answer, write_pairs
 from rlplug.reward import RewardManager
 from rlplug.reward_model import (
     RewardModelError,
@@ -344,16 +344,17 @@ def test_rm_train_command_reports_malformed_pairs_without_a_traceback(tmp_path, 
 # ---------------------------------------------------------------------------- data pairs
 
 
-def test_pairs_are_labelled_by_the_rule_reward_with_a_reference_fallback(tmp_path):
-    def row(gt):
-        m = [{"role": "user", "content": f"Give {gt}."}]
-        return {"data_source": "basic_arithmetic", "ground_truth": gt, "messages": m, "extra_info": {"answer": gt}}
+def _pair_row(gt):
+    m = [{"role": "user", "content": f"Give {gt}."}]
+    return {"data_source": "basic_arithmetic", "ground_truth": gt, "messages": m, "extra_info": {"answer": gt}}
 
-    rows = [row("5"), row("7"), row("2")]
+
+def test_pairs_are_labelled_by_the_rule_reward_with_a_reference_fallback(tmp_path):
+    rows = [_pair_row("5"), _pair_row("7"), _pair_row("2")]
     fake = {"5": ["#### 3", "#### 5", "#### 6"], "7": ["#### 1", "#### 2"], "2": ["#### 2", "#### 2.0"]}
     with RewardManager({"reward_fn_map": {"basic_arithmetic": "gsm8k"}}) as rules:
-        pairs, counts = build_pairs(rows, lambda rs: [fake[r["ground_truth"]] for r in rs], rules)
-    assert counts == {"prompts": 3, "pairs": 2, "chosen_from_reference": 1, "all_correct": 1}
+        pairs, counts = build_pairs(rows, lambda rs: [fake[r["ground_truth"]] for r in rs], rules, match_format=False)
+    assert counts == {"prompts": 3, "pairs": 2, "chosen_from_reference": 1, "chosen_corrected": 0, "all_correct": 1}
     assert [(p["chosen"], p["rejected"], p["chosen_source"]) for p in pairs] == [
         ("#### 5", "#### 3", "sample"),  # the first correct and the first wrong sample
         ("#### 7", "#### 1", "reference"),  # no sample right: the reference answer, in the #### format
@@ -363,3 +364,44 @@ def test_pairs_are_labelled_by_the_rule_reward_with_a_reference_fallback(tmp_pat
     back = read_pairs(path)
     assert back[1] == {"prompt": rows[1]["messages"], "chosen": "#### 7", "rejected": "#### 1"}
     assert pq.read_table(str(path)).column("chosen_source").to_pylist() == ["sample", "reference"]
+
+
+def test_pairs_match_the_format_so_they_differ_in_the_answer():
+    """match_format (the default): the rejected sample has the chosen's form; with no right sample the chosen
+    is the rejected one with its #### answer corrected; the bare reference only when no wrong sample has a
+    #### number. Without it: the first wrong sample and the bare reference (a format-only preference)."""
+    rows = [_pair_row("9"), _pair_row("4"), _pair_row("6"), _pair_row("3")]
+    fake = {
+        "9": ["nine minus one = 8", "#### 9", "4 + 5 = 10\n#### 10"],
+        "4": ["4 is not 3", "2 + 2 = 5\n#### 5"],
+        "6": ["six"],
+        "3": ["no", "1 + 2 = 3\nI am done"],  # correct by nobody; neither has a #### line
+    }
+    got = {}
+    for match in (True, False):
+        with RewardManager({"reward_fn_map": {"basic_arithmetic": "gsm8k"}}) as rules:
+            pairs, counts = build_pairs(
+                rows, lambda rs: [fake[r["ground_truth"]] for r in rs], rules, match_format=match
+            )
+        got[match] = ([(p["chosen"], p["rejected"], p["chosen_source"]) for p in pairs], counts)
+    assert got[True][0] == [
+        ("#### 9", "4 + 5 = 10\n#### 10", "sample"),  # skips the unformatted wrong sample
+        ("2 + 2 = 5\n#### 4", "2 + 2 = 5\n#### 5", "corrected"),  # differs in the answer only
+        ("#### 6", "six", "reference"),  # no wrong sample has a #### number: the bare reference
+        ("#### 3", "no", "reference"),
+    ]
+    assert got[True][1] == {
+        "prompts": 4,
+        "pairs": 4,
+        "chosen_from_reference": 2,
+        "chosen_corrected": 1,
+        "all_correct": 0,
+    }
+    assert got[False][0] == [
+        ("#### 9", "nine minus one = 8", "sample"),
+        ("#### 4", "4 is not 3", "reference"),
+        ("#### 6", "six", "reference"),
+        ("#### 3", "no", "reference"),
+    ]
+    assert corrected_answer("a #### 1 then #### -2.5 end", {"ground_truth": "-7"}) == "a #### 1 then #### -7 end"
+    assert corrected_answer("#### x", {"ground_truth": "1"}) is None
