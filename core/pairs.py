@@ -195,7 +195,7 @@ def build_pairs(
         else:
             rejected = _pick_rejected(wrong, reference_answer(row), match_format)
             fixed = corrected_answer(rejected, row) if match_format and rejected is not None else None
-            if fixed is not None and fixed.strip() != rejected.strip():
+            if fixed is not None and rejected is not None and fixed.strip() != rejected.strip():
                 source, chosen = "corrected", fixed
             else:
                 source, chosen = "reference", reference_answer(row)
