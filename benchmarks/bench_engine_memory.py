@@ -21,23 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _variant(name: str, args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -125,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+    from learning_check import cpu_model  # benchmarks/ is this script's folder, first on sys.path
 
     print(
-        f"CPU: {_cpu_model()}; torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}; "
+        f"CPU: {cpu_model()}; torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}; "
         f"{args.iterations} iterations of {args.prompts} prompts",
         flush=True,
     )
@@ -143,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         summary = {
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "iterations": args.iterations,

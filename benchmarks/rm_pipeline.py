@@ -69,9 +69,7 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
     import numpy as np
 
     from rlplug.config import compose
-    from rlplug.data import read_dataset
-    from rlplug.data_prepare import prepared_data_files
-    from rlplug.evaluate import eval_sampling_params, score_responses
+    from rlplug.evaluate import eval_sampling_params, score_responses, validation_rows
     from rlplug.models import load_tokenizer, resolve_model_path
     from rlplug.registry import get_registry
     from rlplug.reward import RewardManager
@@ -89,16 +87,7 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for name, path in models.items():
         tok = load_tokenizer(path, trust_remote_code=bool(cfg.model.trust_remote_code))
-        _, val_files = prepared_data_files(cfg)
-        ds = read_dataset(  # the run's validation prompts, loaded as rlplug.evaluate loads them
-            val_files,
-            tokenizer=tok,
-            max_prompt_length=cfg.data.max_prompt_length,
-            filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-            prompt_key=cfg.data.prompt_key,
-            system_prompt=cfg.data.system_prompt,
-        )
-        rows = [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
+        rows = validation_rows(cfg, tok)  # the run's validation prompts
         params = eval_sampling_params(cfg)
         rollout = get_registry().get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
         try:

@@ -106,6 +106,27 @@ def eval_sampling_params(cfg: DictConfig, k: int | None = None, temperature: flo
     return params
 
 
+def validation_rows(cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """The run's validation rows as :func:`evaluate` and the trainer's validation use them: the prepared
+    validation files (``data.val_files``, else the task's; :func:`rlplug.data_prepare.prepared_data_files`)
+    read with the run's prompt settings (``data.max_prompt_length``, ``filter_overlong_prompts``,
+    ``prompt_key``, ``system_prompt``), at most ``data.val_max_samples`` rows. Raises what
+    :func:`rlplug.data.read_dataset` raises (``DataError`` for a bad file or row)."""
+    from .data import read_dataset
+    from .data_prepare import prepared_data_files
+
+    _, val_files = prepared_data_files(cfg)
+    ds = read_dataset(
+        val_files,
+        tokenizer=tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+        prompt_key=cfg.data.prompt_key,
+        system_prompt=cfg.data.system_prompt,
+    )
+    return [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
+
+
 def evaluate(
     cfg: DictConfig, checkpoint: str | None = None, k: int | None = None, temperature: float | None = None
 ) -> list[dict[str, Any]]:
@@ -126,8 +147,6 @@ def evaluate(
     reports no ``pred``) and ``metrics`` (every ``val-*`` metric of the data source, verl's ``std@k``,
     ``best@k/mean``, ``worst@k/mean`` ... included).
     """
-    from .data import read_dataset
-    from .data_prepare import prepared_data_files
     from .models import load_tokenizer
     from .registry import get_registry
     from .reward import RewardManager
@@ -135,16 +154,7 @@ def evaluate(
     with ExitStack() as stack:
         path = _model_path(cfg, checkpoint, stack)
         tok = load_tokenizer(path, trust_remote_code=bool(cfg.model.trust_remote_code))
-        _, val_files = prepared_data_files(cfg)
-        ds = read_dataset(
-            val_files,
-            tokenizer=tok,
-            max_prompt_length=cfg.data.max_prompt_length,
-            filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-            prompt_key=cfg.data.prompt_key,
-            system_prompt=cfg.data.system_prompt,
-        )
-        rows = [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
+        rows = validation_rows(cfg, tok)
         # validation's reward (the rule reward unless reward.val_reward_model); its pool is shut down on any exit
         reward = stack.enter_context(RewardManager(cfg.reward, validation=True))
         reward.check_data_sources({r["data_source"] for r in rows})

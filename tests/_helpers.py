@@ -32,6 +32,16 @@ TINY_CPU_RUN = [
 ]
 
 #: Overrides giving responses different scores (so advantages are not all zero).
+#: metric-name prefixes whose values vary from run to run (wall clock, throughput, memory): left out when
+#: two runs' histories are compared for equality
+WALL_CLOCK = (
+    "timing_s/",
+    "perf/throughput",
+    "perf/gen_tokens_per_s",
+    "perf/rss_gb",
+    "perf/rollout_rss_gb",
+)
+
 LENGTH_SHAPING = [
     "reward.shaping=[{name:length_penalty,weight:1.0}]",
     "+reward.kwargs.length_penalty={target_chars:0,scale_chars:50.0}",

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 import torch
-from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, run_config
 from omegaconf import OmegaConf
 
 import rlplug
@@ -35,14 +35,6 @@ from rlplug.reward import RewardConfigError, RewardManager, overlong_config, ove
 from rlplug.testing import algorithm_config, check_batch_filter
 from rlplug.types import BatchFilter, RolloutOutput, SamplingParams
 from rlplug.validate import validate_config
-
-WALL_CLOCK = (
-    "timing_s/",
-    "perf/throughput",
-    "perf/gen_tokens_per_s",
-    "perf/rss_gb",
-    "perf/rollout_rss_gb",
-)  # vary run to run
 
 
 def _fields(index, seq_scores, components: dict[str, list[float]], T: int = 3) -> Fields:

@@ -28,7 +28,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, run_config
 
 import rlplug
 from rlplug.checkpoint import CheckpointManager
@@ -44,13 +44,6 @@ BASE = TINY_CPU_RUN + [  # on CPU: bitwise comparisons need its deterministic ke
     "trainer.logger=[]",
     *LENGTH_SHAPING,  # scores differ between responses
 ]
-WALL_CLOCK = (
-    "timing_s/",
-    "perf/throughput",
-    "perf/gen_tokens_per_s",
-    "perf/rss_gb",
-    "perf/rollout_rss_gb",
-)  # vary run to run
 
 
 class _Recorder:

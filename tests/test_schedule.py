@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, run_config
 from omegaconf import OmegaConf
 
 import rlplug
@@ -36,13 +36,6 @@ BASE = TINY_CPU_RUN + [
     "trainer.logger=[]",
     *LENGTH_SHAPING,  # scores differ between responses
 ]
-WALL_CLOCK = (
-    "timing_s/",
-    "perf/throughput",
-    "perf/gen_tokens_per_s",
-    "perf/rss_gb",
-    "perf/rollout_rss_gb",
-)  # vary run to run
 SCHEDULE_METRICS = ("training/phase", "training/rollout_n")
 
 #: GRPO (groups of 2, its KL loss, a critic trained on the MC return) for 2 steps, then PPO with clip

@@ -19,7 +19,7 @@ import signal
 
 import pytest
 import torch
-from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
+from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, run_config
 from test_local_backend import make_batch, make_cfg, params, prepared_batch
 
 import rlplug
@@ -163,13 +163,6 @@ RUN = [
     "reward.normalize.momentum=0.9",
     *LENGTH_SHAPING,  # scores differ between responses
 ]
-WALL_CLOCK = (
-    "timing_s/",
-    "perf/throughput",
-    "perf/gen_tokens_per_s",
-    "perf/rss_gb",
-    "perf/rollout_rss_gb",
-)  # vary run to run
 
 
 class _Recorder:
