@@ -979,8 +979,21 @@ def _child_memory() -> dict[str, float | bool]:
     }
 
 
+def _ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM sent to the whole process group (Ctrl-C, ``timeout``, a batch scheduler's
+    cancel) are for the trainer, which finishes its step, checkpoints and then closes this child; the
+    child ignores them so that step's weight push and generation still run. It still ends: on the
+    ``close`` command, on the pipe's EOF, when the parent dies (:func:`_exit_with_parent`), or by
+    SIGKILL (:func:`_shutdown` escalates to it)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _engine_child_main(read_fd: int, write_fd: int) -> int:
     _exit_with_parent()
+    _ignore_stop_signals()
     recv = Connection(read_fd, writable=False)
     send = Connection(write_fd, readable=False)
     llm = None
@@ -997,6 +1010,7 @@ def _engine_child_main(read_fd: int, write_fd: int) -> int:
                 import vllm
 
                 llm = vllm.LLM(**payload)
+                _ignore_stop_signals()  # again: the engine may install handlers of its own
                 result: Any = {
                     "startup_s": time.perf_counter() - t0,
                     "vllm_version": vllm.__version__,
