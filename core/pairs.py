@@ -130,11 +130,16 @@ def read_pairs(path: str | Path) -> list[dict[str, Any]]:
 def reference_answer(row: Mapping[str, Any]) -> str:
     """The task's own answer in the recipe's format (the ``####`` line the default instructions ask
     for): ``#### <extra_info.answer>``, or the ground truth when the row has no answer."""
+    return f"#### {_answer(row)}"
+
+
+def _answer(row: Mapping[str, Any]) -> str:
+    """The row's answer: ``extra_info.answer``, else its ground truth, stripped."""
     extra = row.get("extra_info") or {}
     answer = extra.get("answer") if isinstance(extra, Mapping) else None
     if answer is None or not str(answer).strip():
         answer = row.get("ground_truth")
-    return f"#### {str(answer).strip()}"
+    return str(answer).strip()
 
 
 #: the answer after the last ``####`` of a response (the recipes' answer line), a number
@@ -149,8 +154,7 @@ def corrected_answer(text: str, row: Mapping[str, Any]) -> str | None:
     if not found:
         return None
     m = found[-1]
-    answer = reference_answer(row)[len("#### ") :]
-    return text[: m.start(2)] + answer + text[m.end(2) :]
+    return text[: m.start(2)] + _answer(row) + text[m.end(2) :]
 
 
 def build_pairs(
@@ -193,13 +197,11 @@ def build_pairs(
             source, chosen = "sample", correct[0]
             rejected = _pick_rejected(wrong, chosen, match_format)
         else:
-            rejected = _pick_rejected(wrong, reference_answer(row), match_format)
+            source, chosen = "reference", reference_answer(row)
+            rejected = _pick_rejected(wrong, chosen, match_format)  # differs from the reference
             fixed = corrected_answer(rejected, row) if match_format and rejected is not None else None
-            if fixed is not None and rejected is not None and fixed.strip() != rejected.strip():
+            if fixed is not None and fixed.strip() != str(rejected).strip():
                 source, chosen = "corrected", fixed
-            else:
-                source, chosen = "reference", reference_answer(row)
-                rejected = next((t for t in wrong if t.strip() != chosen.strip()), None)
         if rejected is None:
             continue
         counts["chosen_from_reference"] += source == "reference"
