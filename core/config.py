@@ -126,6 +126,10 @@ class ModelConfig:
     #: "auto" (bf16 autocast where bf16 matmuls are fast: CUDA, AVX-512/AMX CPUs; else fp32),
     #: "bf16" or "fp32"; fp32 master weights either way (rlplug.precision)
     compute_dtype: str = "auto"
+    #: attention kernel of the trained models (transformers' attn_implementation): "auto" is "eager" on a
+    #: CPU when prompt + response fit in 512 tokens (faster than sdpa there: benchmarks/bench_update_mfu.py),
+    #: else the model's default ("sdpa"); or any name transformers accepts ("eager", "sdpa", ...)
+    attn_implementation: str = "auto"
     #: LoRA rank (verl's name): 0 trains every weight; > 0 trains rank-r peft adapters on the frozen
     #: base (rlplug.lora, docs/lora.md); the reference policy is then the base (adapters off)
     lora_rank: int = 0
@@ -641,6 +645,9 @@ class TrainerConfig:
     #: after every step, return the C heap's free memory to the OS (glibc malloc_trim(0); nothing elsewhere):
     #: the resident size then follows what the process uses (rlplug.host_memory; logged: perf/rss_gb)
     malloc_trim: bool = True
+    #: keep freed heap memory for reuse within a step instead of mmap/munmap per large tensor (glibc
+    #: mallopt; rlplug.host_memory.keep_freed_memory): ~25% off a CPU training step on the 2-core machine
+    malloc_keep_freed: bool = True
     #: backend-specific settings (fsdp2: mixed precision, offload, ...)
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
     #: metric alerts evaluated after every step, each {metric, max | min, action, factor, patience, name,

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import cast
+from typing import Any, cast
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "PER_TOKEN_EXTRAS",
@@ -51,30 +50,133 @@ logger = logging.getLogger(__name__)
 _CUSTOM_LOGIT_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _chunk_log_probs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    with_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probs ``(n,)``, entropy ``(n,)`` and sum of squared probabilities ``(n,)`` of one chunk
-    of rows (the last two are zeros when not asked)."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (n, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)  # (n, V)
-    token_logp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = sum_pi_squared = torch.zeros_like(token_logp)
-    if with_entropy or with_sum_pi_squared:
-        probs = logp.exp()
-        if with_entropy:
-            entropy = -(probs * logp).sum(dim=-1)
-        if with_sum_pi_squared:
-            sum_pi_squared = (probs * probs).sum(dim=-1)
-    return token_logp, entropy, sum_pi_squared
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the vocabulary projection runs in: the autocast dtype when autocast is on for
+    ``tensor``'s device (as ``nn.Linear`` would under autocast), else ``tensor``'s own dtype."""
+    kind = tensor.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return tensor.dtype
+
+
+def _chunk_logits(
+    h_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_temperature: float
+) -> torch.Tensor:
+    """``(n, V) float32`` logits of one chunk, divided by the temperature: the ``(n, H) @ (H, V)``
+    product in the operands' dtype (bf16 under autocast), then float32 (scaled in place)."""
+    logits = torch.mm(h_chunk, weight.t())
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
+    logits = logits.float()
+    if inv_temperature != 1.0:
+        logits.mul_(inv_temperature)
+    return logits
+
+
+class _FusedTokenLogProbs(torch.autograd.Function):
+    """Log-probs and entropies of ``labels`` under ``softmax(hidden @ W.T / temperature)``,
+    projected chunk by chunk, with a hand-written backward that recomputes each chunk's logits.
+
+    Forward keeps only ``hidden``, ``W`` (in the compute dtype), the ``(N,)`` log-sum-exp and
+    entropy; backward recomputes a chunk's ``(n, V)`` logits and forms their gradient in place:
+    ``d log p_y / d z = (onehot(y) - p) / T`` and ``d H / d z = -p * (log p + H) / T`` (``z``
+    the raw logits, ``p`` the softmax of ``z / T``, ``H`` the entropy), then
+    ``dh = dz @ W`` and ``dW = dz.T @ h``. No ``(N, V)`` tensor outlives its chunk; there is no
+    separate division, log-softmax, gather/scatter or zero-filled ``(N, V)`` gradient as in the
+    autograd graph of the plain formula (the "fused linear cross-entropy" idea of Liger-Kernel,
+    arXiv:2410.10989, for a log-prob output instead of a loss).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        inv_temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        with_sum_pi_squared: bool,
+        compute_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        h = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        lse = hidden.new_empty((n,), dtype=torch.float32)
+        log_probs = hidden.new_empty((n,), dtype=torch.float32)
+        entropy = hidden.new_zeros((n,), dtype=torch.float32)
+        sum_pi_squared = hidden.new_zeros((n,), dtype=torch.float32)
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            logits = _chunk_logits(h[start:stop], w, bias, inv_temperature)  # (c, V) float32
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            lse[start:stop] = chunk_lse
+            log_probs[start:stop] = logits.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            if with_entropy or with_sum_pi_squared:
+                logits.sub_(chunk_lse.unsqueeze(-1))  # log p
+                probs = logits.exp()
+                if with_entropy:  # H = -sum_v p_v log p_v
+                    entropy[start:stop] = -(probs * logits).sum(dim=-1)
+                if with_sum_pi_squared:
+                    sum_pi_squared[start:stop] = (probs * probs).sum(dim=-1)
+        ctx.save_for_backward(h, w, bias, labels, lse, entropy)
+        ctx.inv_temperature = inv_temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.needs = ctx.needs_input_grad[:3]
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return log_probs, entropy, sum_pi_squared
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_sps: Any
+    ) -> tuple[Any, ...]:
+        h, w, bias, labels, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs
+        n = h.shape[0]
+        inv_t = ctx.inv_temperature
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        grad_b = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if need_b else None
+        use_ent = ctx.with_entropy and grad_entropy is not None
+        for start in range(0, n, ctx.chunk_size):
+            stop = min(start + ctx.chunk_size, n)
+            h_chunk = h[start:stop]
+            logp = _chunk_logits(h_chunk, w, bias, inv_t).sub_(lse[start:stop].unsqueeze(-1))  # (c, V) log p
+            probs = logp.exp()
+            if use_ent and grad_entropy is not None:  # dH/dz = -p (log p + H), times the entropy's upstream gradient
+                g_ent = grad_entropy[start:stop].unsqueeze(-1)
+                logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(probs).mul_(-g_ent)
+                grad_z = logp
+            else:
+                grad_z = logp.zero_()
+            if grad_log_probs is not None:  # d log p_y / dz = onehot(y) - p
+                g_lp = grad_log_probs[start:stop]
+                grad_z.sub_(probs.mul_(g_lp.unsqueeze(-1)))
+                grad_z.scatter_add_(-1, labels[start:stop].unsqueeze(-1), g_lp.unsqueeze(-1))
+            if inv_t != 1.0:
+                grad_z.mul_(inv_t)
+            if grad_b is not None:
+                grad_b += grad_z.sum(dim=0)
+            gz = grad_z.to(h.dtype)
+            if grad_h is not None:
+                torch.mm(gz, w, out=grad_h[start:stop])
+            if grad_w is not None:
+                grad_w += torch.mm(gz.t(), h_chunk)
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (
+            grad_h.to(hidden_dtype) if grad_h is not None else None,
+            grad_w.to(weight_dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 #: The per-token quantities this module computes besides the log-probs (the names of
@@ -175,53 +277,22 @@ def token_stats_from_hidden(
             f"got min {int(labels.min())}, max {int(labels.max())}. Is the padding id outside the vocabulary?"
         )
     temperature = float(temperature)
-    needs_grad = (
-        n > chunk_size
-        and torch.is_grad_enabled()
-        and (
-            hidden.requires_grad
-            or lm_head_weight.requires_grad
-            or (lm_head_bias is not None and lm_head_bias.requires_grad)
-        )
+    log_probs, entropy, sum_pi_squared = _FusedTokenLogProbs.apply(
+        hidden,
+        lm_head_weight,
+        lm_head_bias,
+        labels,
+        1.0 / temperature,
+        int(chunk_size),
+        with_entropy,
+        with_sps,
+        _compute_dtype(hidden),
     )
-    out_lp: list[torch.Tensor] = []
-    out_ent: list[torch.Tensor] = []
-    out_sps: list[torch.Tensor] = []
-    for start in range(0, n, chunk_size):
-        h_chunk = hidden[start : start + chunk_size]
-        y_chunk = labels[start : start + chunk_size]
-        if needs_grad:
-            lp, ent, sps = checkpoint(
-                _chunk_log_probs,
-                h_chunk,
-                lm_head_weight,
-                lm_head_bias,
-                y_chunk,
-                temperature,
-                with_entropy,
-                with_sps,
-                use_reentrant=False,
-            )
-        else:
-            lp, ent, sps = _chunk_log_probs(
-                h_chunk, lm_head_weight, lm_head_bias, y_chunk, temperature, with_entropy, with_sps
-            )
-        out_lp.append(lp)
-        out_ent.append(ent)
-        out_sps.append(sps)
-    if not out_lp:  # N == 0
-        empty = hidden.new_zeros((0,), dtype=torch.float32)
-        result = {"log_probs": empty}
-        if with_entropy:
-            result["entropy"] = empty.clone()
-        if with_sps:
-            result["sum_pi_squared"] = empty.clone()
-        return result
-    result = {"log_probs": torch.cat(out_lp) if len(out_lp) > 1 else out_lp[0]}
+    result = {"log_probs": log_probs}
     if with_entropy:
-        result["entropy"] = torch.cat(out_ent) if len(out_ent) > 1 else out_ent[0]
+        result["entropy"] = entropy
     if with_sps:
-        result["sum_pi_squared"] = torch.cat(out_sps) if len(out_sps) > 1 else out_sps[0]
+        result["sum_pi_squared"] = sum_pi_squared
     return result
 
 

@@ -392,6 +392,10 @@ class TrainingBackendBase:
 
         # ---- device, threads, precision
         self.device = self._training_device()
+        if self.device.type == "cpu" and bool(config_get(trainer, "malloc_keep_freed", True)):
+            from .host_memory import keep_freed_memory
+
+            keep_freed_memory()
         threads = config_get(trainer, "num_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
@@ -434,8 +438,10 @@ class TrainingBackendBase:
                 self.critic_lora, str(self.critic_model_path), trust_remote_code=trust, value_model=True
             )
 
+        self.attn_implementation = self._resolve_attention(config)
         # ---- actor
         actor: Any = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+        self._set_attention(actor)
         if getattr(actor.config, "use_cache", None) is not None:
             actor.config.use_cache = False
         if grad_ckpt:
@@ -466,6 +472,7 @@ class TrainingBackendBase:
         self.ref: torch.nn.Module | None = None
         if self.use_ref and self.lora is None:
             ref = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+            self._set_attention(ref)
             ref.requires_grad_(False)
             self.ref = self._prepare_model(ref, "ref").eval()
 
@@ -473,6 +480,7 @@ class TrainingBackendBase:
         self.critic: Role | None = None
         if self.use_critic:
             critic: Any = load_value_model(str(self.critic_model_path), dtype=torch.float32, trust_remote_code=trust)
+            self._set_attention(critic.backbone)
             if grad_ckpt:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if self.critic_lora is not None:  # adapters on the backbone; the value head trains fully
@@ -538,6 +546,42 @@ class TrainingBackendBase:
         training; its optimizer is built on the returned module's parameters. Here: move it to
         ``self.device``. Subclasses override it (the ``fsdp2`` backend shards the model)."""
         return model.to(self.device)
+
+    #: the longest prompt + response for which ``model.attn_implementation=auto`` picks eager attention on
+    #: a CPU: eager keeps a (B, heads, L, L) float32 score tensor per layer, which grows with L squared
+    EAGER_ATTENTION_MAX_TOKENS = 512
+
+    def _resolve_attention(self, config: Any) -> str | None:
+        """``model.attn_implementation`` -> the name to set, or None (keep the model's default).
+
+        ``auto``: ``"eager"`` on a CPU when ``data.max_prompt_length + data.max_response_length <=``
+        :attr:`EAGER_ATTENTION_MAX_TOKENS` (on the 2-core machine, eager took 2.11 s against sdpa's
+        2.38 s for the forward + backward of an 8 x 202-token SmolLM2 micro-batch, and 3.99 s
+        against 4.21 s at 4 x 592 tokens), else None."""
+        name = str(config_get(config.model, "attn_implementation", "auto") or "auto")
+        if name != "auto":
+            return name
+        data = config.data
+        tokens = int(config_get(data, "max_prompt_length", 0) or 0) + int(
+            config_get(data, "max_response_length", 0) or 0
+        )
+        if self.device.type == "cpu" and 0 < tokens <= self.EAGER_ATTENTION_MAX_TOKENS:
+            return "eager"
+        return None
+
+    def _set_attention(self, model: Any) -> None:
+        """Switch a transformers model to :attr:`attn_implementation` (nothing when None).
+
+        Raises ValueError naming ``model.attn_implementation`` when transformers refuses the name."""
+        name = self.attn_implementation
+        if name is None or not hasattr(model, "set_attn_implementation"):
+            return
+        try:
+            model.set_attn_implementation(name)
+        except (ValueError, ImportError) as exc:
+            raise ValueError(
+                f"model.attn_implementation={name!r} is not usable with this model: {exc} Use auto, eager or sdpa."
+            ) from exc
 
     def _bf16_autocast_works(self) -> bool:
         try:

@@ -620,6 +620,9 @@ def test_export_hf_loads_with_identical_logits(model_path, tmp_path):
     out = backend.export_hf(tmp_path / "hf", load_tokenizer(model_path))
     assert (out / "tokenizer_config.json").is_file() and (out / "config.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    # model.attn_implementation=auto trains with eager attention on a CPU; compare with the same kernel
+    assert backend.attn_implementation == "eager"
+    loaded.set_attn_implementation("eager")
     batch = make_batch(5)
     kwargs = dict(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
@@ -649,6 +652,7 @@ def test_saved_actor_is_what_rlplug_export_reads(model_path, tmp_path):
     (ckpt / "COMPLETE").write_text("")
     out = export_checkpoint(ckpt, tmp_path / "exported")
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    loaded.set_attn_implementation(backend.attn_implementation)  # eager: the backend's kernel on a CPU
     batch = make_batch(6)
     kwargs = dict(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
