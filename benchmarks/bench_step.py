@@ -119,7 +119,7 @@ class PeakRSS:
 def worker(overrides: list[str], steps: int, out: str) -> int:
     """Build the trainer from ``overrides``, run ``steps`` steps, write the JSON result to ``out``."""
     t0 = time.perf_counter()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the rlplug CLI does
+    # OpenMP waiting as the rlplug CLI leaves it (libgomp default; the engine child runs PASSIVE)
     from omegaconf import OmegaConf
 
     from rlplug.config import compose

@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -77,8 +78,23 @@ def parse_validation(line: str) -> tuple[int, dict[str, float]] | None:
     return int(m.group(1)), metrics
 
 
-def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str], key: str, threads: int = 1) -> dict:
-    """Train one seed (resuming its directory), return ``{seed, before, after, log}`` of metric ``key``."""
+def run_seed(
+    recipe: str,
+    seed: int,
+    steps: int,
+    out: Path,
+    extra: list[str],
+    key: str,
+    threads: int | None = 1,
+    test_freq: int | None = None,
+    stop_when: Callable[[dict], bool] | None = None,
+) -> dict:
+    """Train one seed (resuming its directory), return ``{seed, before, after, log}`` of metric ``key``.
+
+    ``threads``: torch and engine threads (None: the defaults, every core); ``test_freq``: validate
+    every N steps (default: only at ``steps``); ``stop_when(row)``: called with every validation row
+    (``{step, metrics, wall_s}``), the run is stopped (SIGTERM: it saves and exits) when it returns True.
+    """
     overrides, _ = RECIPES[recipe]
     run_dir = out / recipe / f"seed_{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,16 +107,17 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str], ke
         f"trainer.seed={seed}",
         f"data.seed={seed}",
         f"trainer.total_training_steps={steps}",
-        f"trainer.test_freq={steps}",
+        f"trainer.test_freq={test_freq or steps}",
         f"trainer.save_freq={max(1, min(5, steps))}",
         "trainer.max_wall_time_s=null",
-        f"trainer.num_threads={threads}",
-        f"rollout.num_threads={threads}",
+        *([f"trainer.num_threads={threads}", f"rollout.num_threads={threads}"] if threads else []),
         "trainer.logger=[console]",
         f"trainer.default_local_dir={run_dir}",
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     history = run_dir / "validations.jsonl"
     log_path = run_dir / "train.log"
     t0 = time.time()
@@ -121,6 +138,8 @@ def run_seed(recipe: str, seed: int, steps: int, out: Path, extra: list[str], ke
                     # wall_s: seconds this seed has run (attempts added up, see t_offset)
                     row = {"step": parsed[0], "metrics": parsed[1], "wall_s": round(t_offset + time.time() - t0, 1)}
                     h.write(json.dumps(row) + "\n")
+                if stop_when is not None and stop_when(row) and proc.poll() is None:
+                    proc.terminate()  # the trainer saves a checkpoint and exits (exit code 75)
         rc = proc.wait()
     vals = read_history(history)
     before, after = vals.get(0, {}).get(key), vals.get(steps, {}).get(key)

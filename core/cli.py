@@ -24,13 +24,11 @@ signal after saving, 130 interrupted).
 
 from __future__ import annotations
 
-import os
-
-# Before torch loads OpenMP: spinning worker threads make a 2-core machine up to 50x slower
-# whenever another busy process (a rollout engine, a reward pool) holds a core
-# (shared/MACHINE_NOTES.md). Passive waiting costs a few percent on an idle machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# OpenMP waiting: the trainer keeps libgomp's default (its threads spin briefly between parallel
+# regions, then sleep). OMP_WAIT_POLICY=PASSIVE here made the actor and critic updates about 30%
+# slower (every one of the thousands of small ops per micro-batch woke its threads with a futex;
+# benchmarks/results/update_mfu.md). The rollout engine child runs with PASSIVE (rlplug.plugins.rollout.vllm),
+# so an idle engine leaves both cores to the trainer; the two take turns, never computing at once.
 import argparse
 import json
 import sys

@@ -210,6 +210,10 @@ class ActorConfig:
     grad_clip: float = 1.0
     #: rows of the vocabulary-sized logits handled at once when computing log-probs (memory only)
     logprob_chunk_size: int = 1024
+    #: torch.compile each decoder layer of the actor and reference (dynamic shapes, one graph for all
+    #: layers): fuses the norms, rotary embedding and activations; the first step pays the compilation
+    #: (minutes on a small CPU, cached by torch across runs); benchmarks/bench_update_mfu.py measures both
+    use_torch_compile: bool = False
     #: truncated importance-sampling correction with the engine's log-probs (None: off); an alias of
     #: algorithm.rollout_correction.rollout_is=token with rollout_is_threshold=this cap
     rollout_is_threshold: float | None = None
@@ -261,6 +265,8 @@ class CriticConfig:
     #: the no-grad value pass's budget (verl's forward_max_token_len_per_gpu); None: critic.max_token_len_per_device
     forward_max_token_len_per_device: int | None = None
     ppo_epochs: int | None = None
+    #: torch.compile the critic's decoder layers (see actor.use_torch_compile); None: the actor's setting
+    use_torch_compile: bool | None = None
     cliprange_value: float = 0.5
     #: "mse": 0.5 * max((v - R)^2, (v_clip - R)^2) (verl's clipped value loss); "huber": the same max of
     #: Huber losses with threshold huber_delta (quadratic within huber_delta of the return, linear beyond)

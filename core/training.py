@@ -170,6 +170,28 @@ def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def compile_decoder_layers(model: torch.nn.Module, role: str) -> int:
+    """``torch.compile`` every decoder layer of ``model`` in place (``actor.use_torch_compile``).
+
+    The layers are the modules of the first ``torch.nn.ModuleList`` named ``layers`` (Llama, Qwen,
+    Mistral ... in transformers; also under peft's LoRA wrapper and the critic's backbone). Each is
+    compiled with ``dynamic=True``, so batch size and sequence length change without recompiling,
+    and because all layers run the same code with their parameters as inputs, torch compiles one
+    graph for the forward and one for the backward and reuses them for every layer. The embedding,
+    the final norm and the fused LM head (:mod:`rlplug.logprob`) stay eager. Returns the number of
+    layers compiled. Raises ``ValueError`` (naming ``role``) when the model has no such list.
+    """
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(module, torch.nn.ModuleList) and len(module):
+            for layer in module:
+                layer.compile(dynamic=True)
+            return len(module)
+    raise ValueError(
+        f"actor.use_torch_compile: the {role} model ({type(model).__name__}) has no decoder-layer list named "
+        "'layers' to compile. Set actor.use_torch_compile=false (and critic.use_torch_compile=false)."
+    )
+
+
 def check_batch_fields(batch: Batch, keys: tuple[str, ...], what: str, hint: str = "") -> None:
     """Raise ``ValueError`` naming the missing ones when ``batch`` lacks any of the tensors ``keys``
     (``what`` names the caller, ``hint`` says how to provide them)."""
@@ -450,6 +472,9 @@ class TrainingBackendBase:
         if self.lora is not None:  # the adapters train, the base weights are frozen
             actor = apply_lora(actor, self.lora, seed=seed)
         actor = self._prepare_model(actor, "actor")
+        compile_actor = bool(config_get(actor_cfg, "use_torch_compile", False))
+        if compile_actor:
+            compile_decoder_layers(actor, "actor")
         actor_epochs = int(actor_cfg.ppo_epochs)
         self.actor = Role(
             "actor",
@@ -475,6 +500,8 @@ class TrainingBackendBase:
             self._set_attention(ref)
             ref.requires_grad_(False)
             self.ref = self._prepare_model(ref, "ref").eval()
+            if compile_actor:
+                compile_decoder_layers(self.ref, "ref")
 
         # ---- critic
         self.critic: Role | None = None
@@ -486,6 +513,9 @@ class TrainingBackendBase:
             if self.critic_lora is not None:  # adapters on the backbone; the value head trains fully
                 critic.backbone = apply_lora(critic.backbone, self.critic_lora, seed=seed, task_type=None)
             critic = self._prepare_model(critic, "critic")
+            compile_critic = config_get(critic_cfg, "use_torch_compile", None)
+            if compile_actor if compile_critic is None else bool(compile_critic):
+                compile_decoder_layers(critic, "critic")
             c_mini = int(config_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
             c_epochs = int(config_get(critic_cfg, "ppo_epochs", actor_epochs))
             c_minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // c_mini)

@@ -466,7 +466,11 @@ def _actor_rows() -> list[VerlKey]:
         _i(f"{A}.calculate_sum_pi_squared", "computed when an advantage estimator requires sum_pi_squared"),
         _m(f"{A}.use_kl_loss", "actor.use_kl_loss", True),
         _i(f"{A}.use_prefix_grouper", "a speed optimisation (shared-prefix forward); results are unchanged"),
-        _i(f"{A}.use_torch_compile", _KERNEL),
+        _i(
+            f"{A}.use_torch_compile",
+            "verl's default is true, so its configs would always compile; rlplug's own actor.use_torch_compile "
+            "(default false) compiles the decoder layers",
+        ),
         _m(f"{A}.kl_loss_coef", "actor.kl_loss_coef", 0.01),
         _m(f"{A}.kl_loss_type", "actor.kl_loss_type", "k2"),
         _m(f"{A}.ppo_epochs", "actor.ppo_epochs", 2),

@@ -1,0 +1,232 @@
+"""Model-FLOPs utilisation of the actor and critic updates, against the machine's own matmul peak.
+
+Each variant runs in a fresh process (allocator settings and compiled kernels are per process): it
+builds the ``local`` training backend exactly as ``rlplug train`` does (default experiment:
+SmolLM2-135M-Instruct, PPO with a critic, 32 prompts per step in 2 mini-batches of 16, micro-batches
+of 8, bf16 autocast over fp32 master weights) plus the variant's overrides, and calls
+``update_critic`` and ``update_actor`` on a synthetic batch ``--reps`` times (the first call is
+dropped: warm-up, allocator growth, compilation). The batch has the default experiment's shape:
+32 rows, prompts of 60-80 tokens, responses of ``--responses`` tokens (``mixed``: uniform 16-128,
+``fixed``: all 128, as ``rollout.ignore_eos=true``).
+
+Model FLOPs per update (the issue's definition; recomputation and the optimizer step not counted):
+``6 x non-embedding parameters x tokens`` + ``6 x V x H x response tokens`` (the LM head, actor
+only) + ``12 x layers x H x L^2`` per sequence (attention scores and their use, forward + backward,
+PaLM's convention) over the real (unpadded) tokens. MFU = model FLOPs / seconds / the bf16 matmul
+peak measured at the start of the run (:func:`_machine.matmul_peak`, best of a few shapes).
+
+    python benchmarks/bench_update_mfu.py                       # every variant, mixed lengths
+    python benchmarks/bench_update_mfu.py --variants default,compile --responses fixed
+    python benchmarks/bench_update_mfu.py --render update_mfu.json
+
+Writes ``benchmarks/results/update_mfu.{md,json}`` (``--out-name`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _machine import describe, matmul_peak  # noqa: E402
+from bench_step import run_json_worker  # noqa: E402
+
+#: variant name -> (overrides, what it is)
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "default": ([], "the defaults (fused LM head, heap reuse, eager attention on CPU)"),
+    "no-heap-reuse": (["trainer.malloc_keep_freed=false"], "glibc's default mmap/munmap of large blocks"),
+    "sdpa": (["model.attn_implementation=sdpa"], "transformers' sdpa attention instead of eager"),
+    "micro16": (
+        ["actor.micro_batch_size_per_device=16", "critic.micro_batch_size_per_device=16"],
+        "micro-batches of 16 (one per mini-batch)",
+    ),
+    "compile": (["actor.use_torch_compile=true"], "torch.compile of the decoder layers (dynamic shapes)"),
+    "fp32": (["model.compute_dtype=fp32"], "fp32 compute (no autocast)"),
+    "engine-alive": (["+engine"], "the defaults with an idle vLLM engine child alive (after one generate)"),
+    "omp-passive": (["+passive"], "the defaults with OMP_WAIT_POLICY=PASSIVE in the trainer"),
+}
+
+
+def _batch(rows: int, responses: str, vocab: int, seed: int = 0):
+    import torch
+
+    from rlplug.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    p_max, t_max = 80, 128
+    prompt_len = torch.randint(60, p_max + 1, (rows,), generator=g)
+    if responses == "fixed":
+        resp_len = torch.full((rows,), t_max)
+    else:
+        resp_len = torch.randint(16, t_max + 1, (rows,), generator=g)
+    ids = torch.full((rows, p_max + t_max), 2, dtype=torch.long)
+    attn = torch.zeros(rows, p_max + t_max, dtype=torch.long)
+    for i in range(rows):
+        p, r = int(prompt_len[i]), int(resp_len[i])
+        ids[i, p_max - p : p_max + r] = torch.randint(3, vocab, (p + r,), generator=g)
+        attn[i, p_max - p : p_max + r] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    mask = (torch.arange(t_max)[None] < resp_len[:, None]).float()
+    batch = Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": pos,
+            "responses": ids[:, p_max:],
+            "response_mask": mask,
+            "advantages": torch.randn(rows, t_max, generator=g) * mask,
+            "returns": torch.randn(rows, t_max, generator=g) * mask,
+            "index": torch.arange(rows),
+        }
+    )
+    return batch, (prompt_len + resp_len).tolist(), resp_len.tolist()
+
+
+def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
+    """Build the backend with ``overrides``, time ``reps`` critic and actor updates, write JSON to ``out``."""
+    engine = "+engine" in overrides
+    if "+passive" in overrides:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    overrides = [o for o in overrides if not o.startswith("+")]
+    import torch
+    from omegaconf import OmegaConf
+
+    from rlplug.config import compose
+    from rlplug.models import resolve_model_path
+    from rlplug.plugins.training.local import LocalTrainingBackend
+    from rlplug.validate import validate_config
+
+    cfg = compose(["trainer.logger=[]", *overrides])
+    validate_config(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    path = resolve_model_path(cfg.model)
+    t0 = time.perf_counter()
+    backend = LocalTrainingBackend(cfg, path, use_critic=True, use_ref=False, total_steps=1000)
+    build_s = time.perf_counter() - t0
+    model = backend.actor.model
+    mcfg = model.config
+    nonemb = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    vocab, hidden, layers = int(mcfg.vocab_size), int(mcfg.hidden_size), int(mcfg.num_hidden_layers)
+    rows = int(cfg.data.train_batch_size) * int(cfg.rollout.n)
+    batch, seq_lens, resp_lens = _batch(rows, responses, vocab)
+    attn_flops = 12 * layers * hidden * sum(length**2 for length in seq_lens)
+    critic_flops = 6 * nonemb * sum(seq_lens) + attn_flops
+    actor_flops = critic_flops + 6 * vocab * hidden * sum(resp_lens)
+    rollout = None
+    if engine:  # the default experiment's engine, started and used once, then idle during the updates
+        from rlplug.models import load_tokenizer
+        from rlplug.plugins.rollout.vllm import create_vllm_rollout
+        from rlplug.types import SamplingParams
+
+        rollout = create_vllm_rollout(cfg, path, load_tokenizer(path))
+        rollout.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=16, temperature=1.0))
+    with torch.no_grad():
+        batch["old_log_probs"] = backend.compute_log_probs(batch)["log_probs"] * batch["response_mask"]
+        batch["values"] = backend.compute_values(batch) * batch["response_mask"]
+    times: dict[str, list[float]] = {"update_critic": [], "update_actor": []}
+    for _ in range(reps):
+        for name in ("update_critic", "update_actor"):
+            t = time.perf_counter()
+            getattr(backend, name)(batch)
+            times[name].append(time.perf_counter() - t)
+            print(f"{name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
+    backend.close()
+    if rollout is not None:
+        rollout.close()
+    result = {
+        "overrides": overrides,
+        "build_s": build_s,
+        "times": times,
+        "flops": {"update_critic": critic_flops, "update_actor": actor_flops},
+        "tokens": sum(seq_lens),
+        "response_tokens": sum(resp_lens),
+        "rows": rows,
+        "attn_implementation": backend.attn_implementation,
+        "torch_threads": torch.get_num_threads(),
+    }
+    Path(out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def render(data: dict) -> str:
+    m, peak = data["machine"], data["peak"]
+    lines = [
+        "# Actor and critic update MFU (default experiment's batch)",
+        "",
+        f"CPU: {m['cpu_model']} ({', '.join(m['isa_flags'])}); {m['cores']} cores, load average at start "
+        f"{m['loadavg_at_start']:.2f}; torch {m['torch']}, {peak['bf16']['threads']} threads.",
+        f"Measured matmul peak (best of {', '.join(peak['bf16']['per_shape'])}): **bf16 {peak['bf16']['gflops']:.0f} "
+        f"GFLOP/s**, fp32 {peak['fp32']['gflops']:.0f} GFLOP/s.",
+        f"Batch: {data['rows']} rows, {data['tokens']} tokens ({data['response_tokens']} response tokens; "
+        f"responses: {data['responses']}), {data['reps']} updates each, first dropped, median.",
+        "",
+        "| variant | what | critic update s | critic GFLOP/s | critic MFU | actor update s | actor GFLOP/s | actor MFU |"
+        " backend build s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in data["variants"].items():
+        if "error" in res:
+            lines.append(f"| {name} | {VARIANTS.get(name, ([], ''))[1]} | failed: {res['error'][:80]} | | | | | | |")
+            continue
+        cells = []
+        for role in ("update_critic", "update_actor"):
+            ts = res["times"][role][1:] or res["times"][role]
+            sec = statistics.median(ts)
+            gf = res["flops"][role] / sec / 1e9
+            cells += [f"{sec:.2f}", f"{gf:.0f}", f"{100 * gf / peak['bf16']['gflops']:.0f}%"]
+        lines.append(f"| {name} | {VARIANTS.get(name, ([], ''))[1]} | {' | '.join(cells)} | {res['build_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
+    ap.add_argument("--variants", default="default,no-heap-reuse,sdpa,micro16,fp32")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--responses", default="mixed", choices=["mixed", "fixed"])
+    ap.add_argument("--out-name", default="update_mfu")
+    ap.add_argument("--out", help="worker: JSON output file")
+    ap.add_argument("--render", help="rewrite the table from a saved JSON in benchmarks/results/")
+    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_intermixed_args(argv)
+    if args.mode == "worker":
+        return worker(args.overrides, args.reps, args.responses, args.out)
+    results = HERE / "results"
+    if args.render:
+        print(render(json.loads((results / args.render).read_text())))
+        return 0
+    info = describe()
+    peak = {"bf16": matmul_peak("bf16"), "fp32": matmul_peak("fp32")}
+    print(f"{info['cpu_model']} {info['isa_flags']}: bf16 peak {peak['bf16']['gflops']:.0f} GFLOP/s", flush=True)
+    data: dict = {"machine": info, "peak": peak, "responses": args.responses, "reps": args.reps, "variants": {}}
+    for name in args.variants.split(","):
+        overrides = [*VARIANTS[name][0], *args.overrides]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--reps", str(args.reps)]
+        cmd += ["--responses", args.responses, *overrides]
+        try:
+            res = run_json_worker(cmd, f"variant {name}", timeout_s=3600)
+        except RuntimeError as exc:
+            res = {"error": str(exc).splitlines()[-1]}
+        data["variants"][name] = res
+        if "tokens" in res:
+            data.update(rows=res["rows"], tokens=res["tokens"], response_tokens=res["response_tokens"])
+        print(f"{name}: {res.get('times', res)}", flush=True)
+    text = render(data)
+    print(text)
+    if not args.no_save:
+        results.mkdir(parents=True, exist_ok=True)
+        (results / f"{args.out_name}.md").write_text(text)
+        (results / f"{args.out_name}.json").write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
