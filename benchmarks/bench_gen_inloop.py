@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(f'{x:.0f}' for x in loop_tps)} |",
         "",
         f"In-loop / bare: **{100 * ratio:.0f}%** (target >= 90%). Weight push per step (its own stage): "
-        f"{statistics.median(s['timing_s/update_weights'] for s in steps):.2f} s.",
+        f"{statistics.median(s['timing_s/update_weights'] for s in steps):.2f} s; actor update per step "
+        f"{statistics.median(s['timing_s/update_actor'] for s in steps):.2f} s (the engine idles meanwhile).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -184,7 +184,7 @@ def test_update_weights_checks_names_before_sending(engine, ref_model) -> None:
 
 
 def test_idle_engine_does_not_spin(engine) -> None:
-    """After a generate call the engine's threads block (OMP_WAIT_POLICY=PASSIVE): under 0.2 CPU-s
+    """After a generate call the engine's threads sleep (libgomp spins briefly, then blocks): under 0.2 CPU-s
     in 1.5 s of wall time (a spinning 2-thread engine burns ~3 CPU-s)."""
     engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16))
     engine.sleep()

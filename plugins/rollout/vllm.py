@@ -26,9 +26,12 @@ sent the same batch once more; a second death raises :class:`EngineDied`
 with the engine's last log lines. (Server mode, ``rollout.mode=server``, restarts a dead server
 the same way: :mod:`rlplug.serving`.)
 
-Threads: the child runs with ``OMP_WAIT_POLICY=PASSIVE`` (and ``KMP_BLOCKTIME=0``) so its
-OpenMP threads block instead of spinning between calls; an idle engine therefore leaves the cores
-to the trainer, and :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up` are no-ops. On CPU
+Threads: the child keeps libgomp's default waiting (its OpenMP threads spin briefly after each
+parallel region, then sleep), so an idle engine leaves the cores to the trainer within
+milliseconds, and :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up` are no-ops.
+``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) made generation inside the loop run at 65% of the
+bare engine's tokens/s, the default at 105% (``benchmarks/results/gen_inloop.md``); the trainer
+and the engine take turns, never computing at the same time. On CPU
 the engine binds ``rollout.num_threads`` threads (default: every core this process may use) via
 ``VLLM_CPU_OMP_THREADS_BIND`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``; the KV cache is
 ``VLLM_CPU_KVCACHE_SPACE = ceil(rollout.kv_cache_space_gib)`` GiB (vLLM takes whole GiB).
@@ -164,7 +167,6 @@ class VLLMRollout:
         env = dict(os.environ)
         env.update(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            OMP_WAIT_POLICY="PASSIVE",
             TOKENIZERS_PARALLELISM="false",
         )
         env.setdefault("KMP_BLOCKTIME", "0")
@@ -320,7 +322,7 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
-        """No-op: the idle engine's threads block (``OMP_WAIT_POLICY=PASSIVE``), leaving the cores free."""
+        """No-op: the idle engine's OpenMP threads sleep after a brief spin (libgomp's default), leaving the cores free."""
 
     def wake_up(self) -> None:
         """No-op (see :meth:`sleep`)."""
@@ -795,7 +797,7 @@ class VLLMServerRollout(ServerRollout):
 
     def _launch_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(VLLM_SERVER_DEV_MODE="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+        env.update(VLLM_SERVER_DEV_MODE="1", TOKENIZERS_PARALLELISM="false")
         env.setdefault("KMP_BLOCKTIME", "0")
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
