@@ -119,7 +119,7 @@ class PeakRSS:
 def worker(overrides: list[str], steps: int, out: str) -> int:
     """Build the trainer from ``overrides``, run ``steps`` steps, write the JSON result to ``out``."""
     t0 = time.perf_counter()
-    # OpenMP waiting as the rlplug CLI leaves it (libgomp default; the engine child runs PASSIVE)
+    # OpenMP waiting as the rlplug CLI leaves it: libgomp's default, as in the engine child
     from omegaconf import OmegaConf
 
     from rlplug.config import compose
@@ -132,6 +132,11 @@ def worker(overrides: list[str], steps: int, out: str) -> int:
         OmegaConf.set_readonly(cfg, False)
         trainer = Trainer(cfg)
         startup = time.perf_counter() - t0
+        with open(Path(trainer.model_path) / "config.json") as f:
+            mc = json.load(f)
+        vocab, hidden = int(mc["vocab_size"]), int(mc["hidden_size"])
+        n_params = sum(p.numel() for p in trainer.backend.actor.model.parameters())  # tied head counted once
+        model_info = {"nonemb_params": n_params - vocab * hidden, "vocab": vocab, "hidden": hidden}
         records = []
         try:
             for _ in range(steps):
@@ -154,6 +159,7 @@ def worker(overrides: list[str], steps: int, out: str) -> int:
 
     result = {
         "overrides": overrides,
+        "model": model_info,
         "config": cfg_summary,
         "startup_s": startup,
         "steps": records,
@@ -207,14 +213,46 @@ def summarize(result: dict, skip: int = 1) -> dict:
     out["response_length"] = med("response_length/mean")
     out["peak_rss_gib"] = result["peak_rss_gib"]
     out["startup_s"] = result["startup_s"]
+    if "model" in result:
+        out["model_tflop"] = statistics.median(step_model_flops(s, result) for s in steps) / 1e12
     return out
 
 
+def step_model_flops(step: dict, result: dict) -> float:
+    """Model FLOPs of one PPO step (the issue's convention: no recomputation, no optimizer step).
+
+    With ``N`` non-embedding parameters, ``VH`` the LM-head size, ``tok`` prompt + response tokens
+    and ``resp`` response tokens of the step: generation ``2 N resp + 2 VH resp`` (one forward per
+    generated token; the prompt prefill ``2 N (tok - resp)``), the old-log-prob pass
+    ``2 N tok + 2 VH resp`` (when it ran), the value pass ``2 N tok``, the critic update ``6 N tok``
+    and the actor update ``6 N tok + 6 VH resp``. Attention's L^2 terms are left out (under 3% at
+    these lengths).
+    """
+    m = result["model"]
+    n, vh = m["nonemb_params"], m["vocab"] * m["hidden"]
+    rows = result["config"]["train_batch_size"] * result["config"]["n"]
+    tok, resp = step["perf/total_num_tokens"], step["response_length/mean"] * rows
+    flops = 2 * n * tok + 2 * vh * resp  # generation: prefill + decode
+    if step.get("timing_s/old_log_prob", 0.0) > 0:
+        flops += 2 * n * tok + 2 * vh * resp
+    if step.get("timing_s/values", 0.0) > 0:
+        flops += 2 * n * tok
+    if step.get("timing_s/update_critic", 0.0) > 0:
+        flops += 6 * n * tok
+    if step.get("timing_s/update_actor", 0.0) > 0:
+        flops += 6 * n * tok + 6 * vh * resp
+    return flops
+
+
 def cmd_breakdown(args: argparse.Namespace) -> int:
+    from _machine import describe, matmul_peak
+
     overrides = ["trainer.critic_warmup=0", *args.overrides]
-    info = machine()
+    info = {**machine(), **describe()}
+    peak = matmul_peak("bf16")
     result = run_config(overrides, args.steps)
     s = summarize(result)
+    s["bf16_peak_gflops"] = peak["gflops"]
     lines = [
         f"# Step breakdown: default PPO experiment ({' '.join(overrides)})",
         "",
@@ -236,6 +274,10 @@ def cmd_breakdown(args: argparse.Namespace) -> int:
         f"{s['train_tokens_per_s']:.0f} tokens/s ({s['tokens_per_step']:.0f} prompt+response tokens per step, "
         f"mean response {s['response_length']:.1f} tokens)",
         f"- peak resident memory (trainer + engine processes): {s['peak_rss_gib']:.2f} GiB; start-up {s['startup_s']:.0f} s",
+        f"- whole step: {s['model_tflop']:.2f} TFLOP of model FLOPs (generation, passes and updates; "
+        f"`step_model_flops`) in {s['step']:.1f} s = {1000 * s['model_tflop'] / s['step']:.0f} GFLOP/s, "
+        f"**MFU {100 * 1000 * s['model_tflop'] / s['step'] / peak['gflops']:.0f}%** of the measured bf16 matmul "
+        f"peak ({peak['gflops']:.0f} GFLOP/s, {info['cpu_model']}, {', '.join(info['isa_flags'])})",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

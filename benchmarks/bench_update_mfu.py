@@ -3,7 +3,7 @@
 Each variant runs in a fresh process (allocator settings and compiled kernels are per process): it
 builds the ``local`` training backend exactly as ``rlplug train`` does (default experiment:
 SmolLM2-135M-Instruct, PPO with a critic, 32 prompts per step in 2 mini-batches of 16, micro-batches
-of 8, bf16 autocast over fp32 master weights) plus the variant's overrides, and calls
+of 8, bf16 autocast over fp32 master weights, compiled decoder layers) plus the variant's overrides, and calls
 ``update_critic`` and ``update_actor`` on a synthetic batch ``--reps`` times (the first call is
 dropped: warm-up, allocator growth, compilation). The batch has the default experiment's shape:
 32 rows, prompts of 60-80 tokens, responses of ``--responses`` tokens (``mixed``: uniform 16-128,
@@ -40,17 +40,17 @@ from bench_step import run_json_worker  # noqa: E402
 
 #: variant name -> (overrides, what it is)
 VARIANTS: dict[str, tuple[list[str], str]] = {
-    "default": ([], "the defaults (fused LM head, heap reuse, eager attention on CPU)"),
+    "default": ([], "the defaults: compiled decoder layers, fused LM head, heap reuse, eager attention"),
+    "eager": (["actor.use_torch_compile=false"], "no torch.compile"),
     "no-heap-reuse": (["trainer.malloc_keep_freed=false"], "glibc's default mmap/munmap of large blocks"),
+    "omp-passive": (["+passive"], "OMP_WAIT_POLICY=PASSIVE in the trainer (the CLI's setting before)"),
     "sdpa": (["model.attn_implementation=sdpa"], "transformers' sdpa attention instead of eager"),
     "micro16": (
         ["actor.micro_batch_size_per_device=16", "critic.micro_batch_size_per_device=16"],
         "micro-batches of 16 (one per mini-batch)",
     ),
-    "compile": (["actor.use_torch_compile=true"], "torch.compile of the decoder layers (dynamic shapes)"),
-    "fp32": (["model.compute_dtype=fp32"], "fp32 compute (no autocast)"),
-    "engine-alive": (["+engine"], "the defaults with an idle vLLM engine child alive (after one generate)"),
-    "omp-passive": (["+passive"], "the defaults with OMP_WAIT_POLICY=PASSIVE in the trainer"),
+    "engine-alive": (["+engine"], "an idle vLLM engine child alive (after one generate)"),
+    "fp32": (["model.compute_dtype=fp32", "actor.use_torch_compile=false"], "fp32 compute (no autocast), eager"),
 }
 
 
@@ -188,7 +188,7 @@ def render(data: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
-    ap.add_argument("--variants", default="default,no-heap-reuse,sdpa,micro16,fp32")
+    ap.add_argument("--variants", default="default,eager,no-heap-reuse,omp-passive,sdpa,engine-alive")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--responses", default="mixed", choices=["mixed", "fixed"])
     ap.add_argument("--out-name", default="update_mfu")

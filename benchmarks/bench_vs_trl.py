@@ -48,6 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _machine import describe  # noqa: E402
 from _trl_worker import arithmetic_workload  # noqa: E402
 from bench_step import machine, run_config, run_json_worker  # noqa: E402
 
@@ -82,6 +83,7 @@ PRECISION = {
     "rlplug-vllm": "same; vLLM bf16",
     "rlplug-hf-fp32": "fp32, fp32 generate",
     "trl-fixed": "fp32; every response 128 tokens",
+    "trl-bf16-fixed": "bf16 autocast; every response 128 tokens",
     "rlplug-hf-fixed": "bf16; every response 128 tokens",
     "rlplug-vllm-fixed": "bf16; every response 128 tokens",
 }
@@ -93,6 +95,7 @@ VARIANTS = {
     "rlplug-hf-fp32": ["rollout=hf", "model.compute_dtype=fp32", "rollout.dtype=fp32"],
     # the same work on both sides: EOS masked until 128 tokens (TRL min_new_tokens, rlplug ignore_eos)
     "trl-fixed": ["--min-new-tokens", "128"],
+    "trl-bf16-fixed": ["--bf16", "--min-new-tokens", "128"],
     "rlplug-hf-fixed": ["rollout=hf", "rollout.ignore_eos=true"],
     "rlplug-vllm-fixed": ["rollout=vllm", "rollout.ignore_eos=true"],
 }
@@ -168,18 +171,21 @@ def render(runs: dict[str, list[dict]], info: dict, reps: int, steps: int) -> tu
     lines = [
         "# GRPO step time: rlplug vs TRL GRPOTrainer",
         "",
-        f"{info['cores']} CPU cores, load average at start {info['loadavg_at_start']:.2f}; "
+        f"CPU: {info.get('cpu_model', '?')} ({', '.join(info.get('isa_flags', []))}); "
+        f"{info['cores']} cores, load average at start {info['loadavg_at_start']:.2f}; "
         f"{reps} repetitions x {steps} steps per variant, alternating; first step of each run dropped.",
         "Workload: SmolLM2-135M-Instruct, 4 prompts x 4 samples per step, <= 128 response tokens, T=1.0, "
         "lr 1e-6, no KL, one optimizer step per batch. TRL keeps its defaults (gradient checkpointing on "
         "for the update, off while generating, KV cache used).",
         "",
         "| variant | precision | median s/step | range | response tokens/step | s per 1k response tokens "
-        "| speed-up vs trl (s/step) | (s/1k tokens) | peak RSS GiB | start-up s |",
+        "| speed-up vs fastest TRL (s/step) | (s/1k tokens) | peak RSS GiB | start-up s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, s in summary.items():
-        ref = summary.get("trl-fixed" if v.endswith("-fixed") else "trl")  # like is compared with like
+        # like is compared with like: the fastest TRL variant of the same kind (sampled or fixed lengths)
+        refs = [summary[r] for r in summary if r.startswith("trl") and r.endswith("-fixed") == v.endswith("-fixed")]
+        ref = min(refs, key=lambda r: r["median_s_per_step"]) if refs else None
         ratio = f"{ref['median_s_per_step'] / s['median_s_per_step']:.2f}x" if ref else "-"
         tok = f"{s['response_tokens_per_step']:.0f}" if s["response_tokens_per_step"] is not None else "-"
         per_k = s["s_per_1k_response_tokens"]
@@ -193,12 +199,26 @@ def render(runs: dict[str, list[dict]], info: dict, reps: int, steps: int) -> tu
             f"| {v} | {PRECISION.get(v, '')} | {s['median_s_per_step']:.2f} | {s['min_s']:.1f}-{s['max_s']:.1f} | "
             f"{tok} | {per_k_text} | {ratio} | {ratio_k} | {s['peak_rss_gib']:.2f} | {s['startup_s']:.0f} |"
         )
+    stage_lines = []
+    for v, rs in runs.items():
+        stages = [r.get("stages") or {} for r in rs]
+        if not any(stages):
+            continue
+        keys = ["timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"]
+        med = {k: statistics.median(x for st in stages for x in st.get(k, [])[1:] or [0.0]) for k in keys}
+        summary[v]["stages_median_s"] = med
+        stage_lines.append(
+            f"- {v}: generation {med['timing_s/gen']:.2f} s, actor update {med['timing_s/update_actor']:.2f} s, "
+            f"weight push {med['timing_s/update_weights']:.2f} s (medians per step)"
+        )
+    if stage_lines:
+        lines += ["", "Where rlplug's step goes:", "", *stage_lines]
     return "\n".join(lines) + "\n", summary
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="trl,rlplug-hf,rlplug-vllm")
+    ap.add_argument("--variants", default="trl-bf16,rlplug-hf,rlplug-vllm")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -224,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         ap.error("--steps must be >= 2 (the first step of each run is dropped as warm-up)")
 
-    info = machine()
+    info = {**machine(), **describe()}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "arithmetic64.parquet"

@@ -3,12 +3,15 @@
 The vocabulary-sized logits dominate training memory for small language models: for
 ``B x T = 16 x 384`` response tokens and ``V = 49152`` one float32 copy of the logits is 1.2 GB,
 and autograd keeps several (logits, log-softmax, softmax for the entropy). This module never
-materialises ``(N, V)`` logits for all rows at once: :func:`log_probs_from_hidden` projects
-``chunk_size`` rows of final hidden states onto the vocabulary at a time and, when autograd is
-recording and there is more than one chunk, wraps each chunk in activation checkpointing
-(``torch.utils.checkpoint``, ``use_reentrant=False``), so the backward pass recomputes a chunk's
-logits instead of keeping them. Peak extra memory is then a few ``(chunk_size, V)`` tensors plus the ``(V, H)`` gradient of
-the output projection.
+materialises ``(N, V)`` logits for all rows at once: :func:`log_probs_from_hidden` runs one fused
+autograd function (``_FusedTokenLogProbs``) that projects ``chunk_size`` rows of final hidden
+states onto the vocabulary at a time, forms the log-probs (and entropy, ``sum_pi_squared``) in
+place, keeps only ``(N,)`` statistics for the backward pass and, there, recomputes each chunk's
+logits and writes their gradient in place. Peak extra memory is a few ``(chunk_size, V)`` tensors
+plus the ``(V, H)`` gradient of the output projection; no ``(N, V)`` temperature division,
+log-softmax, gather scatter or zero-filled gradient exists at all (on the 2-core Xeon behind this
+project these vocabulary-sized element-wise passes, each page-faulted in afresh, cost as much as
+the projection itself).
 
 Shape letters: ``B`` responses, ``P`` padded prompt length, ``T`` padded response length,
 ``L = P + T``, ``H`` hidden size, ``V`` vocabulary size, ``N`` rows (tokens).

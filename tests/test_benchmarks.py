@@ -62,7 +62,13 @@ def test_trl_comparison_table_from_hand_made_timings() -> None:
         ],
         # 10 s for 500 tokens and 10 s for 1000 tokens: median 10 s/step, 15 s per 1k tokens
         "rlplug-vllm": [
-            {"seconds": [99, 10, 10], "response_tokens": [1, 500, 1000], "peak_rss_gib": 8.0, "startup_s": 14}
+            {
+                "seconds": [99, 10, 10],
+                "response_tokens": [1, 500, 1000],
+                "peak_rss_gib": 8.0,
+                "startup_s": 14,
+                "stages": {"timing_s/gen": [9, 3, 5], "timing_s/update_actor": [9, 6, 4]},
+            }
         ],
     }
     text, summary = bench_vs_trl.render(runs, {"cores": 2, "loadavg_at_start": 0.0}, 2, 3)
@@ -72,6 +78,14 @@ def test_trl_comparison_table_from_hand_made_timings() -> None:
     assert summary["trl"]["peak_rss_gib"] == 6.5
     row = next(line for line in text.splitlines() if line.startswith("| rlplug-vllm"))
     assert "| 3.00x | 2.00x |" in row
+    assert "- rlplug-vllm: generation 4.00 s, actor update 5.00 s, weight push 0.00 s" in text
+    # with TRL in bf16 as well, the ratios are against the faster TRL variant (20 s/step, 20 s per 1k)
+    runs["trl-bf16"] = [
+        {"seconds": [99, 20, 20], "response_tokens": [1, 1000, 1000], "peak_rss_gib": 6, "startup_s": 9}
+    ]
+    text, _ = bench_vs_trl.render(runs, {"cores": 2, "loadavg_at_start": 0.0}, 2, 3)
+    row = next(line for line in text.splitlines() if line.startswith("| rlplug-vllm"))
+    assert "| 2.00x | 1.33x |" in row
 
 
 def test_both_sides_train_on_the_same_prompts_and_reward(tmp_path) -> None:
@@ -152,3 +166,58 @@ def test_soak_summary_from_a_csv_gives_the_hand_computed_slopes(tmp_path):
     flat = tmp_path / "flat.csv"
     flat.write_text("step,rss_mib,py_objects,step_s\n" + "".join(f"{s},700.0,5,1.0\n" for s in range(1, 9)))
     assert soak.summarize_csv(flat, warmup=2, tolerance_mb=0.5) == 0
+
+
+def test_time_to_accuracy_counts_from_the_first_validation(tmp_path) -> None:
+    """Minutes to the first validation at or above the target, counted from the step-0 validation
+    (wall_s 30 s); a seed that never reaches it has no mean; the verdict compares the mean."""
+    import time_to_accuracy as tta
+
+    key = "val-core/basic_arithmetic/acc/mean@1"
+    rows = {1: [(0, 30.0, 0.065), (4, 150.0, 0.23), (8, 270.0, 0.41), (12, 390.0, 0.39)]}
+    rows[2] = [(0, 20.0, 0.07), (5, 320.0, 0.40)]  # exactly the target counts
+    for seed, points in rows.items():
+        (tmp_path / f"seed_{seed}").mkdir()
+        with open(tmp_path / f"seed_{seed}" / "validations.jsonl", "w") as f:
+            for step, wall, acc in points:
+                f.write(json.dumps({"step": step, "metrics": {key: acc}, "wall_s": wall}) + "\n")
+    s = tta.summarize(tmp_path, key, 0.40, 6.0)
+    assert s["seeds"]["seed_1"]["steps_to_target"] == 8
+    assert s["seeds"]["seed_1"]["minutes_to_target"] == pytest.approx((270 - 30) / 60)  # 4.0
+    assert s["seeds"]["seed_2"]["minutes_to_target"] == pytest.approx(5.0)
+    assert s["mean_minutes"] == pytest.approx(4.5)
+    assert "mean 4.5 min: PASS (target < 6 min)" in s["table"]
+    assert "| seed_1 | 8 | 4.0 | 0: 6.5%, 4: 23.0%, 8: 41.0%, 12: 39.0% |" in s["table"]
+    (tmp_path / "seed_3").mkdir()
+    (tmp_path / "seed_3" / "validations.jsonl").write_text(json.dumps({"step": 0, "metrics": {key: 0.1}, "wall_s": 9}))
+    s = tta.summarize(tmp_path, key, 0.40, 6.0)
+    assert s["mean_minutes"] is None and "not reached by every seed" in s["table"]
+
+
+def test_update_mfu_table_from_hand_made_timings() -> None:
+    """MFU = model FLOPs / median seconds (first call dropped) / the measured bf16 peak."""
+    import bench_update_mfu
+
+    data = {
+        "machine": {"cpu_model": "X", "isa_flags": ["amx_bf16"], "cores": 2, "loadavg_at_start": 0.1, "torch": "2"},
+        "peak": {
+            "bf16": {"gflops": 1000.0, "threads": 2, "per_shape": {"2048x2048x2048": 1000.0}},
+            "fp32": {"gflops": 250.0},
+        },
+        "rows": 32,
+        "tokens": 4000,
+        "response_tokens": 2000,
+        "responses": "mixed",
+        "reps": 3,
+        "variants": {
+            "default": {
+                "times": {"update_critic": [30.0, 4.0, 6.0], "update_actor": [9.0, 8.0, 8.0]},
+                "flops": {"update_critic": 2.0e12, "update_actor": 3.2e12},
+                "build_s": 3.0,
+            }
+        },
+    }
+    table = bench_update_mfu.render(data)
+    # critic: median of (4, 6) = 5 s -> 400 GFLOP/s -> 40%; actor: 8 s -> 400 GFLOP/s -> 40%
+    assert "| default | " in table and "| 5.00 | 400 | 40% | 8.00 | 400 | 40% | 3 |" in table
+    assert "bf16 1000 GFLOP/s" in table

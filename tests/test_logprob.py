@@ -335,3 +335,47 @@ def test_response_sum_pi_squared_matches_model_logits(tiny_lm, monkeypatch):
         slow = response_token_stats(tiny_lm, batch, 3, temperature=0.9, extras=("sum_pi_squared",))
     torch.testing.assert_close(slow["sum_pi_squared"], out["sum_pi_squared"], rtol=1e-5, atol=1e-6)
     assert slow["sum_pi_squared"][2, 2] == 0.0
+
+
+@pytest.mark.parametrize("chunk_size", [1, 8, 1024])
+def test_fused_bias_gradient_and_bf16_autocast_match_the_naive_graph(chunk_size):
+    # The fused function's hand-written backward against autograd through the naive formula: with a
+    # bias (float64: exact up to rounding), and under bf16 autocast, where both run the projection in
+    # bf16 and the softmax in float32 (so they agree to bf16 rounding of the logits and gradients).
+    hidden, weight, labels = _inputs(n=23, h=8, v=40, seed=3)
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(40, generator=g, dtype=torch.float64)
+    w_lp, w_ent = torch.randn(23, generator=g, dtype=torch.float64), torch.randn(23, generator=g, dtype=torch.float64)
+
+    def grads(fn, h0, w0, b0):
+        h, w, b = (t.clone().requires_grad_(True) for t in (h0, w0, b0))
+        lp, ent = fn(h, w, b)
+        ((lp.double() * w_lp).sum() + (ent.double() * w_ent).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad, b.grad
+
+    ours = grads(
+        lambda h, w, b: log_probs_from_hidden(
+            h, w, labels, temperature=0.7, chunk_size=chunk_size, with_entropy=True, lm_head_bias=b
+        ),
+        hidden,
+        weight,
+        bias,
+    )
+    ref = grads(lambda h, w, b: naive(h, w, labels, 0.7, b), hidden, weight, bias)
+    for a, r in zip(ours, ref):
+        torch.testing.assert_close(a.double(), r.double(), rtol=1e-5, atol=1e-6)
+
+    h32, w32, b32 = hidden.float(), weight.float(), bias.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours16 = grads(
+            lambda h, w, b: log_probs_from_hidden(
+                h, w, labels, temperature=0.7, chunk_size=chunk_size, with_entropy=True, lm_head_bias=b
+            ),
+            h32,
+            w32,
+            b32,
+        )
+        ref16 = grads(lambda h, w, b: naive(h, w, labels, 0.7, b), h32, w32, b32)
+    for a, r in zip(ours16, ref16):
+        assert a.dtype == r.dtype == torch.float32  # gradients come back in the parameters' dtype
+        torch.testing.assert_close(a, r, rtol=0.05, atol=0.05)

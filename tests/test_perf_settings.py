@@ -1,0 +1,126 @@
+"""Speed settings of the training backend: heap reuse (glibc mallopt), the attention kernel choice,
+and torch.compile of the decoder layers (same numbers as eager)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlplug.config import RunConfig
+from rlplug.plugins.training.local import LocalTrainingBackend
+from rlplug.training import compile_decoder_layers
+
+FAULTS = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from rlplug.host_memory import keep_freed_memory
+    took = keep_freed_memory() if sys.argv[1] == "keep" else None
+    torch.empty(64 * 2**20 // 4).fill_(1.0)  # a first 64 MiB block: faulted in either way
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):  # allocated, written and freed ten times
+        torch.empty(64 * 2**20 // 4).fill_(1.0)
+    print(json.dumps({"took": took, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0}))
+    """
+)
+
+
+def _faults(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_keep_freed_memory_stops_the_page_faults_of_reused_large_blocks() -> None:
+    # glibc serves a 64 MiB block with mmap and unmaps it on free: each of the ten rounds faults its
+    # 16,384 pages (4 KiB) in again, ~164k in all. With the freed block kept in the heap, the later
+    # rounds reuse pages that are already mapped: (almost) no faults.
+    default, kept = _faults("default"), _faults("keep")
+    assert kept["took"] is True
+    assert default["faults"] >= 10 * 16384 * 0.9
+    assert kept["faults"] < 1000
+
+
+def _cfg(**overrides):
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.model.source = "tiny"
+    cfg.model.compute_dtype = "fp32"
+    cfg.trainer.device = "cpu"
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+def test_attention_auto_is_eager_on_cpu_for_short_sequences_else_the_models_default() -> None:
+    resolve = LocalTrainingBackend._resolve_attention
+    backend = LocalTrainingBackend.__new__(LocalTrainingBackend)
+    backend.device = torch.device("cpu")
+    cfg = _cfg(**{"data.max_prompt_length": 384, "data.max_response_length": 128})
+    assert resolve(backend, cfg) == "eager"  # 512 tokens: the limit itself
+    cfg.data.max_response_length = 129
+    assert resolve(backend, cfg) is None  # 513: (B, heads, L, L) scores grow with L^2, keep sdpa
+    cfg.model.attn_implementation = "sdpa"
+    assert resolve(backend, cfg) == "sdpa"
+    backend.device = torch.device("meta")  # not a CPU: auto keeps the model's default
+    cfg.model.attn_implementation = "auto"
+    cfg.data.max_response_length = 16
+    assert resolve(backend, cfg) is None
+
+
+def test_an_unknown_attention_kernel_is_a_clear_error(model_path) -> None:
+    cfg = _cfg(**{"model.attn_implementation": "no_such_kernel"})
+    with pytest.raises(ValueError, match=r"model.attn_implementation='no_such_kernel'.*auto, eager or sdpa"):
+        LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=1)
+
+
+def test_compile_decoder_layers_finds_the_layers_and_refuses_a_model_without_them() -> None:
+    class NoLayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    with pytest.raises(ValueError, match="no decoder-layer list named 'layers'.*use_torch_compile=false"):
+        compile_decoder_layers(NoLayers(), "actor")
+
+
+def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path) -> None:
+    # the same weights and micro-batch through the eager and the compiled backend: log-probs, values
+    # and every gradient agree to float32 rounding (inductor reorders reductions, nothing else)
+    from rlplug.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 400, (3, 12), generator=g)
+    attn = torch.ones(3, 12, dtype=torch.long)
+    attn[0, :2] = 0  # left padding in one row
+    attn[1, -3:] = 0  # a shorter response in another
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    batch = Batch({"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, 7:]})
+    outs = {}
+    for compiled in (False, True):
+        cfg = _cfg(**{"actor.use_torch_compile": compiled, "rollout.temperature": 0.8})
+        b = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
+        assert b.critic is not None
+        lp = b.compute_log_probs(batch)["log_probs"]
+        model = b.actor.model
+        with b._autocast():
+            from rlplug.logprob import response_token_stats
+
+            out = response_token_stats(model, batch.tensors, 5, temperature=0.8, with_entropy=True)
+        (out["log_probs"].sum() + out["entropy"].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        outs[compiled] = (lp, b.compute_values(batch), grads)
+        if compiled:
+            assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+        b.close()
+    (lp0, v0, g0), (lp1, v1, g1) = outs[False], outs[True]
+    torch.testing.assert_close(lp1, lp0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-5)
+    assert g0.keys() == g1.keys() and len(g0) > 0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-3, atol=1e-5, msg=name)
