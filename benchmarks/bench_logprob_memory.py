@@ -5,8 +5,8 @@ size ``H = 576`` (SmolLM2-135M), random fp32 hidden states and output projection
 grad. Loss = ``sum(w1 * log_probs) + sum(w2 * entropy)`` with random weights, then backward.
 
 * naive: ``log_softmax(hidden @ W.T / temperature)`` over all rows, gather, ``-sum(p log p)``.
-* chunked: :func:`rlplug.logprob.log_probs_from_hidden` (``chunk_size`` rows at a time, each chunk
-  activation-checkpointed).
+* chunked: :func:`rlplug.logprob.log_probs_from_hidden` (the fused function: ``chunk_size`` rows
+  at a time, each chunk's logits recomputed in its hand-written backward).
 
 Each variant runs in its own subprocess. Peak memory is measured as resident-set size above the
 level after the inputs were created, both by sampling ``psutil`` RSS every 5 ms in a thread and
@@ -136,7 +136,7 @@ def main() -> None:
         f"log-probs + entropy, forward + backward: B x T = {B} x {T}, V = {V}, H = {H}, fp32, "
         f"{args.threads} thread(s), chunk_size = {args.chunk_size}"
     )
-    for name, r in (("naive full logits", naive), ("chunked + checkpoint", ours)):
+    for name, r in (("naive full logits", naive), ("chunked, fused", ours)):
         print(
             f"  {name:22s} peak extra RSS {r['peak_extra_bytes'] / gib:6.2f} GiB "
             f"(sampled {r['sampled_extra_bytes'] / gib:.2f}, high-water {r['high_water_extra_bytes'] / gib:.2f})  "

@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "machine.json").write_text(json.dumps({**info, "overrides": extra, "recipe": args.recipe}, indent=1))
         for seed in range(args.first_seed, args.first_seed + args.seeds):
+            run_dir = Path(args.runs) / args.recipe / f"seed_{seed}"
+            if run_dir.exists():  # a resumed run would mix code versions and clocks
+                p.error(f"{run_dir} exists from an earlier run: delete it (or pass another --runs) to time a fresh run")
             r = run_seed(
                 args.recipe,
                 seed,

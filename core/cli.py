@@ -24,11 +24,13 @@ signal after saving, 130 interrupted).
 
 from __future__ import annotations
 
-# OpenMP waiting: the trainer keeps libgomp's default (its threads spin briefly between parallel
-# regions, then sleep). OMP_WAIT_POLICY=PASSIVE here made the actor and critic updates about 30%
-# slower (every one of the thousands of small ops per micro-batch woke its threads with a futex;
-# benchmarks/results/update_mfu.md). The rollout engine child runs with PASSIVE (rlplug.plugins.rollout.vllm),
-# so an idle engine leaves both cores to the trainer; the two take turns, never computing at once.
+# OpenMP waiting: neither the trainer nor its rollout engine child sets OMP_WAIT_POLICY any more, so
+# both keep libgomp's default (threads spin briefly between parallel regions, then sleep). PASSIVE
+# in the trainer made the actor and critic updates 1.5-1.7x slower (every one of the thousands of
+# small ops per micro-batch woke its threads through the kernel; benchmarks/results/update_mfu.md),
+# and in the engine child cut generation to 65% of the bare engine. Generation and training take
+# turns. A user who runs busy processes beside the trainer on a 2-core machine (reward.num_workers > 0
+# with heavy reward functions) can still export OMP_WAIT_POLICY=PASSIVE: it is respected.
 import argparse
 import json
 import sys

@@ -187,8 +187,9 @@ def compile_decoder_layers(model: torch.nn.Module, role: str) -> int:
                 layer.compile(dynamic=True)
             return len(module)
     raise ValueError(
-        f"actor.use_torch_compile: the {role} model ({type(model).__name__}) has no decoder-layer list named "
-        "'layers' to compile. Set actor.use_torch_compile=false (and critic.use_torch_compile=false)."
+        f"{'critic' if role == 'critic' else 'actor'}.use_torch_compile: the {role} model ({type(model).__name__}) "
+        "has no decoder-layer list named 'layers' to compile. Set actor.use_torch_compile=false (and "
+        "critic.use_torch_compile=false)."
     )
 
 
@@ -473,6 +474,14 @@ class TrainingBackendBase:
             actor = apply_lora(actor, self.lora, seed=seed)
         actor = self._prepare_model(actor, "actor")
         compile_actor = bool(config_get(actor_cfg, "use_torch_compile", False))
+        compile_critic_setting = config_get(critic_cfg, "use_torch_compile", None)
+        if not self.supports_torch_compile and (compile_actor or compile_critic_setting):
+            self.log.warning(
+                "actor.use_torch_compile / critic.use_torch_compile: the %s backend runs its layers uncompiled "
+                "(compiling sharded layers is not tested here); the setting is ignored.",
+                self.backend_name,
+            )
+            compile_actor, compile_critic_setting = False, False
         if compile_actor:
             compile_decoder_layers(actor, "actor")
         actor_epochs = int(actor_cfg.ppo_epochs)
@@ -513,8 +522,7 @@ class TrainingBackendBase:
             if self.critic_lora is not None:  # adapters on the backbone; the value head trains fully
                 critic.backbone = apply_lora(critic.backbone, self.critic_lora, seed=seed, task_type=None)
             critic = self._prepare_model(critic, "critic")
-            compile_critic = config_get(critic_cfg, "use_torch_compile", None)
-            if compile_actor if compile_critic is None else bool(compile_critic):
+            if compile_actor if compile_critic_setting is None else bool(compile_critic_setting):
                 compile_decoder_layers(critic, "critic")
             c_mini = int(config_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
             c_epochs = int(config_get(critic_cfg, "ppo_epochs", actor_epochs))
@@ -576,6 +584,10 @@ class TrainingBackendBase:
         training; its optimizer is built on the returned module's parameters. Here: move it to
         ``self.device``. Subclasses override it (the ``fsdp2`` backend shards the model)."""
         return model.to(self.device)
+
+    #: whether ``actor.use_torch_compile`` / ``critic.use_torch_compile`` compile this backend's decoder
+    #: layers (:func:`compile_decoder_layers`); a backend that sets False ignores them with a warning
+    supports_torch_compile = True
 
     #: the longest prompt + response for which ``model.attn_implementation=auto`` picks eager attention on
     #: a CPU: eager keeps a (B, heads, L, L) float32 score tensor per layer, which grows with L squared

@@ -469,7 +469,7 @@ def _actor_rows() -> list[VerlKey]:
         _i(
             f"{A}.use_torch_compile",
             "verl's default is true, so its configs would always compile; rlplug's own actor.use_torch_compile "
-            "(default false) compiles the decoder layers",
+            "(off in the schema, on in the default experiment) compiles the decoder layers",
         ),
         _m(f"{A}.kl_loss_coef", "actor.kl_loss_coef", 0.01),
         _m(f"{A}.kl_loss_type", "actor.kl_loss_type", "k2"),

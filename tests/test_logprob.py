@@ -105,9 +105,9 @@ def test_gradients_match_naive(chunk_size):
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
 
 
-def test_checkpointing_keeps_no_vocab_sized_tensor():
-    # With autograd on, each chunk is checkpointed: nothing of shape (rows, V) is kept for the
-    # backward pass. The same hook on the naive computation does see (N, V) tensors, which shows
+def test_no_vocab_sized_tensor_is_kept_for_the_backward():
+    # With autograd on, the fused function keeps nothing of shape (rows, V) for the backward pass
+    # (it recomputes each chunk's logits there). The same hook on the naive computation does see (N, V) tensors, which shows
     # the hook observes what autograd saves.
     hidden, weight, labels = _inputs(n=12, h=4, v=300)
 
@@ -379,3 +379,23 @@ def test_fused_bias_gradient_and_bf16_autocast_match_the_naive_graph(chunk_size)
     for a, r in zip(ours16, ref16):
         assert a.dtype == r.dtype == torch.float32  # gradients come back in the parameters' dtype
         torch.testing.assert_close(a, r, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("use", ["log_probs", "entropy"])
+def test_fused_gradient_of_one_output_alone_matches_naive(use):
+    # only one output reaches the loss (the other is unused, as the entropy with entropy_coeff 0):
+    # its gradient arrives as None and the backward takes its one-output branch
+    hidden, weight, labels = _inputs(n=19, h=8, v=30, seed=5)
+    g = torch.Generator().manual_seed(6)
+    w_out = torch.randn(19, generator=g, dtype=torch.float64)
+
+    def grads(fn):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = fn(h, w)
+        ((lp if use == "log_probs" else ent) * w_out).sum().backward()
+        return h.grad, w.grad
+
+    ours = grads(lambda h, w: log_probs_from_hidden(h, w, labels, temperature=1.3, chunk_size=7, with_entropy=True))
+    ref = grads(lambda h, w: naive(h, w, labels, 1.3))
+    for a, r in zip(ours, ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)

@@ -30,7 +30,7 @@ Threads: the child keeps libgomp's default waiting (its OpenMP threads spin brie
 parallel region, then sleep), so an idle engine leaves the cores to the trainer within
 milliseconds, and :meth:`VLLMRollout.sleep` / :meth:`VLLMRollout.wake_up` are no-ops.
 ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) made generation inside the loop run at 65% of the
-bare engine's tokens/s, the default at 105% (``benchmarks/results/gen_inloop.md``); the trainer
+bare engine's tokens/s, the default at 105-114% (``benchmarks/results/gen_inloop.md``); the trainer
 and the engine take turns, never computing at the same time. On CPU
 the engine binds ``rollout.num_threads`` threads (default: every core this process may use) via
 ``VLLM_CPU_OMP_THREADS_BIND`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``; the KV cache is

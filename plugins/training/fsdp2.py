@@ -208,6 +208,9 @@ class FSDP2TrainingBackend(TrainingBackendBase):
     without CUDA, or mini-batches that do not split evenly over the ranks.
     """
 
+    #: compiling FSDP2-sharded layers is not tested here: actor.use_torch_compile is ignored (warning)
+    supports_torch_compile = False
+
     backend_name = "fsdp2"
     log = logger
     coordinator: TorchDistributedCoordinator
