@@ -50,6 +50,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         "micro-batches of 16 (one per mini-batch)",
     ),
     "engine-alive": (["+engine"], "an idle vLLM engine child alive (after one generate)"),
+    "memory-hog": (["+hog"], "an idle process holding 3.3 GiB of touched memory (the engine child's size)"),
     "fp32": (["model.compute_dtype=fp32", "actor.use_torch_compile=false"], "fp32 compute (no autocast), eager"),
 }
 
@@ -92,6 +93,16 @@ def _batch(rows: int, responses: str, vocab: int, seed: int = 0):
 def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
     """Build the backend with ``overrides``, time ``reps`` critic and actor updates, write JSON to ``out``."""
     engine = "+engine" in overrides
+    hog = None
+    if "+hog" in overrides:  # an idle process as big as the engine child: memory effects without vLLM
+        import subprocess
+
+        code = (
+            "import sys, time\nb = bytearray(int(3.3 * 2**30))\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+            "print('ready', flush=True)\ntime.sleep(3600)\n"
+        )
+        hog = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ready"
     if "+passive" in overrides:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     overrides = [o for o in overrides if not o.startswith("+")]
@@ -140,6 +151,8 @@ def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
     backend.close()
     if rollout is not None:
         rollout.close()
+    if hog is not None:
+        hog.kill()
     result = {
         "overrides": overrides,
         "build_s": build_s,

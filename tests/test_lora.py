@@ -219,6 +219,7 @@ def test_ref_log_probs_are_the_base_models_bit_for_bit(trained, model_path):
     ref = backend.compute_log_probs(batch, which="ref")["log_probs"]
     actor = backend.compute_log_probs(batch, which="actor")["log_probs"]
     base = load_causal_lm(model_path)
+    base.set_attn_implementation(backend.attn_implementation)  # eager on a CPU (model.attn_implementation=auto)
     with torch.no_grad():
         expected = response_token_stats(base, dict(batch.tensors), T, temperature=0.8, chunk_size=1024)["log_probs"]
     assert torch.equal(ref, expected)

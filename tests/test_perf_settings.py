@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlplug.config import RunConfig
+from rlplug.config import RunConfig, TinyModelConfig
 from rlplug.plugins.training.local import LocalTrainingBackend
 from rlplug.training import compile_decoder_layers
 
@@ -48,12 +48,20 @@ def _thp_always() -> bool:
 @pytest.mark.skipif(_thp_always(), reason="transparent huge pages 'always': 2 MiB faults, not 4 KiB")
 def test_keep_freed_memory_stops_the_page_faults_of_reused_large_blocks() -> None:
     # glibc serves a 64 MiB block with mmap and unmaps it on free: each of the ten rounds faults its
-    # 16,384 pages (4 KiB) in again, ~164k in all. With the freed block kept in the heap, the later
-    # rounds reuse pages that are already mapped: (almost) no faults.
+    # 16,384 pages (4 KiB) in again, ~164k in all. With freed memory kept in the heap, the rounds
+    # reuse pages that are already mapped: at most one block's pages are faulted in (the heap grows
+    # once, for the first block that does not fit where the earlier one was), not ten.
     default, kept = _faults("default"), _faults("keep")
     assert kept["took"] is True
     assert default["faults"] >= 10 * 16384 * 0.9
-    assert kept["faults"] < 1000
+    assert kept["faults"] <= 16384 + 1000
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from rlplug.models import tiny_model_dir
+
+    return str(tiny_model_dir(TinyModelConfig()))
 
 
 def _cfg(**overrides):
