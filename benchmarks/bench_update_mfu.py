@@ -220,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     peak = {"bf16": matmul_peak("bf16"), "fp32": matmul_peak("fp32")}
     print(f"{info['cpu_model']} {info['isa_flags']}: bf16 peak {peak['bf16']['gflops']:.0f} GFLOP/s", flush=True)
     data: dict = {"machine": info, "peak": peak, "responses": args.responses, "reps": args.reps, "variants": {}}
-    for name in args.variants.split(","):
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or len(set(names)) != len(names):
+        ap.error(f"--variants: each once, from {sorted(VARIANTS)}; got {names}")
+    for name in names:
         overrides = [*VARIANTS[name][0], *args.overrides]
         cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--reps", str(args.reps)]
         cmd += ["--responses", args.responses, *overrides]
