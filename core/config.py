@@ -212,7 +212,7 @@ class ActorConfig:
     logprob_chunk_size: int = 1024
     #: torch.compile each decoder layer of the actor and reference (dynamic shapes, one graph for all
     #: layers): fuses the norms, rotary embedding and activations; the first step pays the compilation
-    #: (minutes on a small CPU, cached by torch across runs); benchmarks/bench_update_mfu.py measures both
+    #: (30-60 s on the 2-core CPU, cached by torch across runs); benchmarks/bench_update_mfu.py measures both
     use_torch_compile: bool = False
     #: truncated importance-sampling correction with the engine's log-probs (None: off); an alias of
     #: algorithm.rollout_correction.rollout_is=token with rollout_is_threshold=this cap

@@ -107,7 +107,9 @@ def keep_freed_memory() -> bool:
     above its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and ``munmap``s it when freed, so
     each such tensor is page-faulted in (and zeroed by the kernel) again: on the 2-core machine
     behind this project one SmolLM2 micro-batch (8 x 175 tokens, forward + backward) took 3.2 s
-    with ~360,000 page faults, 2.5 s with none (``benchmarks/bench_update_mfu.py``).
+    with ~360,000 page faults, 2.5 s with none (a one-off profile; the committed
+    ``benchmarks/results/update_mfu.md`` measures 5-8% on the compiled updates, variant
+    ``no-heap-reuse``).
 
     This sets ``mallopt(M_MMAP_MAX, 0)`` (large blocks come from the heap too) and
     ``mallopt(M_TRIM_THRESHOLD, 2 GiB)`` (free memory at the heap top is not returned at each

@@ -56,9 +56,10 @@ _CUSTOM_LOGIT_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling
 
 def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     """The dtype the vocabulary projection runs in: the autocast dtype when autocast is on for
-    ``tensor``'s device (as ``nn.Linear`` would under autocast), else ``tensor``'s own dtype."""
+    ``tensor``'s device and would cast it (float32/float16/bfloat16, as ``nn.Linear`` under
+    autocast; float64 is never cast), else ``tensor``'s own dtype."""
     kind = tensor.device.type
-    if torch.is_autocast_enabled(kind):
+    if torch.is_autocast_enabled(kind) and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return torch.get_autocast_dtype(kind)
     return tensor.dtype
 

@@ -462,6 +462,7 @@ class TrainingBackendBase:
             )
 
         self.attn_implementation = self._resolve_attention(config)
+        self._attention_explicit = str(config_get(model_cfg, "attn_implementation", "auto") or "auto") != "auto"
         # ---- actor
         actor: Any = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
         self._set_attention(actor)
@@ -612,11 +613,21 @@ class TrainingBackendBase:
         return None
 
     def _set_attention(self, model: Any) -> None:
-        """Switch a transformers model to :attr:`attn_implementation` (nothing when None).
+        """Switch a transformers model to :attr:`attn_implementation` (nothing when None; with ``auto``,
+        nothing either for a model that cannot switch).
 
-        Raises ValueError naming ``model.attn_implementation`` when transformers refuses the name."""
+        Raises ValueError naming ``model.attn_implementation`` when transformers refuses the name, or
+        when an explicit name is set for a model without ``set_attn_implementation``."""
         name = self.attn_implementation
-        if name is None or not hasattr(model, "set_attn_implementation"):
+        if name is None:
+            return
+        if not hasattr(model, "set_attn_implementation"):
+            if self._attention_explicit:
+                raise ValueError(
+                    f"model.attn_implementation={name!r}: the {type(model).__name__} model cannot switch its "
+                    "attention kernel (no set_attn_implementation; transformers too old or a custom model). "
+                    "Use model.attn_implementation=auto."
+                )
             return
         try:
             model.set_attn_implementation(name)

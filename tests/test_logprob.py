@@ -353,29 +353,23 @@ def test_fused_bias_gradient_and_bf16_autocast_match_the_naive_graph(chunk_size)
         ((lp.double() * w_lp).sum() + (ent.double() * w_ent).sum()).backward()
         return lp.detach(), ent.detach(), h.grad, w.grad, b.grad
 
-    ours = grads(
-        lambda h, w, b: log_probs_from_hidden(
+    def fused(h, w, b):
+        return log_probs_from_hidden(
             h, w, labels, temperature=0.7, chunk_size=chunk_size, with_entropy=True, lm_head_bias=b
-        ),
-        hidden,
-        weight,
-        bias,
-    )
-    ref = grads(lambda h, w, b: naive(h, w, labels, 0.7, b), hidden, weight, bias)
+        )
+
+    def reference(h, w, b):
+        return naive(h, w, labels, 0.7, b)
+
+    ours = grads(fused, hidden, weight, bias)
+    ref = grads(reference, hidden, weight, bias)
     for a, r in zip(ours, ref):
         torch.testing.assert_close(a.double(), r.double(), rtol=1e-5, atol=1e-6)
 
     h32, w32, b32 = hidden.float(), weight.float(), bias.float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours16 = grads(
-            lambda h, w, b: log_probs_from_hidden(
-                h, w, labels, temperature=0.7, chunk_size=chunk_size, with_entropy=True, lm_head_bias=b
-            ),
-            h32,
-            w32,
-            b32,
-        )
-        ref16 = grads(lambda h, w, b: naive(h, w, labels, 0.7, b), h32, w32, b32)
+        ours16 = grads(fused, h32, w32, b32)
+        ref16 = grads(reference, h32, w32, b32)
     for a, r in zip(ours16, ref16):
         assert a.dtype == r.dtype == torch.float32  # gradients come back in the parameters' dtype
         torch.testing.assert_close(a, r, rtol=0.05, atol=0.05)
