@@ -22,7 +22,8 @@ FAULTS = textwrap.dedent(
     import torch
     from rlplug.host_memory import keep_freed_memory
     took = keep_freed_memory() if sys.argv[1] == "keep" else None
-    torch.empty(64 * 2**20 // 4).fill_(1.0)  # a first 64 MiB block: faulted in either way
+    for _ in range(3):  # warm-up: the heap may grow a block or two before it is big enough
+        torch.empty(64 * 2**20 // 4).fill_(1.0)
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(10):  # allocated, written and freed ten times
         torch.empty(64 * 2**20 // 4).fill_(1.0)
@@ -47,14 +48,15 @@ def _thp_always() -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 @pytest.mark.skipif(_thp_always(), reason="transparent huge pages 'always': 2 MiB faults, not 4 KiB")
 def test_keep_freed_memory_stops_the_page_faults_of_reused_large_blocks() -> None:
-    # glibc serves a 64 MiB block with mmap and unmaps it on free: each of the ten rounds faults its
-    # 16,384 pages (4 KiB) in again, ~164k in all. With freed memory kept in the heap, the rounds
-    # reuse pages that are already mapped: at most one block's pages are faulted in (the heap grows
-    # once, for the first block that does not fit where the earlier one was), not ten.
+    # glibc serves a 64 MiB block with mmap and unmaps it on free: each of the ten measured rounds
+    # faults its 16,384 pages (4 KiB) in again, ~164k in all. With freed memory kept in the heap, the
+    # heap grows during the warm-up rounds (once or twice, depending on what else the process
+    # allocated: CI saw two blocks) and the measured rounds reuse pages already mapped: less than half
+    # a block's pages are faulted in over all ten rounds, not ten blocks.
     default, kept = _faults("default"), _faults("keep")
     assert kept["took"] is True
     assert default["faults"] >= 10 * 16384 * 0.9
-    assert kept["faults"] <= 16384 + 1000
+    assert kept["faults"] <= 16384 // 2
 
 
 @pytest.fixture(scope="module")
