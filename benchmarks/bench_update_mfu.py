@@ -49,10 +49,49 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         ["actor.micro_batch_size_per_device=16", "critic.micro_batch_size_per_device=16"],
         "micro-batches of 16 (one per mini-batch)",
     ),
+    "dynamic-bsz": (
+        ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=3072"],
+        "micro-batches packed to 3072 padded tokens (use_dynamic_bsz; 1-2 passes per mini-batch of 16)",
+    ),
+    "fsdp2-1": (["trainer=fsdp2"], "trainer=fsdp2, one process (2 threads; layers not compiled)"),
+    "fsdp2-2": (["trainer=fsdp2", "+ranks2"], "trainer=fsdp2, torchrun --nproc_per_node=2 (1 thread each; gloo)"),
     "engine-alive": (["+engine"], "an idle vLLM engine child alive (after one generate)"),
     "memory-hog": (["+hog"], "an idle process holding 3.3 GiB of touched memory (the engine child's size)"),
     "fp32": (["model.compute_dtype=fp32", "actor.use_torch_compile=false"], "fp32 compute (no autocast), eager"),
+    "no-fused-adamw": (
+        ["actor.optim.fused=false", "critic.optim.fused=false"],
+        "torch's default (for-loop) AdamW instead of the fused kernel",
+    ),
 }
+
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def _profile(fn) -> dict:
+    """One call of ``fn`` under torch's profiler: seconds in matmuls (with their FLOPs, counted on
+    the padded shapes they ran), in compiled element-wise graphs, in the optimizer step, and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        fn()
+    wall = time.perf_counter() - t
+    mm_s = mm_flops = graphs_s = optim_s = 0.0
+    for evt in prof.key_averages():
+        if evt.key in MATMUL_OPS:
+            mm_s += evt.self_cpu_time_total / 1e6
+            mm_flops += float(evt.flops or 0)
+        elif evt.key.startswith("## Call CompiledFxGraph"):
+            graphs_s += evt.self_cpu_time_total / 1e6
+        elif evt.key.startswith("Optimizer.step#"):
+            optim_s += evt.cpu_time_total / 1e6
+    return {
+        "wall_s": wall,
+        "matmul_s": mm_s,
+        "matmul_flops": mm_flops,
+        "compiled_elementwise_s": graphs_s,
+        "optimizer_s": optim_s,
+    }
 
 
 def _batch(rows: int, responses: str, vocab: int, seed: int = 0):
@@ -90,8 +129,9 @@ def _batch(rows: int, responses: str, vocab: int, seed: int = 0):
     return batch, (prompt_len + resp_len).tolist(), resp_len.tolist()
 
 
-def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
-    """Build the backend with ``overrides``, time ``reps`` critic and actor updates, write JSON to ``out``."""
+def worker(overrides: list[str], reps: int, responses: str, out: str, profile: bool = False) -> int:
+    """Build the backend with ``overrides``, time ``reps`` critic and actor updates, write JSON to ``out``
+    (with ``profile``, one more update of each under torch's profiler: :func:`_profile`)."""
     engine = "+engine" in overrides
     hog = None
     if "+hog" in overrides:  # an idle process as big as the engine child: memory effects without vLLM
@@ -107,11 +147,12 @@ def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     overrides = [o for o in overrides if not o.startswith("+")]
     import torch
+    import transformers
     from omegaconf import OmegaConf
 
     from rlplug.config import compose
     from rlplug.models import resolve_model_path
-    from rlplug.plugins.training.local import LocalTrainingBackend
+    from rlplug.registry import get_plugin
     from rlplug.validate import validate_config
 
     cfg = compose(["trainer.logger=[]", *overrides])
@@ -119,11 +160,13 @@ def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
     OmegaConf.set_readonly(cfg, False)
     path = resolve_model_path(cfg.model)
     t0 = time.perf_counter()
-    backend = LocalTrainingBackend(cfg, path, use_critic=True, use_ref=False, total_steps=1000)
+    factory = get_plugin("training_backend", cfg.trainer.backend)  # local, or fsdp2 (under torchrun: sharded)
+    backend = factory(cfg, path, use_critic=True, use_ref=False, total_steps=1000)
     build_s = time.perf_counter() - t0
-    model = backend.actor.model
-    mcfg = model.config
-    nonemb = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    mcfg = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):  # the whole model's parameter count (an FSDP2 rank holds only a shard)
+        meta = transformers.AutoModelForCausalLM.from_config(mcfg)
+    nonemb = sum(p.numel() for n, p in meta.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     vocab, hidden, layers = int(mcfg.vocab_size), int(mcfg.hidden_size), int(mcfg.num_hidden_layers)
     rows = int(cfg.data.train_batch_size) * int(cfg.rollout.n)
     batch, seq_lens, resp_lens = _batch(rows, responses, vocab)
@@ -148,6 +191,10 @@ def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
             getattr(backend, name)(batch)
             times[name].append(time.perf_counter() - t)
             print(f"{name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
+    profiles = {}
+    if profile:
+        for name in ("update_critic", "update_actor"):
+            profiles[name] = _profile(lambda name=name: getattr(backend, name)(batch))
     backend.close()
     if rollout is not None:
         rollout.close()
@@ -163,8 +210,11 @@ def worker(overrides: list[str], reps: int, responses: str, out: str) -> int:
         "rows": rows,
         "attn_implementation": backend.attn_implementation,
         "torch_threads": torch.get_num_threads(),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "profile": profiles,
     }
-    Path(out).write_text(json.dumps(result, indent=1))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: rank 0 reports
+        Path(out).write_text(json.dumps(result, indent=1))
     return 0
 
 
@@ -195,23 +245,46 @@ def render(data: dict) -> str:
             gf = res["flops"][role] / sec / 1e9
             cells += [f"{sec:.2f}", f"{gf:.0f}", f"{100 * gf / peak['bf16']['gflops']:.0f}%"]
         lines.append(f"| {name} | {VARIANTS.get(name, ([], ''))[1]} | {' | '.join(cells)} | {res['build_s']:.0f} |")
+    profiled = [(n, r) for n, r in data["variants"].items() if r.get("profile")]
+    if profiled:
+        lines += [
+            "",
+            "Where the time goes (one more update of each under torch's profiler, which slows it a little):"
+            " matmul seconds and their rate on the shapes they ran (padding included), element-wise work in"
+            " the compiled graphs, the optimizer step (fused AdamW unless the variant says otherwise),"
+            " and the rest (eager element-wise ops, autograd, Python).",
+            "",
+            "| variant | update | profiled s | matmul s | matmul GFLOP/s (share of peak) | compiled element-wise s |"
+            " optimizer s | rest s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, res in profiled:
+            for role, p in res["profile"].items():
+                rate = p["matmul_flops"] / max(p["matmul_s"], 1e-9) / 1e9
+                rest = p["wall_s"] - p["matmul_s"] - p["compiled_elementwise_s"] - p["optimizer_s"]
+                lines.append(
+                    f"| {name} | {role.removeprefix('update_')} | {p['wall_s']:.2f} | {p['matmul_s']:.2f} | {rate:.0f}"
+                    f" ({100 * rate / peak['bf16']['gflops']:.0f}%) | {p['compiled_elementwise_s']:.2f} |"
+                    f" {p['optimizer_s']:.2f} | {rest:.2f} |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
-    ap.add_argument("--variants", default="default,eager,no-heap-reuse,omp-passive,sdpa,engine-alive")
+    ap.add_argument("--variants", default="default,no-fused-adamw,eager,no-heap-reuse,omp-passive,sdpa,engine-alive")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--responses", default="mixed", choices=["mixed", "fixed"])
     ap.add_argument("--out-name", default="update_mfu")
     ap.add_argument("--out", help="worker: JSON output file")
     ap.add_argument("--render", help="rewrite the table from a saved JSON in benchmarks/results/")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--profile", default="default", help="variants that also profile one update (comma list)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     if args.mode == "worker":
-        return worker(args.overrides, args.reps, args.responses, args.out)
+        return worker(args.overrides, args.reps, args.responses, args.out, args.profile == "yes")
     results = HERE / "results"
     if args.render:
         print(render(json.loads((results / args.render).read_text())))
@@ -227,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         overrides = [*VARIANTS[name][0], *args.overrides]
         cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--reps", str(args.reps)]
-        cmd += ["--responses", args.responses, *overrides]
+        if "+ranks2" in overrides:  # the same worker on two ranks: torchrun's standalone rendezvous
+            cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        cmd += ["--responses", args.responses, "--profile", "yes" if name in args.profile.split(",") else "no"]
+        cmd += overrides
         try:
             res = run_json_worker(cmd, f"variant {name}", timeout_s=3600)
         except RuntimeError as exc:

@@ -158,6 +158,10 @@ class OptimConfig:
     #: the last share of the optimizer steps held at the floor ``min_lr_ratio * lr`` (the cosine ends
     #: where the hold begins); in [0, 1), needs warmup_style=cosine when > 0; 0: no hold
     lr_hold_ratio: float = 0.0
+    #: torch's fused AdamW kernel (one pass over each parameter instead of ~6 element-wise ops; 0.31 ->
+    #: 0.085 s per step for SmolLM2-135M on a 2-core CPU); None: fused where torch supports it (plain
+    #: tensors on CPU or CUDA; not FSDP2's sharded parameters), else torch's default implementation
+    fused: bool | None = None
 
 
 @dataclass

@@ -245,6 +245,16 @@ def minibatch_stats_batch(
     return Batch({**tensors, **extra}, dict(mini.meta), dict(mini.columns))
 
 
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel takes ``params``: plain floating-point tensors (not
+    FSDP2's ``DTensor`` shards) on CPU or CUDA. The fused kernel updates each parameter in one pass
+    (AdamW's formula unchanged; results within float32 rounding of the default implementation)."""
+    return bool(params) and all(
+        type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+        for p in params
+    )
+
+
 class Role:
     """One trained model (actor or critic) with its optimizer, schedule and update settings.
 
@@ -252,7 +262,8 @@ class Role:
     ``micro_batch``: responses per forward/backward (``micro_batch_size_per_device``); ``epochs``:
     ``ppo_epochs``; ``loss_agg_mode``; ``grad_clip`` (global-norm bound, ``None``/0: none). Builds
     AdamW over ``model``'s trainable parameters from ``optim_cfg`` (``lr``, ``betas``, ``eps``,
-    ``weight_decay``) and a ``LambdaLR`` schedule (:func:`build_lr_lambda`) of
+    ``weight_decay``, ``fused``: torch's fused kernel; ``None``: where :func:`fused_adamw_supported`)
+    and a ``LambdaLR`` schedule (:func:`build_lr_lambda`) of
     ``total_optimizer_steps`` steps, ``lr_warmup_steps`` (when > 0, else ``lr_warmup_steps_ratio`` of
     the total, as verl) of them warmup and the last ``lr_hold_ratio`` of them (rounded down) held at
     the cosine floor. ``consecutive_bad_steps`` counts optimizer steps skipped in a row.
@@ -288,12 +299,17 @@ class Role:
                 f"({self.micro_batch}) and ppo_epochs ({self.epochs}) must all be positive."
             )
         betas = tuple(float(b) for b in config_get(optim_cfg, "betas", [0.9, 0.999]))
+        params = [p for p in model.parameters() if p.requires_grad]
+        fused = config_get(optim_cfg, "fused", None)
+        if fused is None:
+            fused = fused_adamw_supported(params)
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
+            params,
             lr=float(config_get(optim_cfg, "lr", 1e-6)),
             betas=betas,  # type: ignore[arg-type]
             eps=float(config_get(optim_cfg, "eps", 1e-8)),
             weight_decay=float(config_get(optim_cfg, "weight_decay", 0.0)),
+            fused=bool(fused) or None,
         )
         warmup = int(config_get(optim_cfg, "lr_warmup_steps", -1))
         if warmup <= 0:  # as verl: lr_warmup_steps wins when > 0, else the ratio of the total

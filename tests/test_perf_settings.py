@@ -143,3 +143,38 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path) -> N
     assert g0.keys() == g1.keys() and len(g0) > 0
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_fused_adamw_is_the_default_where_supported_and_updates_as_the_loop(model_path) -> None:
+    # optim.fused=None picks torch's fused AdamW for plain CPU parameters; two critic updates with it
+    # and with the default for-loop implementation end at the same weights to float32 rounding
+    from rlplug.batch import Batch
+    from rlplug.training import fused_adamw_supported
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 400, (4, 12), generator=g)
+    attn = torch.ones(4, 12, dtype=torch.long)
+    attn[0, :2] = 0
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    mask = torch.ones(4, 5)
+    mask[1, 3:] = 0
+    tensors = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, 7:]}
+    tensors |= {"response_mask": mask, "values": torch.zeros(4, 5), "returns": torch.randn(4, 5, generator=g) * mask}
+    weights = {}
+    for fused in (None, False):
+        cfg = _cfg(**{"critic.optim.fused": fused, "critic.optim.lr": 1e-3, "critic.ppo_mini_batch_size": 2})
+        b = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
+        assert b.critic is not None
+        assert b.critic.optimizer.defaults["fused"] is (True if fused is None else None)
+        before = {n: p.detach().clone() for n, p in b.critic.model.named_parameters()}
+        for _ in range(2):
+            b.update_critic(Batch(dict(tensors)))
+        weights[fused] = {n: p.detach().clone() for n, p in b.critic.model.named_parameters()}
+        b.close()
+    for name, w in weights[False].items():
+        torch.testing.assert_close(weights[None][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    # Adam at lr 1e-3 moves every weight with a gradient by ~1e-3 a step: the comparison is not vacuous
+    assert max((weights[None][n] - before[n]).abs().max().item() for n in before) > 1e-3
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert fused_adamw_supported([p]) and not fused_adamw_supported([])
+    assert not fused_adamw_supported([torch.nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False)])
