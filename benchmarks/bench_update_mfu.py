@@ -218,6 +218,12 @@ def worker(overrides: list[str], reps: int, responses: str, out: str, profile: b
     return 0
 
 
+def _kept(res: dict, role: str) -> list[float]:
+    """``role``'s update times over every round of a variant, each round's first (warm-up) dropped."""
+    rounds = res.get("round_times") or [res["times"]]
+    return [t for times in rounds for t in (times[role][1:] or times[role])]
+
+
 def render(data: dict) -> str:
     m, peak = data["machine"], data["peak"]
     lines = [
@@ -228,7 +234,12 @@ def render(data: dict) -> str:
         f"Measured matmul peak (best of {', '.join(peak['bf16']['per_shape'])}): **bf16 {peak['bf16']['gflops']:.0f} "
         f"GFLOP/s**, fp32 {peak['fp32']['gflops']:.0f} GFLOP/s.",
         f"Batch: {data['rows']} rows, {data['tokens']} tokens ({data['response_tokens']} response tokens; "
-        f"responses: {data['responses']}), {data['reps']} updates each, first dropped, median.",
+        f"responses: {data['responses']}), {data['reps']} updates each, first dropped, median"
+        + (
+            f" over {data['rounds']} rounds (the variants alternate; per round below)."
+            if data.get("rounds", 1) > 1
+            else "."
+        ),
         "",
         "| variant | what | critic update s | critic GFLOP/s | critic MFU | actor update s | actor GFLOP/s | actor MFU |"
         " backend build s |",
@@ -240,11 +251,25 @@ def render(data: dict) -> str:
             continue
         cells = []
         for role in ("update_critic", "update_actor"):
-            ts = res["times"][role][1:] or res["times"][role]
-            sec = statistics.median(ts)
+            sec = statistics.median(_kept(res, role))
             gf = res["flops"][role] / sec / 1e9
             cells += [f"{sec:.2f}", f"{gf:.0f}", f"{100 * gf / peak['bf16']['gflops']:.0f}%"]
         lines.append(f"| {name} | {VARIANTS.get(name, ([], ''))[1]} | {' | '.join(cells)} | {res['build_s']:.0f} |")
+    if data.get("rounds", 1) > 1:
+        lines += [
+            "",
+            "Medians per round (critic / actor, seconds):",
+            "",
+            "| variant | " + " | ".join(f"round {i + 1}" for i in range(data["rounds"])) + " |",
+            "|---|" + "---|" * data["rounds"],
+        ]
+        for name, res in data["variants"].items():
+            per = [
+                f"{statistics.median(t['update_critic'][1:] or t['update_critic']):.2f} / "
+                f"{statistics.median(t['update_actor'][1:] or t['update_actor']):.2f}"
+                for t in res.get("round_times", [])
+            ]
+            lines.append(f"| {name} | " + " | ".join(per) + " |")
     profiled = [(n, r) for n, r in data["variants"].items() if r.get("profile")]
     if profiled:
         lines += [
@@ -275,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
     ap.add_argument("--variants", default="default,no-fused-adamw,eager,no-heap-reuse,omp-passive,sdpa,engine-alive")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="run the variant list this many times, alternating")
     ap.add_argument("--responses", default="mixed", choices=["mixed", "fixed"])
     ap.add_argument("--out-name", default="update_mfu")
     ap.add_argument("--out", help="worker: JSON output file")
@@ -293,25 +319,30 @@ def main(argv: list[str] | None = None) -> int:
     peak = {"bf16": matmul_peak("bf16"), "fp32": matmul_peak("fp32")}
     print(f"{info['cpu_model']} {info['isa_flags']}: bf16 peak {peak['bf16']['gflops']:.0f} GFLOP/s", flush=True)
     data: dict = {"machine": info, "peak": peak, "responses": args.responses, "reps": args.reps, "variants": {}}
+    data["rounds"] = args.rounds
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or len(set(names)) != len(names):
         ap.error(f"--variants: each once, from {sorted(VARIANTS)}; got {names}")
-    for name in names:
-        overrides = [*VARIANTS[name][0], *args.overrides]
-        cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--reps", str(args.reps)]
-        if "+ranks2" in overrides:  # the same worker on two ranks: torchrun's standalone rendezvous
-            cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        cmd += ["--responses", args.responses, "--profile", "yes" if name in args.profile.split(",") else "no"]
-        cmd += overrides
-        try:
-            res = run_json_worker(cmd, f"variant {name}", timeout_s=3600)
-        except RuntimeError as exc:
-            res = {"error": str(exc).splitlines()[-1]}
-        data["variants"][name] = res
-        if "tokens" in res:
-            data.update(rows=res["rows"], tokens=res["tokens"], response_tokens=res["response_tokens"])
-        print(f"{name}: {res.get('times', res)}", flush=True)
+    for rnd in range(args.rounds):  # rounds alternate the variants: slow drifts of the host hit all alike
+        for name in names:
+            overrides = [*VARIANTS[name][0], *args.overrides]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--reps", str(args.reps)]
+            if "+ranks2" in overrides:  # the same worker on two ranks: torchrun's standalone rendezvous
+                cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+            profile = rnd == 0 and name in args.profile.split(",")
+            cmd += ["--responses", args.responses, "--profile", "yes" if profile else "no", *overrides]
+            try:
+                res = run_json_worker(cmd, f"variant {name}", timeout_s=3600)
+            except RuntimeError as exc:
+                res = {"error": str(exc).splitlines()[-1]}
+            if rnd == 0 or "error" in data["variants"][name]:
+                data["variants"][name] = res
+            if "times" in res:
+                data["variants"][name].setdefault("round_times", []).append(res["times"])
+            if "tokens" in res:
+                data.update(rows=res["rows"], tokens=res["tokens"], response_tokens=res["response_tokens"])
+            print(f"round {rnd + 1} {name}: {res.get('times', res)}", flush=True)
     text = render(data)
     print(text)
     if not args.no_save:

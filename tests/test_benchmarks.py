@@ -221,3 +221,48 @@ def test_update_mfu_table_from_hand_made_timings() -> None:
     # critic: median of (4, 6) = 5 s -> 400 GFLOP/s -> 40%; actor: 8 s -> 400 GFLOP/s -> 40%
     assert "| default | " in table and "| 5.00 | 400 | 40% | 8.00 | 400 | 40% | 3 |" in table
     assert "bf16 1000 GFLOP/s" in table
+
+
+def test_update_mfu_rounds_pool_the_kept_times_and_the_profile_splits_the_update() -> None:
+    """Rounds: each round's first call dropped, the rest pooled; profile: matmul rate and the rest."""
+    import bench_update_mfu
+
+    data = {
+        "machine": {"cpu_model": "X", "isa_flags": ["amx_bf16"], "cores": 2, "loadavg_at_start": 0.1, "torch": "2"},
+        "peak": {
+            "bf16": {"gflops": 1000.0, "threads": 2, "per_shape": {"2048x2048x2048": 1000.0}},
+            "fp32": {"gflops": 250.0},
+        },
+        "rows": 32,
+        "tokens": 4000,
+        "response_tokens": 2000,
+        "responses": "mixed",
+        "reps": 3,
+        "rounds": 2,
+        "variants": {
+            "default": {
+                "times": {"update_critic": [30.0, 4.0, 4.0], "update_actor": [9.0, 8.0, 8.0]},
+                "round_times": [
+                    {"update_critic": [30.0, 4.0, 4.0], "update_actor": [9.0, 8.0, 8.0]},
+                    {"update_critic": [99.0, 6.0, 6.0], "update_actor": [9.0, 16.0, 16.0]},
+                ],
+                "flops": {"update_critic": 2.0e12, "update_actor": 3.2e12},
+                "build_s": 3.0,
+                "profile": {
+                    "update_critic": {
+                        "wall_s": 6.0,
+                        "matmul_s": 2.0,
+                        "matmul_flops": 1.0e12,
+                        "compiled_elementwise_s": 1.5,
+                        "optimizer_s": 0.5,
+                    }
+                },
+            }
+        },
+    }
+    table = bench_update_mfu.render(data)
+    # critic: median of (4, 4, 6, 6) = 5 s -> 400 GFLOP/s = 40%; actor: median of (8, 8, 16, 16) = 12 s
+    assert "| default | " in table and "| 5.00 | 400 | 40% | 12.00 | 267 | 27% | 3 |" in table
+    assert "over 2 rounds" in table and "| default | 4.00 / 8.00 | 6.00 / 16.00 |" in table
+    # 1e12 FLOP in 2 s of matmuls = 500 GFLOP/s = 50% of the peak; rest = 6 - 2 - 1.5 - 0.5 = 2
+    assert "| default | critic | 6.00 | 2.00 | 500 (50%) | 1.50 | 0.50 | 2.00 |" in table
