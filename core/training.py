@@ -250,8 +250,7 @@ def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
     FSDP2's ``DTensor`` shards) on CPU or CUDA. The fused kernel updates each parameter in one pass
     (AdamW's formula unchanged; results within float32 rounding of the default implementation)."""
     return bool(params) and all(
-        type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda")
-        for p in params
+        type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
     )
 
 
