@@ -54,7 +54,7 @@ import logging
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -245,7 +245,7 @@ def minibatch_stats_batch(
     return Batch({**tensors, **extra}, dict(mini.meta), dict(mini.columns))
 
 
-def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+def fused_adamw_supported(params: Sequence[torch.Tensor]) -> bool:
     """Whether torch's fused AdamW kernel takes ``params``: plain floating-point tensors (not
     FSDP2's ``DTensor`` shards) on CPU or CUDA. The fused kernel updates each parameter in one pass
     (AdamW's formula unchanged; results within float32 rounding of the default implementation)."""
