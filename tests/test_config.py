@@ -201,7 +201,7 @@ def test_unknown_key_lists_valid_keys():
 def test_unknown_nested_and_top_level_keys():
     with pytest.raises(
         ConfigError,
-        match=r"Unknown config key 'actor\.optim\.learning_rate'.*Valid keys in 'actor\.optim': betas, eps, lr,",
+        match=r"Unknown config key 'actor\.optim\.learning_rate'.*Valid keys in 'actor\.optim': betas, eps, fused, lr,",
     ):
         compose(["actor.optim.learning_rate=1e-5"])
     with pytest.raises(ConfigError) as info:
