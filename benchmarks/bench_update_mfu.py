@@ -40,7 +40,7 @@ from bench_step import run_json_worker  # noqa: E402
 
 #: variant name -> (overrides, what it is)
 VARIANTS: dict[str, tuple[list[str], str]] = {
-    "default": ([], "the defaults: compiled decoder layers, fused LM head, heap reuse, eager attention"),
+    "default": ([], "the defaults: compiled decoder layers, fused LM head, fused AdamW, heap reuse, eager attention"),
     "eager": (["actor.use_torch_compile=false"], "no torch.compile"),
     "no-heap-reuse": (["trainer.malloc_keep_freed=false"], "glibc's default mmap/munmap of large blocks"),
     "omp-passive": (["+passive"], "OMP_WAIT_POLICY=PASSIVE in the trainer (the CLI's setting before)"),
