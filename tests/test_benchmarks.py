@@ -283,6 +283,5 @@ def test_matmul_shapes_table_gives_each_layout_as_a_share_of_the_peak() -> None:
     table = bms.render(info, peak, 1400, res)
     assert "| k_proj / v_proj (192 x 576) | 1800 (90%) | 1000 (50%) | 500 (25%) |" in table
     assert "700 GFLOP/s (35%)" in table and "Rows: 1400 tokens" in table
-    # a real measurement on tiny shapes: positive rates for every layout
-    measured = bms.gflops(lambda: None, 1e9, windows=1, seconds=0.01)
-    assert measured > 0
+    # the timer: a call that does nothing counted as 1 GFLOP runs far above any real rate
+    assert bms.gflops(lambda: None, 1e9, windows=1, seconds=0.01) > 1e5
