@@ -246,9 +246,11 @@ def minibatch_stats_batch(
 
 
 def fused_adamw_supported(params: Sequence[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes ``params``: plain floating-point tensors (not
-    FSDP2's ``DTensor`` shards) on CPU or CUDA. The fused kernel updates each parameter in one pass
-    (AdamW's formula unchanged; results within float32 rounding of the default implementation)."""
+    """Whether ``optim.fused=null`` picks torch's fused AdamW kernel for ``params``: every one a
+    plain floating-point ``torch.nn.Parameter`` on CPU or CUDA. Tensor subclasses (FSDP2's
+    ``DTensor`` shards: not tried with the fused kernel here) and other devices keep torch's default
+    implementation. The fused kernel updates each parameter in one pass (AdamW's formula unchanged;
+    results within float32 rounding of the default implementation)."""
     return bool(params) and all(
         type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
     )
@@ -302,13 +304,15 @@ class Role:
         fused = config_get(optim_cfg, "fused", None)
         if fused is None:
             fused = fused_adamw_supported(params)
+        #: torch's fused AdamW kernel (``optim.fused``, or chosen by :func:`fused_adamw_supported`)
+        self.fused = bool(fused)
         self.optimizer = torch.optim.AdamW(
             params,
             lr=float(config_get(optim_cfg, "lr", 1e-6)),
             betas=betas,  # type: ignore[arg-type]
             eps=float(config_get(optim_cfg, "eps", 1e-8)),
             weight_decay=float(config_get(optim_cfg, "weight_decay", 0.0)),
-            fused=bool(fused) or None,
+            fused=self.fused or None,
         )
         warmup = int(config_get(optim_cfg, "lr_warmup_steps", -1))
         if warmup <= 0:  # as verl: lr_warmup_steps wins when > 0, else the ratio of the total
@@ -325,6 +329,24 @@ class Role:
                 int(float(config_get(optim_cfg, "lr_hold_ratio", 0.0)) * total_optimizer_steps),
             ),
         )
+
+    def keep_optimizer_implementation(self) -> None:
+        """After ``optimizer.load_state_dict``: use this run's AdamW kernel, not the checkpoint's.
+
+        torch restores every param-group option from the saved state, ``fused`` and ``foreach``
+        included, so a checkpoint written with another ``optim.fused`` (or before the option
+        existed) would silently switch kernels on resume. This puts the configured choice back and
+        places each ``step`` counter where that kernel wants it (a float32 tensor on the
+        parameter's device for the fused kernel, on the CPU otherwise), as torch does at load time.
+        """
+        for group in self.optimizer.param_groups:
+            group["fused"] = self.fused or None
+            group["foreach"] = None
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if state and torch.is_tensor(state.get("step")):
+                    device = p.device if self.fused else torch.device("cpu")
+                    state["step"] = state["step"].to(device=device, dtype=torch.float32)
 
     @property
     def lr(self) -> float:
@@ -1282,6 +1304,7 @@ class TrainingBackendBase:
                         f"{sorted(result.unexpected_keys)[:5]}. Was it saved from a different model?"
                     )
             role.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True, map_location=self.device))
+            role.keep_optimizer_implementation()
             role.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
         state_file = src / STATE_FILE
         if state_file.is_file():

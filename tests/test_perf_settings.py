@@ -178,3 +178,56 @@ def test_fused_adamw_is_the_default_where_supported_and_updates_as_the_loop(mode
     p = torch.nn.Parameter(torch.zeros(2))
     assert fused_adamw_supported([p]) and not fused_adamw_supported([])
     assert not fused_adamw_supported([torch.nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False)])
+    assert not fused_adamw_supported([p, torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    assert not fused_adamw_supported([torch.zeros(2, requires_grad=True)])  # not a Parameter
+
+    class Sub(torch.Tensor):  # a tensor subclass, as FSDP2's DTensor: nn.Parameter keeps its type
+        pass
+
+    sub = torch.nn.Parameter(torch.zeros(2).as_subclass(Sub))
+    assert type(sub) is Sub and not fused_adamw_supported([sub])
+
+
+@pytest.mark.parametrize("saved, resumed", [(False, None), (None, False)])
+def test_resume_uses_the_configured_adamw_kernel_not_the_checkpoints(model_path, tmp_path, saved, resumed) -> None:
+    # torch's load_state_dict restores param-group options, "fused" included: without the fix a
+    # checkpoint saved with one kernel resumes with it whatever optim.fused says now
+    from rlplug.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 400, (2, 10), generator=g)
+    attn = torch.ones(2, 10, dtype=torch.long)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    mask = torch.ones(2, 4)
+    tensors = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, 6:]}
+    tensors |= {"response_mask": mask, "values": torch.zeros(2, 4), "returns": torch.randn(2, 4, generator=g)}
+    first = LocalTrainingBackend(
+        _cfg(**{"critic.optim.fused": saved, "critic.ppo_mini_batch_size": 2}),
+        model_path,
+        use_critic=True,
+        use_ref=False,
+        total_steps=4,
+    )
+    first.update_critic(Batch(dict(tensors)))
+    first.save(tmp_path / "ckpt")
+    assert first.critic is not None
+    expected = {n: p.detach().clone() for n, p in first.critic.model.named_parameters()}
+    first.close()
+    second = LocalTrainingBackend(
+        _cfg(**{"critic.optim.fused": resumed, "critic.ppo_mini_batch_size": 2}),
+        model_path,
+        use_critic=True,
+        use_ref=False,
+        total_steps=4,
+    )
+    second.load(tmp_path / "ckpt")
+    assert second.critic is not None
+    want = True if resumed is None else None
+    assert [grp["fused"] for grp in second.critic.optimizer.param_groups] == [want]
+    for name, p in second.critic.model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0, msg=name)
+    steps = [st["step"] for st in second.critic.optimizer.state.values()]
+    assert steps and all(s.dtype == torch.float32 and s.device.type == "cpu" and float(s) == 1.0 for s in steps)
+    second.update_critic(Batch(dict(tensors)))  # the other kernel takes the loaded state and steps on
+    assert all(float(st["step"]) == 2.0 for st in second.critic.optimizer.state.values())
+    second.close()

@@ -680,6 +680,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
                 set_state_dict(
                     role.model, role.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
                 )
+                role.keep_optimizer_implementation()
             else:
                 state = {"model": get_model_state_dict(role.model)}
                 dcp.load(state, checkpoint_id=str(d / "dcp"))
