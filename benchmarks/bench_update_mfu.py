@@ -16,7 +16,7 @@ PaLM's convention) over the real (unpadded) tokens. MFU = model FLOPs / seconds 
 peak measured at the start of the run (:func:`_machine.matmul_peak`, best of a few shapes).
 
     python benchmarks/bench_update_mfu.py                       # every variant, mixed lengths
-    python benchmarks/bench_update_mfu.py --variants default,compile --responses fixed
+    python benchmarks/bench_update_mfu.py --variants default,eager --responses fixed --rounds 3
     python benchmarks/bench_update_mfu.py --render update_mfu.json
 
 Writes ``benchmarks/results/update_mfu.{md,json}`` (``--out-name`` to change).
@@ -220,7 +220,7 @@ def worker(overrides: list[str], reps: int, responses: str, out: str, profile: b
 
 def _kept(res: dict, role: str) -> list[float]:
     """``role``'s update times over every round of a variant, each round's first (warm-up) dropped."""
-    rounds = res.get("round_times") or [res["times"]]
+    rounds = [t for t in res.get("round_times") or [res["times"]] if t is not None]
     return [t for times in rounds for t in (times[role][1:] or times[role])]
 
 
@@ -246,7 +246,7 @@ def render(data: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in data["variants"].items():
-        if "error" in res:
+        if "times" not in res:
             lines.append(f"| {name} | {VARIANTS.get(name, ([], ''))[1]} | failed: {res['error'][:80]} | | | | | | |")
             continue
         cells = []
@@ -265,16 +265,19 @@ def render(data: dict) -> str:
         ]
         for name, res in data["variants"].items():
             per = [
-                f"{statistics.median(t['update_critic'][1:] or t['update_critic']):.2f} / "
+                "failed"
+                if t is None
+                else f"{statistics.median(t['update_critic'][1:] or t['update_critic']):.2f} / "
                 f"{statistics.median(t['update_actor'][1:] or t['update_actor']):.2f}"
                 for t in res.get("round_times", [])
             ]
+            per += ["-"] * (data["rounds"] - len(per))
             lines.append(f"| {name} | " + " | ".join(per) + " |")
     profiled = [(n, r) for n, r in data["variants"].items() if r.get("profile")]
     if profiled:
         lines += [
             "",
-            "Where the time goes (one more update of each under torch's profiler, which slows it a little):"
+            "Where the time goes (one more update of each under torch's profiler, which adds its own overhead):"
             " matmul seconds and their rate on the shapes they ran (padding included), element-wise work in"
             " the compiled graphs, the optimizer step (fused AdamW unless the variant says otherwise),"
             " and the rest (eager element-wise ops, autograd, Python).",
@@ -320,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info['cpu_model']} {info['isa_flags']}: bf16 peak {peak['bf16']['gflops']:.0f} GFLOP/s", flush=True)
     data: dict = {"machine": info, "peak": peak, "responses": args.responses, "reps": args.reps, "variants": {}}
     data["rounds"] = args.rounds
+    if args.rounds < 1 or args.reps < 1:
+        ap.error(f"--rounds and --reps must be at least 1; got {args.rounds} and {args.reps}")
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or len(set(names)) != len(names):
@@ -336,10 +341,15 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_json_worker(cmd, f"variant {name}", timeout_s=3600)
             except RuntimeError as exc:
                 res = {"error": str(exc).splitlines()[-1]}
-            if rnd == 0 or "error" in data["variants"][name]:
-                data["variants"][name] = res
+            entry = data["variants"].setdefault(name, {"round_times": []})
             if "times" in res:
-                data["variants"][name].setdefault("round_times", []).append(res["times"])
+                if "times" not in entry:  # the first round that worked gives the FLOPs, profile, build time
+                    entry.update({k: v for k, v in res.items() if k != "round_times"})
+                    entry.pop("error", None)
+                entry["round_times"].append(res["times"])
+            else:  # a failed round: its cell says so; the variant fails only if every round did
+                entry["round_times"].append(None)
+                entry.setdefault("error", res.get("error", "failed"))
             if "tokens" in res:
                 data.update(rows=res["rows"], tokens=res["tokens"], response_tokens=res["response_tokens"])
             print(f"round {rnd + 1} {name}: {res.get('times', res)}", flush=True)

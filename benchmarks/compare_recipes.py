@@ -1,7 +1,8 @@
 """Compare recipes' held-out accuracy over seeds, by step and by wall time, and the time to a target.
 
-    python benchmarks/compare_recipes.py benchmarks/results/learning_check/ppo \
+    python benchmarks/compare_recipes.py benchmarks/results/learning_check/ppo_2026-12-02 \
         benchmarks/results/learning_check/grpo benchmarks/results/learning_check/grpo_to_ppo \
+        benchmarks/results/learning_check/ppo_same_conditions \
         --target 0.40 --out benchmarks/results/learning_check/compare
 
 Each folder is a recipe's ``benchmarks/learning_check.py`` output (``seed_<S>/validations.jsonl`` of a

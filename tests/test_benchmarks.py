@@ -266,22 +266,32 @@ def test_update_mfu_rounds_pool_the_kept_times_and_the_profile_splits_the_update
     assert "over 2 rounds" in table and "| default | 4.00 / 8.00 | 6.00 / 16.00 |" in table
     # 1e12 FLOP in 2 s of matmuls = 500 GFLOP/s = 50% of the peak; rest = 6 - 2 - 1.5 - 0.5 = 2
     assert "| default | critic | 6.00 | 2.00 | 500 (50%) | 1.50 | 0.50 | 2.00 |" in table
+    # a failed round: its cell says so and the pooled median uses the rounds that ran
+    data["variants"]["default"]["round_times"].insert(1, None)
+    data["rounds"] = 3
+    table = bench_update_mfu.render(data)
+    assert "| default | 4.00 / 8.00 | failed | 6.00 / 16.00 |" in table
+    assert "| 5.00 | 400 | 40% | 12.00 | 267 | 27% | 3 |" in table
+    # every round failed: the variant's row says failed
+    data["variants"]["eager"] = {"round_times": [None, None, None], "error": "variant eager failed (exit 1)"}
+    assert "| eager | no torch.compile | failed: variant eager failed (exit 1) |" in bench_update_mfu.render(data)
 
 
 def test_matmul_shapes_table_gives_each_layout_as_a_share_of_the_peak() -> None:
     import bench_matmul_shapes as bms
 
     info = {"cpu_model": "X", "isa_flags": ["amx_bf16"], "cores": 2, "torch": "2"}
-    peak = {"gflops": 2000.0, "threads": 2, "per_shape": {"2048x2048x2048": 2000.0}}
     res = {
         "projections": {
             name: {"forward x W^T": 1800.0, "input grad gy W": 1000.0, "weight grad gy^T x": 500.0}
             for name in bms.PROJECTIONS
         },
         "attention q k^T": 700.0,
+        "attention shape": "72 x 175 x 175 x 64",
+        "peak": {"2048x2048x2048": 1900.0, "2048x576x1536": 2000.0},  # the best one is the denominator
     }
-    table = bms.render(info, peak, 1400, res)
+    table = bms.render(info, 2, 1400, res)
     assert "| k_proj / v_proj (192 x 576) | 1800 (90%) | 1000 (50%) | 500 (25%) |" in table
-    assert "700 GFLOP/s (35%)" in table and "Rows: 1400 tokens" in table
+    assert "700 GFLOP/s (35%)" in table and "Rows: 1400 tokens" in table and "**2000 GFLOP/s**" in table
     # the timer: a call that does nothing counted as 1 GFLOP runs far above any real rate
     assert bms.gflops(lambda: None, 1e9, windows=1, seconds=0.01) > 1e5
