@@ -158,9 +158,9 @@ class OptimConfig:
     #: the last share of the optimizer steps held at the floor ``min_lr_ratio * lr`` (the cosine ends
     #: where the hold begins); in [0, 1), needs warmup_style=cosine when > 0; 0: no hold
     lr_hold_ratio: float = 0.0
-    #: torch's fused AdamW kernel (one pass over each parameter instead of ~6 element-wise ops; 0.31 ->
-    #: 0.085 s per step for SmolLM2-135M on a 2-core CPU); None: fused where torch supports it (plain
-    #: tensors on CPU or CUDA; not FSDP2's sharded parameters), else torch's default implementation
+    #: torch's fused AdamW kernel (one pass over each parameter instead of several element-wise ops;
+    #: about 0.1 against 0.3 s per step for SmolLM2-135M on a 2-core CPU, benchmarks/results/fused_adamw.md);
+    #: None: fused for plain CPU or CUDA parameters (FSDP2's DTensor shards: not tried, default kernel)
     fused: bool | None = None
 
 
