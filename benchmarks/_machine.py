@@ -10,6 +10,7 @@ the best, in GFLOP/s.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -46,11 +47,30 @@ def isa_flags() -> list[str]:
     return []
 
 
+def gflops(fn, flops: float, windows: int = 3, seconds: float = 0.2) -> float:
+    """Throughput of ``fn()`` in GFLOP/s, counting ``flops`` per call: 3 warm-up calls, then the
+    best of ``windows`` windows of at least ``seconds`` and 3 calls each (the best: the host's noise
+    only slows a window down)."""
+    for _ in range(3):
+        fn()
+    best = 0.0
+    for _ in range(windows):
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            reps += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds and reps >= 3:
+                break
+        best = max(best, flops * reps / elapsed / 1e9)
+    return best
+
+
 def matmul_peak(dtype: str = "bf16", threads: int | None = None, seconds: float = 0.6) -> dict:
     """Best ``torch.mm`` throughput over :data:`PEAK_SHAPES`, in GFLOP/s (``2 M K N`` per product).
 
     ``dtype``: ``"bf16"`` or ``"fp32"``; ``threads``: torch threads (default: the current setting).
-    Each shape is warmed up, then repeated for about ``seconds``. Returns
+    Each shape is timed by :func:`gflops` over about ``seconds`` (three windows). Returns
     ``{"gflops": best, "per_shape": {"MxKxN": gflops}, "threads": n, "dtype": dtype}``.
     """
     import torch
@@ -62,16 +82,7 @@ def matmul_peak(dtype: str = "bf16", threads: int | None = None, seconds: float 
     for m, k, n in PEAK_SHAPES:
         a = torch.randn(m, k).to(dt)
         b = torch.randn(k, n).to(dt)
-        for _ in range(3):
-            torch.mm(a, b)
-        reps, t0 = 0, time.perf_counter()
-        while True:
-            torch.mm(a, b)
-            reps += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds and reps >= 3:
-                break
-        per_shape[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / elapsed / 1e9
+        per_shape[f"{m}x{k}x{n}"] = gflops(functools.partial(torch.mm, a, b), 2.0 * m * k * n, seconds=seconds / 3)
     return {
         "gflops": max(per_shape.values()),
         "per_shape": per_shape,

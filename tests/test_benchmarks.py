@@ -194,11 +194,9 @@ def test_time_to_accuracy_counts_from_the_first_validation(tmp_path) -> None:
     assert s["mean_minutes"] is None and "not reached by every seed" in s["table"]
 
 
-def test_update_mfu_table_from_hand_made_timings() -> None:
-    """MFU = model FLOPs / median seconds (first call dropped) / the measured bf16 peak."""
-    import bench_update_mfu
-
-    data = {
+def _mfu_data(variants: dict, rounds: int = 1) -> dict:
+    """``bench_update_mfu.render``'s input with a 1000 GFLOP/s bf16 peak and the given variants."""
+    return {
         "machine": {"cpu_model": "X", "isa_flags": ["amx_bf16"], "cores": 2, "loadavg_at_start": 0.1, "torch": "2"},
         "peak": {
             "bf16": {"gflops": 1000.0, "threads": 2, "per_shape": {"2048x2048x2048": 1000.0}},
@@ -209,14 +207,21 @@ def test_update_mfu_table_from_hand_made_timings() -> None:
         "response_tokens": 2000,
         "responses": "mixed",
         "reps": 3,
-        "variants": {
-            "default": {
-                "times": {"update_critic": [30.0, 4.0, 6.0], "update_actor": [9.0, 8.0, 8.0]},
-                "flops": {"update_critic": 2.0e12, "update_actor": 3.2e12},
-                "build_s": 3.0,
-            }
-        },
+        "rounds": rounds,
+        "variants": variants,
     }
+
+
+def test_update_mfu_table_from_hand_made_timings() -> None:
+    """MFU = model FLOPs / median seconds (first call dropped) / the measured bf16 peak."""
+    import bench_update_mfu
+
+    default = {
+        "times": {"update_critic": [30.0, 4.0, 6.0], "update_actor": [9.0, 8.0, 8.0]},
+        "flops": {"update_critic": 2.0e12, "update_actor": 3.2e12},
+        "build_s": 3.0,
+    }
+    data = _mfu_data({"default": default})
     table = bench_update_mfu.render(data)
     # critic: median of (4, 6) = 5 s -> 400 GFLOP/s -> 40%; actor: 8 s -> 400 GFLOP/s -> 40%
     assert "| default | " in table and "| 5.00 | 400 | 40% | 8.00 | 400 | 40% | 3 |" in table
@@ -227,19 +232,8 @@ def test_update_mfu_rounds_pool_the_kept_times_and_the_profile_splits_the_update
     """Rounds: each round's first call dropped, the rest pooled; profile: matmul rate and the rest."""
     import bench_update_mfu
 
-    data = {
-        "machine": {"cpu_model": "X", "isa_flags": ["amx_bf16"], "cores": 2, "loadavg_at_start": 0.1, "torch": "2"},
-        "peak": {
-            "bf16": {"gflops": 1000.0, "threads": 2, "per_shape": {"2048x2048x2048": 1000.0}},
-            "fp32": {"gflops": 250.0},
-        },
-        "rows": 32,
-        "tokens": 4000,
-        "response_tokens": 2000,
-        "responses": "mixed",
-        "reps": 3,
-        "rounds": 2,
-        "variants": {
+    data = _mfu_data(
+        {
             "default": {
                 "times": {"update_critic": [30.0, 4.0, 4.0], "update_actor": [9.0, 8.0, 8.0]},
                 "round_times": [
@@ -259,7 +253,8 @@ def test_update_mfu_rounds_pool_the_kept_times_and_the_profile_splits_the_update
                 },
             }
         },
-    }
+        rounds=2,
+    )
     table = bench_update_mfu.render(data)
     # critic: median of (4, 4, 6, 6) = 5 s -> 400 GFLOP/s = 40%; actor: median of (8, 8, 16, 16) = 12 s
     assert "| default | " in table and "| 5.00 | 400 | 40% | 12.00 | 267 | 27% | 3 |" in table
@@ -288,10 +283,10 @@ def test_matmul_shapes_table_gives_each_layout_as_a_share_of_the_peak() -> None:
         },
         "attention q k^T": 700.0,
         "attention shape": "72 x 175 x 175 x 64",
-        "peak": {"2048x2048x2048": 1900.0, "2048x576x1536": 2000.0},  # the best one is the denominator
     }
-    table = bms.render(info, 2, 1400, res)
+    peak = {"gflops": 2000.0, "threads": 2, "per_shape": {"2048x2048x2048": 1900.0, "2048x576x1536": 2000.0}}
+    table = bms.render(info, peak, 1400, res)
     assert "| k_proj / v_proj (192 x 576) | 1800 (90%) | 1000 (50%) | 500 (25%) |" in table
     assert "700 GFLOP/s (35%)" in table and "Rows: 1400 tokens" in table and "**2000 GFLOP/s**" in table
     # the timer: a call that does nothing counted as 1 GFLOP runs far above any real rate
-    assert bms.gflops(lambda: None, 1e9, windows=1, seconds=0.01) > 1e5
+    assert bms.gflops(lambda: None, 1e9, windows=1, seconds=0.01) > 1e5  # _machine.gflops, imported there

@@ -145,30 +145,45 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path) -> N
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
+def _critic_batch(rows: int, prompt: int, length: int):
+    """A fresh critic-update batch of the tiny model (the same tensors on every call): ``rows`` x (``prompt`` + ``length``) tokens, left
+    padding in row 0 and a shorter response in row 1 (when there are 3 or more rows), random returns."""
+    from rlplug.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 400, (rows, prompt + length), generator=g)
+    attn = torch.ones(rows, prompt + length, dtype=torch.long)
+    mask = torch.ones(rows, length)
+    if rows >= 3:
+        attn[0, :2] = 0
+        mask[1, 3:] = 0
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    tensors = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, prompt:]}
+    returns = torch.randn(rows, length, generator=g) * mask
+    return Batch(tensors | {"response_mask": mask, "values": torch.zeros(rows, length), "returns": returns})
+
+
+def _critic_backend(model_path: str, fused: bool | None, total_steps: int, **overrides) -> LocalTrainingBackend:
+    """A local backend with a critic whose ``optim.fused`` is ``fused``, mini-batches of 2 prompts."""
+    cfg = _cfg(**{"critic.optim.fused": fused, "critic.ppo_mini_batch_size": 2, **overrides})
+    backend = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=total_steps)
+    assert backend.critic is not None
+    return backend
+
+
 def test_fused_adamw_is_the_default_where_supported_and_updates_as_the_loop(model_path) -> None:
     # optim.fused=None picks torch's fused AdamW for plain CPU parameters; two critic updates with it
     # and with the default for-loop implementation end at the same weights to float32 rounding
-    from rlplug.batch import Batch
     from rlplug.training import fused_adamw_supported
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 400, (4, 12), generator=g)
-    attn = torch.ones(4, 12, dtype=torch.long)
-    attn[0, :2] = 0
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    mask = torch.ones(4, 5)
-    mask[1, 3:] = 0
-    tensors = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, 7:]}
-    tensors |= {"response_mask": mask, "values": torch.zeros(4, 5), "returns": torch.randn(4, 5, generator=g) * mask}
     weights = {}
     for fused in (None, False):
-        cfg = _cfg(**{"critic.optim.fused": fused, "critic.optim.lr": 1e-3, "critic.ppo_mini_batch_size": 2})
-        b = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
+        b = _critic_backend(model_path, fused, 1, **{"critic.optim.lr": 1e-3})
         assert b.critic is not None
         assert b.critic.optimizer.defaults["fused"] is (True if fused is None else None)
         before = {n: p.detach().clone() for n, p in b.critic.model.named_parameters()}
         for _ in range(2):
-            b.update_critic(Batch(dict(tensors)))
+            b.update_critic(_critic_batch(4, 7, 5))
         weights[fused] = {n: p.detach().clone() for n, p in b.critic.model.named_parameters()}
         b.close()
     for name, w in weights[False].items():
@@ -192,34 +207,13 @@ def test_fused_adamw_is_the_default_where_supported_and_updates_as_the_loop(mode
 def test_resume_uses_the_configured_adamw_kernel_not_the_checkpoints(model_path, tmp_path, saved, resumed) -> None:
     # torch's load_state_dict restores param-group options, "fused" included: without the fix a
     # checkpoint saved with one kernel resumes with it whatever optim.fused says now
-    from rlplug.batch import Batch
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 400, (2, 10), generator=g)
-    attn = torch.ones(2, 10, dtype=torch.long)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    mask = torch.ones(2, 4)
-    tensors = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, 6:]}
-    tensors |= {"response_mask": mask, "values": torch.zeros(2, 4), "returns": torch.randn(2, 4, generator=g)}
-    first = LocalTrainingBackend(
-        _cfg(**{"critic.optim.fused": saved, "critic.ppo_mini_batch_size": 2}),
-        model_path,
-        use_critic=True,
-        use_ref=False,
-        total_steps=4,
-    )
-    first.update_critic(Batch(dict(tensors)))
+    first = _critic_backend(model_path, saved, 4)
+    first.update_critic(_critic_batch(2, 6, 4))
     first.save(tmp_path / "ckpt")
     assert first.critic is not None
     expected = {n: p.detach().clone() for n, p in first.critic.model.named_parameters()}
     first.close()
-    second = LocalTrainingBackend(
-        _cfg(**{"critic.optim.fused": resumed, "critic.ppo_mini_batch_size": 2}),
-        model_path,
-        use_critic=True,
-        use_ref=False,
-        total_steps=4,
-    )
+    second = _critic_backend(model_path, resumed, 4)
     second.load(tmp_path / "ckpt")
     assert second.critic is not None
     want = True if resumed is None else None
@@ -228,6 +222,6 @@ def test_resume_uses_the_configured_adamw_kernel_not_the_checkpoints(model_path,
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0, msg=name)
     steps = [st["step"] for st in second.critic.optimizer.state.values()]
     assert steps and all(s.dtype == torch.float32 and s.device.type == "cpu" and float(s) == 1.0 for s in steps)
-    second.update_critic(Batch(dict(tensors)))  # the other kernel takes the loaded state and steps on
+    second.update_critic(_critic_batch(2, 6, 4))  # the other kernel takes the loaded state and steps on
     assert all(float(st["step"]) == 2.0 for st in second.critic.optimizer.state.values())
     second.close()
