@@ -20,8 +20,8 @@ judge's prompt holds the graded response, so a test writes the directive into th
 * no directive: ``Score: 0``.
 
 ``GET /stats`` returns ``{"requests": <POSTs to chat/completions>, "by_content": {directive: count},
-"max_in_flight": <most requests answered at once>}`` (counted when a request arrives, so a hanging
-one counts too); in a thread (:func:`serve`) ``server.bodies`` also holds every request body.
+"max_in_flight": <most requests answered at once>}`` (counted from a request's arrival, so a hanging
+one counts too, until just before its answer is written); in a thread (:func:`serve`) ``server.bodies`` also holds every request body.
 
 Run: ``python tests/fake_openai_server.py --host 127.0.0.1 --port P [--model NAME]``, or in a
 thread with :func:`serve`. Binds the host it is given; tests use loopback only.
@@ -124,12 +124,16 @@ class Handler(BaseHTTPRequestHandler):
             self.server.in_flight += 1
             self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
         try:
-            self._answer(name, arg, seen, content)
+            code, reply = self._answer(name, arg, seen, content)
         finally:
+            # The request stops counting before its answer is written: once the client has the answer it
+            # may send its next request at once, and that one must not overlap this one in the count.
             with self.server.lock:
                 self.server.in_flight -= 1
+        self._send(code, reply)
 
-    def _answer(self, name: str, arg: str, seen: int, content: str) -> None:
+    def _answer(self, name: str, arg: str, seen: int, content: str) -> tuple[int, Any]:
+        """The status code and JSON body for one chat completion (sleeps first for ``hang``)."""
         if name == "score":
             text = f"The response looks fine.\nScore: {arg}"
         elif name == "json":
@@ -142,11 +146,11 @@ class Handler(BaseHTTPRequestHandler):
         elif name == "fail":
             k, _, x = arg.partition(":")
             if seen <= int(k):
-                return self._send(500, {"error": {"message": "engine overloaded", "type": "InternalServerError"}})
+                return 500, {"error": {"message": "engine overloaded", "type": "InternalServerError"}}
             text = f"Score: {x}"
         else:
             text = "Score: 0"
-        self._send(
+        return (
             200,
             {
                 "id": f"chatcmpl-{seen}",
