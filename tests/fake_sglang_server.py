@@ -179,6 +179,21 @@ class FakeSGLang:
         return {"text": " ".join(map(str, out_ids)), "output_ids": out_ids, "meta_info": meta}
 
 
+def claim_once(path: str) -> bool:
+    """Create ``path`` atomically; True for the one process (of all sharing it) that created it.
+
+    ``O_CREAT | O_EXCL`` makes "check, then create" one step, so of two replicas reaching their
+    fault at the same moment exactly one dies (a separate exists-check let both through).
+    """
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
 def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -248,9 +263,7 @@ def make_handler(state: FakeSGLang) -> type[BaseHTTPRequestHandler]:
                 state.generate_count += 1
                 count = state.generate_count
             if state.die_after is not None and count > state.die_after:
-                if state.die_once_file is None or not os.path.exists(state.die_once_file):
-                    if state.die_once_file is not None:
-                        Path(state.die_once_file).write_text(str(os.getpid()))
+                if state.die_once_file is None or claim_once(state.die_once_file):
                     os._exit(1)  # a crash with requests in flight
             if count <= state.fail_first:
                 self.reply(503, {"message": "Service Unavailable (injected)"})

@@ -459,7 +459,7 @@ def test_stage_times_the_block_then_reaches_its_fault_point(monkeypatch):
     with stage(metrics, "gen"):
         time.sleep(0.05)
         assert reached == []  # the fault point comes after the work
-    assert reached == ["gen"] and 1.05 <= metrics["timing_s/gen"] < 1.5  # added to what was there
+    assert reached == ["gen"] and 1.05 <= metrics["timing_s/gen"] < 3.0  # added to what was there
     with stage(metrics, "reward_wait", fault="reward"):
         pass
     with stage(metrics, "testing", fault=None):

@@ -94,13 +94,13 @@ def test_bad_settings_are_config_errors_that_say_what_to_set():
 
 
 def test_scores_retries_and_failures_through_the_reward_manager(server):
-    m = _manager(url=server.url, timeout_s=1.0, max_retries=2, backoff_s=0.01)
+    m = _manager(url=server.url, timeout_s=2.5, max_retries=2, backoff_s=0.01)  # 2.5 s: slack on a loaded machine
     responses = [
         "four [[score:7]]",  # 0.7
         "4 [[score:10]]",  # 1.0
         "no idea [[garbage]]",  # unparsable: fallback -1.0, a failure, not retried
         "5 [[fail:2:9]]",  # two HTTP 500s, retried, then 0.9
-        "slow [[hang:30]]",  # 3 attempts time out after 1 s each: fallback, a timeout
+        "slow [[hang:30]]",  # 3 attempts time out after 2.5 s each: fallback, a timeout
         "down [[fail:9:1]]",  # HTTP 500 on all 3 attempts: fallback, a failure
     ]
     scores, extra, metrics = m.score(_rows(len(responses)), responses)
@@ -129,7 +129,7 @@ def test_the_judge_as_a_shaping_term_next_to_a_rule_reward(server):
     reg = Registry(load_entry_points=False)
     reg.register("reward_function", "judge", judge)
     reg.register("reward_function", "gsm8k", rules.gsm8k)
-    judge_kwargs = {"url": server.url, "timeout_s": 0.5, "max_retries": 0}
+    judge_kwargs = {"url": server.url, "timeout_s": 2.0, "max_retries": 0}  # [[hang:5]] still times out
     m = RewardManager(
         {
             "reward_fn_map": {"qa": "gsm8k"},

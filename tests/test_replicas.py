@@ -180,6 +180,34 @@ def test_the_replica_metrics_are_declared_for_alert_rules() -> None:
         validate_config(compose(["debug=tiny", rule]))  # the hf rollout has no replicas
 
 
+# ---------------------------------------------------------------------------- routing, without servers
+
+
+def test_acquire_routes_to_the_fewest_in_flight_then_the_fewest_sent() -> None:
+    from rlplug.replicas import Replica, ReplicaSet
+
+    reps = [Replica(i, f"http://127.0.0.1:{9000 + i}", external=True) for i in range(2)]
+    rs = ReplicaSet(
+        reps,
+        engine="vllm",
+        start=lambda r: None,
+        load=lambda r, f: None,
+        healthy=lambda r, t: True,
+        is_closed=lambda: False,
+        max_restarts=0,
+        wait_s=1.0,
+    )
+    got = [rs.acquire() for _ in range(8)]
+    assert [r.index for r in got] == [0, 1] * 4  # ties on in-flight broken by fewer sent, then index
+    assert [r.outstanding for r in reps] == [4, 4]
+    rs.release(reps[0])
+    rs.release(reps[0])  # replica 0 answered two: the next two go there, not round-robin
+    assert [rs.acquire().index for _ in range(2)] == [0, 0]
+    assert [r.outstanding for r in reps] == [4, 4] and [r.requests for r in reps] == [6, 4]
+    rs.release(reps[1])
+    assert rs.acquire().index == 1  # fewest in flight wins over fewest sent
+
+
 # ---------------------------------------------------------------------------- replicas rlplug starts
 
 
@@ -202,7 +230,9 @@ def test_started_replicas_balance_get_weights_and_survive_a_killed_one(engine, m
         out = b.generate(PROMPTS, params)  # 16 requests, 4 in flight per replica
         assert out.response_ids == want and out.prompt_index == [i for i in range(8) for _ in range(2)]
         counts = [sum(r["pid"] == pid for r in requests_log(log, GENERATE[engine])) for pid in pids]
-        assert sum(counts) == 16 and abs(counts[0] - counts[1]) <= 2, counts  # least outstanding: about 8 each
+        # The first 8 requests go out before any answer (4 per replica); later ones follow whichever replica
+        # answers first, which a loaded machine can skew. The routing rule itself: test_acquire_routes_...
+        assert sum(counts) == 16 and min(counts) >= 4, counts
         assert out.metrics == {
             "rollout/resent_requests": 0.0,
             "rollout/live_replicas": 2.0,

@@ -61,7 +61,7 @@ def _manager(fn, **cfg) -> RewardManager:
 
 
 def test_raise_nan_none_and_timeout_are_failed_samples_with_the_first_error():
-    m = _manager(flaky, fallback_score=-1.0, timeout_s=0.3)
+    m = _manager(flaky, fallback_score=-1.0, timeout_s=1.0)  # "h" sleeps 2 s; others need slack when loaded
     responses = ["ok!", "r", "n", "0", "h", "fine"]
     rows = [{"data_source": "src", "ground_truth": "x"}] * len(responses)
     scores, extra, metrics = m.score(rows, responses)

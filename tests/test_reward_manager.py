@@ -299,15 +299,17 @@ def test_score_async_scores_on_one_background_thread_and_close_waits_for_it():
     m = RewardManager(cfg(default="exact"), registry=registry_with(exact=exact))
     rows = [{"data_source": "x", "ground_truth": "4"}, {"data_source": "x", "ground_truth": "5"}]
     threads = []
+    release = threading.Event()
 
-    def decode():  # called on the scoring thread
+    def decode():  # called on the scoring thread; blocks until the test lets it go
         threads.append(threading.current_thread().name)
+        release.wait(10)
         time.sleep(0.3)
         return ["4", "six"]
 
-    t0 = time.perf_counter()
     future = m.score_async(rows, decode)
-    assert time.perf_counter() - t0 < 0.2 and not future.done()  # returned at once
+    assert not future.done()  # returned while decode is still blocked: not run on this thread
+    release.set()
     m.close()  # waits for the running call
     assert future.done()
     (scores, extra, metrics), seconds = future.result()

@@ -72,7 +72,7 @@ def test_prepare_runs_once_per_kwargs_outside_the_timeout_and_again_after_close(
         "reward_fn_map": {"a": "slow", "b": "plain"},
         "kwargs": {"slow": {"scale": 2.0}},
         "shaping": [{"name": "slow", "weight": 0.5, "kwargs": {"scale": 3.0}}, {"name": "slow", "weight": 0.1}],
-        "timeout_s": 0.2,  # far shorter than prepare: charging it to a call would fail every sample
+        "timeout_s": 0.5,  # shorter than prepare (1 s): charging it to a call would fail every sample
         "fallback_score": -1.0,
     }
     m = _manager(fn, conf)

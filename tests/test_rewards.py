@@ -180,6 +180,7 @@ CD_GT = json.dumps({"numbers": [9, 23, 15], "target": 17})
     ],
 )
 def test_reasoning_gym_countdown_from_ground_truth_alone(response, expected_acc):
+    reasoning_gym("countdown", "#### 1", CD_GT, None)  # imports reasoning_gym (seconds when loaded) before the clock
     t0 = time.perf_counter()
     out = reasoning_gym("countdown", response, CD_GT, None)
     assert out == {"score": expected_acc, "acc": expected_acc}

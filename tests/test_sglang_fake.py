@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -287,8 +288,10 @@ def test_killing_the_server_process_mid_generate_is_survived(make) -> None:
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.5)  # requests are in flight (the fake answers after 1 s)
-    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not requests_log(make.log, "/generate") and time.monotonic() < deadline:
+        time.sleep(0.02)  # wait for the first request to arrive (logged on arrival) ...
+    os.kill(victim, signal.SIGKILL)  # ... and kill while it sits in the fake's 1 s delay
     t.join(60)
     assert result["out"].response_ids == [EXPECTED[0]] * 2 + [EXPECTED[1]] * 2 + [EXPECTED[2]] * 2
     assert b.restarts == 1 and b.server_pid not in (None, victim)
@@ -306,7 +309,8 @@ def test_startup_failures_are_reported_and_leave_nothing(base_cfg, model_dir) ->
     cfg.rollout.server_cmd = ["{python}", "-c", "import sys; print('boom: no GPU'); sys.exit(3)"]
     with pytest.raises(ServerError, match=r"(?s)exited with code 3.*boom: no GPU"):
         SGLangRollout(cfg, str(model_dir), TOK)
-    cfg.rollout.server_cmd = ["{python}", "-c", "import time; print('loading', flush=True); time.sleep(120)"]
+    marker = f"time.sleep(120)  # {uuid.uuid4().hex}"  # only this test's server matches below
+    cfg.rollout.server_cmd = ["{python}", "-c", f"import time; print('loading', flush=True); {marker}"]
     cfg.rollout.server_timeout_s = 1.0
     before = set(os.listdir("/proc"))
     t0 = time.monotonic()
@@ -314,9 +318,7 @@ def test_startup_failures_are_reported_and_leave_nothing(base_cfg, model_dir) ->
         SGLangRollout(cfg, str(model_dir), TOK)
     assert time.monotonic() - t0 < 15
     new = [int(p) for p in set(os.listdir("/proc")) - before if p.isdigit()]
-    assert [
-        p for p in new if _alive(p) and "time.sleep(120)" in open(f"/proc/{p}/cmdline").read().replace("\0", " ")
-    ] == []
+    assert [p for p in new if _alive(p) and marker in open(f"/proc/{p}/cmdline").read().replace("\0", " ")] == []
 
 
 def test_close_stops_the_server_group_and_is_idempotent(make) -> None:
