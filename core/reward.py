@@ -437,6 +437,9 @@ class RewardWorkerPool:
     * A worker that dies while running a call (SIGKILL from the OOM killer, a segfault, ``os._exit``)
       fails that call only (``("error", "...killed by SIGKILL...")``); a new worker replaces it and
       the other calls go on.
+    * A worker that dies before it reports starting a call (killed while idle, its pipe not yet
+      closed when the call was sent; or a crash while unpickling the call) has not run it: the call
+      goes to the replacement worker, once; dying again before starting fails it as above.
 
     ``restarts`` counts the workers replaced so far. Workers start on first use (``start_method``:
     ``spawn``, ``forkserver`` or ``fork``), exit when their pipe closes (:meth:`close`) or within a
@@ -468,6 +471,8 @@ class RewardWorkerPool:
         while len(self._workers) < min(self.size, len(payload)):
             self._workers.append(_Worker(self._ctx))
         backstop = None if timeout_s is None else timeout_s + backstop_slack_s
+        started: set[int] = set()  # calls a worker reported starting (never sent again)
+        resent: set[int] = set()  # calls sent again after their worker died before starting them
         while queue or any(w.task is not None for w in self._workers):
             for w in list(self._workers):  # hand out work
                 while w.task is None and queue:
@@ -503,6 +508,7 @@ class RewardWorkerPool:
                     if result == _STARTED:  # the call runs from now on: timeout_s + backstop_slack_s
                         deadline = None if backstop is None else time.monotonic() + backstop
                         w.task = (i, deadline)
+                        started.add(i)
                     else:
                         results[index], w.task, done = result, None, True
                 if done:
@@ -510,6 +516,11 @@ class RewardWorkerPool:
                 if not w.proc.is_alive():
                     w.proc.join(1.0)
                     msg = _death_message(w.proc.exitcode, w.proc.pid)
+                    if i not in started and i not in resent:  # it never ran: the replacement runs it
+                        resent.add(i)
+                        queue.append(i)
+                        self._replace(w, f"{msg.replace('while scoring', 'before starting')}; sending it again")
+                        continue
                     results[i] = ("error", msg)
                     self._replace(w, f"{msg}; scoring it with reward.fallback_score")
                 elif deadline is not None and now >= deadline:

@@ -127,9 +127,8 @@ def test_the_pool_runs_every_call_once_in_order_and_replaces_a_worker_dead_while
     try:
         payload = [(killer, ("src", text, "", None), {"log": str(log)}) for text in ["a", "bb", "ccc"]]
         assert pool.run(payload, None, 1.0) == [("ok", 1.0), ("ok", 2.0), ("ok", 3.0)]
-        for pid in pool.pids:  # both workers die between two batches
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
+        for pid in pool.pids:  # both workers die between two batches; no pause: their pipes may still be
+            os.kill(pid, signal.SIGKILL)  # open when the next calls are sent, and those calls never start
         assert pool.run(payload[:2], None, 1.0) == [("ok", 1.0), ("ok", 2.0)]
         assert pool.restarts == 2 and _calls(log) == Counter({"a": 2, "bb": 2, "ccc": 1})
     finally:
@@ -137,6 +136,31 @@ def test_the_pool_runs_every_call_once_in_order_and_replaces_a_worker_dead_while
     assert pool.pids == []
     with pytest.raises(ValueError, match="at least one worker"):
         RewardWorkerPool(0)
+
+
+class _ExitOnUnpickle:
+    """Kills the worker process that unpickles it (``os._exit(3)``), before the call can start."""
+
+    def __reduce__(self):
+        return (os._exit, (3,))
+
+
+def test_a_call_whose_worker_dies_before_starting_it_is_sent_once_more_then_failed(tmp_path):
+    log = tmp_path / "calls.txt"
+    pool = RewardWorkerPool(1, "fork")
+    try:
+        payload = [
+            (killer, ("src", "a", "", None), {"log": str(log)}),
+            (killer, ("src", "bb", "", _ExitOnUnpickle()), {"log": str(log)}),
+            (killer, ("src", "ccc", "", None), {"log": str(log)}),
+        ]
+        results = pool.run(payload, None, 1.0)
+        assert results[0] == ("ok", 1.0) and results[2] == ("ok", 3.0)
+        status, msg = results[1]  # sent to two workers, both died unpickling it: failed, not looped
+        assert status == "error" and "exited with code 3" in msg
+        assert pool.restarts == 2 and _calls(log) == Counter({"a": 1, "ccc": 1})
+    finally:
+        pool.close()
 
 
 # ----------------------------------------------------------------------------- the step goes on
