@@ -274,6 +274,9 @@ def _supervise(parent_pid: int, cmd: list[str], cleanup: Iterable[str] = ()) -> 
         polls += 1
         if polls % 5 == 1:  # about once a second
             segments |= _shm_segments_of([p for p in _group_members(pgid) if p != me])
+    # Once more before anything is ended: the members still alive may have mapped segments since the last
+    # look (a server killed less than a second after its engine mapped one would otherwise leak it).
+    segments |= _shm_segments_of([p for p in _group_members(pgid) if p != me])
     if orphaned:
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)

@@ -54,7 +54,7 @@ def test_segments_of_a_sigkilled_server_and_its_child_are_removed_and_others_kep
     srv = ServerProcess([sys.executable, "-c", SERVER, mine, childs, SERVER], dict(os.environ), tmp_path / "log")
     try:
         assert _wait(lambda: os.path.exists(mine) and os.path.exists(childs), 30), srv.log_tail()
-        time.sleep(1.5)  # the supervisor looks at its group's mappings about once a second
+        time.sleep(3.0)  # the supervisor looks at its group's mappings about once a second: 2-3 looks
         pid = srv.server_pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)  # as the test of a real vLLM server kill does
@@ -68,3 +68,24 @@ def test_segments_of_a_sigkilled_server_and_its_child_are_removed_and_others_kep
             if os.path.exists(p):
                 os.unlink(p)
         bystander.unlink(missing_ok=True)
+
+
+def test_a_server_killed_at_once_still_has_its_childrens_segments_removed(tmp_path: Path):
+    """No pause after the segments appear: the supervisor's once-a-second look may not have seen the
+    child's segment yet, so it looks again at the members still alive before ending them."""
+    tag = uuid.uuid4().hex[:10]
+    mine, childs = f"/dev/shm/psm_rlplugtest_{tag}_a", f"/dev/shm/psm_rlplugtest_{tag}_b"
+    srv = ServerProcess([sys.executable, "-c", SERVER, mine, childs, SERVER], dict(os.environ), tmp_path / "log")
+    try:
+        assert _wait(lambda: os.path.exists(mine) and os.path.exists(childs), 30), srv.log_tail()
+        pid = srv.server_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert _wait(lambda: not srv.alive, 30)
+        assert not os.path.exists(childs)  # mapped by a member still alive when the server died
+        assert srv.group_pids() == []
+    finally:
+        srv.stop()
+        for p in (mine, childs):
+            if os.path.exists(p):
+                os.unlink(p)
