@@ -378,15 +378,16 @@ def _pickle_advice(msg: str) -> str:
     return msg + " (reward functions run in worker processes must be module-level; or set reward.num_workers=0)"
 
 
-def _death_message(exitcode: int | None, pid: int | None) -> str:
+def _death_message(exitcode: int | None, pid: int | None, started: bool = True) -> str:
+    when = "while scoring this sample" if started else "before it started scoring this sample"
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
         why = " (the OOM killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
-        return f"the reward worker process (pid {pid}) was killed by {name}{why} while scoring this sample"
-    return f"the reward worker process (pid {pid}) exited with code {exitcode} while scoring this sample"
+        return f"the reward worker process (pid {pid}) was killed by {name}{why} {when}"
+    return f"the reward worker process (pid {pid}) exited with code {exitcode} {when}"
 
 
 class _Worker:
@@ -427,8 +428,8 @@ def _quiet() -> Any:
 class RewardWorkerPool:
     """``size`` reward worker processes that run one call at a time each (``reward.num_workers``).
 
-    Every call goes to exactly one worker, and the pool knows which call each worker is running,
-    so a failure is pinned on its own sample: a call is never run twice and never dropped.
+    The pool knows which call each worker is running, so a failure is pinned on its own sample: a
+    call runs at most once (one a worker reported starting is never sent again) and is never dropped.
 
     * A call longer than ``timeout_s`` seconds is stopped by the worker's ``SIGALRM`` interval timer
       (``("timeout", ...)``; the worker stays). One that ignores the timer (blocked signals, C code)
@@ -500,6 +501,9 @@ class RewardWorkerPool:
                 assert w.task is not None
                 i, deadline = w.task
                 done = False
+                # Alive or not is read before the pipe is drained: a worker seen dead has already written
+                # everything it will (its _STARTED report included), so a call it started is never resent.
+                alive = w.proc.is_alive()
                 while not done and _poll(w.conn):
                     try:
                         index, result = w.conn.recv()
@@ -513,13 +517,13 @@ class RewardWorkerPool:
                         results[index], w.task, done = result, None, True
                 if done:
                     continue
-                if not w.proc.is_alive():
+                if not alive:
                     w.proc.join(1.0)
-                    msg = _death_message(w.proc.exitcode, w.proc.pid)
+                    msg = _death_message(w.proc.exitcode, w.proc.pid, started=i in started)
                     if i not in started and i not in resent:  # it never ran: the replacement runs it
                         resent.add(i)
                         queue.append(i)
-                        self._replace(w, f"{msg.replace('while scoring', 'before starting')}; sending it again")
+                        self._replace(w, f"{msg}; sending it again")
                         continue
                     results[i] = ("error", msg)
                     self._replace(w, f"{msg}; scoring it with reward.fallback_score")

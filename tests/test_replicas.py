@@ -204,8 +204,12 @@ def test_acquire_routes_to_the_fewest_in_flight_then_the_fewest_sent() -> None:
     rs.release(reps[0])  # replica 0 answered two: the next two go there, not round-robin
     assert [rs.acquire().index for _ in range(2)] == [0, 0]
     assert [r.outstanding for r in reps] == [4, 4] and [r.requests for r in reps] == [6, 4]
+    assert rs.acquire().index == 1  # in flight tied 4/4: fewer sent (4 against 6) picks replica 1
     rs.release(reps[1])
-    assert rs.acquire().index == 1  # fewest in flight wins over fewest sent
+    rs.release(reps[1])
+    rs.release(reps[0])  # in flight 3/3, sent 6/5 ...
+    rs.release(reps[0])  # ... now 2/3: fewer in flight picks replica 0 although it sent more
+    assert rs.acquire().index == 0
 
 
 # ---------------------------------------------------------------------------- replicas rlplug starts

@@ -157,7 +157,7 @@ def test_a_call_whose_worker_dies_before_starting_it_is_sent_once_more_then_fail
         results = pool.run(payload, None, 1.0)
         assert results[0] == ("ok", 1.0) and results[2] == ("ok", 3.0)
         status, msg = results[1]  # sent to two workers, both died unpickling it: failed, not looped
-        assert status == "error" and "exited with code 3" in msg
+        assert status == "error" and "exited with code 3 before it started scoring this sample" in msg
         assert pool.restarts == 2 and _calls(log) == Counter({"a": 1, "ccc": 1})
     finally:
         pool.close()
@@ -273,3 +273,49 @@ def test_nan_and_none_rewards_are_the_failed_rows_the_estimators_leave_out(tmp_p
 
 def nan_or_none(data_source, solution_str, ground_truth, extra_info=None, log=None):
     return {"nan": math.nan, "none": None}.get(solution_str, float(len(solution_str)))
+
+
+def _slow_to_unpickle(seconds: float) -> float:
+    time.sleep(seconds)  # runs in the worker while it unpickles the call, before it reports starting
+    return seconds
+
+
+class _SlowUnpickle:
+    def __reduce__(self):
+        return (_slow_to_unpickle, (0.2,))
+
+
+def dies_after_logging(data_source, solution_str, ground_truth, extra_info=None, log=None):
+    _record(log, solution_str)
+    os._exit(7)
+
+
+def test_a_call_that_started_is_never_sent_again_even_when_its_report_is_read_late(tmp_path, monkeypatch):
+    """The parent polls a worker's pipe while the call is still unpickling (nothing to read), is held up,
+    and meanwhile the worker reports starting, runs the call and dies. Its report is still in the pipe:
+    the call ran, so it fails once and is not sent to the replacement (a second run would log it twice)."""
+    import rlplug.reward as reward_mod
+
+    log = tmp_path / "calls.txt"
+    real_poll = reward_mod._poll
+
+    def late_poll(conn):
+        ready = real_poll(conn)
+        if not ready:
+            time.sleep(0.5)  # a descheduled parent: the worker starts, runs and exits meanwhile
+        return ready
+
+    monkeypatch.setattr(reward_mod, "_poll", late_poll)
+    pool = RewardWorkerPool(2, "fork")
+    try:
+        payload = [
+            (killer, ("src", "a", "", None), {"log": str(log)}),  # answers at once: wakes the parent
+            (dies_after_logging, ("src", "bb", "", _SlowUnpickle()), {"log": str(log)}),
+        ]
+        results = pool.run(payload, None, 1.0)
+        assert results[0] == ("ok", 1.0)
+        status, msg = results[1]
+        assert status == "error" and "exited with code 7 while scoring this sample" in msg
+        assert _calls(log) == Counter({"a": 1, "bb": 1}) and pool.restarts == 1
+    finally:
+        pool.close()
