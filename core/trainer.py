@@ -246,6 +246,9 @@ def stopped_message(step: int, root: Any) -> str:
 
 # ============================================================================ trainer
 
+#: seconds within which a repeated stop signal counts as the same one (see Trainer._handle_signal)
+_SIGNAL_REPEAT_S = 0.1
+
 
 class Trainer:
     """Owns the run: data, reward, backends, trackers, checkpoints; :meth:`fit` trains."""
@@ -313,6 +316,7 @@ class Trainer:
         self.global_step = 0
         self.trackers = Trackers()
         self._stop_signal: int | None = None
+        self._stop_signal_at = float("-inf")  # time.monotonic() of the first stop signal
         self._last_val_samples: list[dict] = []
         # Seed again now that everything is built: first-time imports and model loading above may
         # draw from the global RNGs (e.g. Python's ``random`` changed during the first Trainer of a
@@ -506,9 +510,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ main loop
     def _handle_signal(self, signum: int, frame: Any) -> None:
-        if self._stop_signal is not None:  # second signal: stop now
-            raise KeyboardInterrupt
-        self._stop_signal = signum
+        """First SIGINT/SIGTERM: finish the step, save, stop. A second one stops at once, unless it is the
+        same signal within ``_SIGNAL_REPEAT_S`` (0.1 s) of the first: GNU ``timeout`` (and launchers that
+        signal both the process and its group) deliver one SIGTERM twice, microseconds apart, which is
+        one request, not two."""
+        now = time.monotonic()
+        if self._stop_signal is not None:
+            if signum == self._stop_signal and now - self._stop_signal_at < _SIGNAL_REPEAT_S:
+                return  # the same request delivered twice
+            raise KeyboardInterrupt  # second signal: stop now
+        self._stop_signal, self._stop_signal_at = signum, now
         print(
             f"\nReceived {signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
             "(send it again to stop at once).",

@@ -90,7 +90,7 @@ def test_ctrl_c_in_rollout_finishes_the_step_and_restores_handlers(tmp_path, mon
 
 
 def test_second_signal_stops_at_once_leaving_the_last_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setenv("RLPLUG_TEST_KILL_AT", "rollout:2:SIGINT,update_actor:2:SIGINT")
+    monkeypatch.setenv("RLPLUG_TEST_KILL_AT", "rollout:2:SIGINT,update_actor:2:SIGTERM")  # not one delivered twice
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         run(_cfg(tmp_path, "trainer.save_freq=1"))
@@ -115,3 +115,30 @@ def test_signal_in_the_last_step_just_finishes(tmp_path, monkeypatch, capsys):
     assert "Training finished at step 2" in out and "Stopped after" not in out
     assert CheckpointManager(tmp_path).complete_steps() == [2]
     assert (tmp_path / "final_model" / "model.safetensors").is_file()
+
+
+def test_one_signal_delivered_twice_is_one_request_and_a_later_second_stops_at_once(monkeypatch) -> None:
+    """GNU ``timeout`` sends SIGTERM to the trainer and to its process group: two deliveries microseconds
+    apart. That is one request (finish the step, save); a second one 0.1 s or more later, or another
+    signal, stops now."""
+    import types
+
+    import rlplug.trainer as trainer_mod
+    from rlplug.trainer import Trainer
+
+    clock = [100.0]
+    monkeypatch.setattr(trainer_mod.time, "monotonic", lambda: clock[0])
+    t = types.SimpleNamespace(_stop_signal=None, _stop_signal_at=float("-inf"))
+    Trainer._handle_signal(t, signal.SIGTERM, None)  # type: ignore[arg-type]
+    assert t._stop_signal == signal.SIGTERM
+    clock[0] += 0.001
+    try:
+        Trainer._handle_signal(t, signal.SIGTERM, None)  # type: ignore[arg-type]  # the group's copy: ignored
+    except KeyboardInterrupt:
+        pytest.fail("one SIGTERM delivered twice (GNU timeout) was taken as a second request")
+    assert t._stop_signal == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        Trainer._handle_signal(t, signal.SIGINT, None)  # type: ignore[arg-type]  # another signal: now
+    clock[0] += 0.2
+    with pytest.raises(KeyboardInterrupt):
+        Trainer._handle_signal(t, signal.SIGTERM, None)  # type: ignore[arg-type]  # the same, 0.2 s on: now
