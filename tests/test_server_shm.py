@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -46,46 +47,44 @@ def _wait(cond, timeout: float) -> bool:
     return cond()
 
 
-def test_segments_of_a_sigkilled_server_and_its_child_are_removed_and_others_kept(tmp_path: Path):
+@contextlib.contextmanager
+def _server_with_segments(tmp_path: Path, pause_s: float):
+    """Start the fake server, wait until both segments exist, wait ``pause_s``, SIGKILL the server and
+    wait for its supervisor to end; yields ``(srv, mine, childs)``. Leftover segments are removed after."""
     tag = uuid.uuid4().hex[:10]
     mine, childs = f"/dev/shm/psm_rlplugtest_{tag}_a", f"/dev/shm/psm_rlplugtest_{tag}_b"
-    bystander = Path(f"/dev/shm/psm_rlplugtest_{tag}_other")  # not mapped by the server's group
-    bystander.write_bytes(b"x")
     srv = ServerProcess([sys.executable, "-c", SERVER, mine, childs, SERVER], dict(os.environ), tmp_path / "log")
     try:
         assert _wait(lambda: os.path.exists(mine) and os.path.exists(childs), 30), srv.log_tail()
-        time.sleep(3.0)  # the supervisor looks at its group's mappings about once a second: 2-3 looks
+        time.sleep(pause_s)
         pid = srv.server_pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)  # as the test of a real vLLM server kill does
         assert _wait(lambda: not srv.alive, 30)
-        assert not os.path.exists(mine) and not os.path.exists(childs)  # the group's: removed
-        assert bystander.exists()  # anyone else's: kept
-        assert srv.group_pids() == []
+        yield srv, mine, childs
     finally:
         srv.stop()
         for p in (mine, childs):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_segments_of_a_sigkilled_server_and_its_child_are_removed_and_others_kept(tmp_path: Path):
+    bystander = Path(f"/dev/shm/psm_rlplugtest_{uuid.uuid4().hex[:10]}_other")  # not mapped by the server's group
+    bystander.write_bytes(b"x")
+    try:
+        # 3 s: the supervisor looks at its group's mappings about once a second, so 2-3 looks before the kill
+        with _server_with_segments(tmp_path, pause_s=3.0) as (srv, mine, childs):
+            assert not os.path.exists(mine) and not os.path.exists(childs)  # the group's: removed
+            assert bystander.exists()  # anyone else's: kept
+            assert srv.group_pids() == []
+    finally:
         bystander.unlink(missing_ok=True)
 
 
 def test_a_server_killed_at_once_still_has_its_childrens_segments_removed(tmp_path: Path):
     """No pause after the segments appear: the supervisor's once-a-second look may not have seen the
     child's segment yet, so it looks again at the members still alive before ending them."""
-    tag = uuid.uuid4().hex[:10]
-    mine, childs = f"/dev/shm/psm_rlplugtest_{tag}_a", f"/dev/shm/psm_rlplugtest_{tag}_b"
-    srv = ServerProcess([sys.executable, "-c", SERVER, mine, childs, SERVER], dict(os.environ), tmp_path / "log")
-    try:
-        assert _wait(lambda: os.path.exists(mine) and os.path.exists(childs), 30), srv.log_tail()
-        pid = srv.server_pid
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        assert _wait(lambda: not srv.alive, 30)
+    with _server_with_segments(tmp_path, pause_s=0.0) as (srv, _, childs):
         assert not os.path.exists(childs)  # mapped by a member still alive when the server died
         assert srv.group_pids() == []
-    finally:
-        srv.stop()
-        for p in (mine, childs):
-            if os.path.exists(p):
-                os.unlink(p)
