@@ -52,6 +52,7 @@ import gc
 import json
 import logging
 import math
+import os
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -61,7 +62,7 @@ from typing import Any, cast
 import torch
 
 from .batch import Batch
-from .config import config_get
+from .config import config_get, default_cache_dir
 from .coordinator import SINGLE_PROCESS
 from .logprob import response_token_stats, trim_padding_columns
 from .losses import agg_normalizer, seq_norm_length
@@ -170,6 +171,24 @@ def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def use_rlplug_compile_cache() -> str:
+    """Point torch's compile cache (Inductor's FX-graph, AOT-autograd and kernel caches) at
+    ``<RLPLUG_CACHE>/torch_compile`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set already; returns
+    the folder in use.
+
+    torch's default is ``<tmp>/torchinductor_<user>``, which a reboot or a clean container loses:
+    the first compiled step on a machine then spends minutes compiling again (about 130 s of the
+    default run's first step on a 2-core CPU, against about 29 s with a warm cache). Keeping the
+    cache beside the converted model (:func:`rlplug.config.default_cache_dir`) makes it last as
+    long as the model does. Call before the first ``torch.compile`` of the process: Inductor
+    reads the variable when it first needs its cache and keeps it from then on (child processes,
+    such as a rollout engine, inherit it).
+    """
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "torch_compile")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def compile_decoder_layers(model: torch.nn.Module, role: str) -> int:
     """``torch.compile`` every decoder layer of ``model`` in place (``actor.use_torch_compile``).
 
@@ -180,7 +199,11 @@ def compile_decoder_layers(model: torch.nn.Module, role: str) -> int:
     graph for the forward and one for the backward and reuses them for every layer. The embedding,
     the final norm and the fused LM head (:mod:`rlplug.logprob`) stay eager. Returns the number of
     layers compiled. Raises ``ValueError`` (naming ``role``) when the model has no such list.
+
+    The compiled code is cached in rlplug's own cache (:func:`use_rlplug_compile_cache`), so it
+    survives a reboot or a fresh container with the converted model.
     """
+    use_rlplug_compile_cache()
     for name, module in model.named_modules():
         if name.split(".")[-1] == "layers" and isinstance(module, torch.nn.ModuleList) and len(module):
             for layer in module:
