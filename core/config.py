@@ -99,6 +99,9 @@ class DataConfig:
     seed: int = 1
     #: extra system message prepended to every prompt (None: keep prompts as they are)
     system_prompt: str | None = None
+    #: a special-token string of the tokenizer (e.g. <|im_end|>) inside a message's text: "keep" (a real
+    #: control token, as verl; the rows are counted, one warning), "escape" (plain text) or "error" (refused)
+    special_tokens_in_text: str = "keep"
 
 
 @dataclass
@@ -256,7 +259,9 @@ class CriticModelConfig:
 
 @dataclass
 class CriticConfig:
-    #: None -> on exactly when the advantage estimator needs values
+    #: None -> on exactly when the advantage estimator (or the policy loss) requires values, as verl's
+    #: need_critic (verl: on for gae). A preset's value that disagrees with the estimator follows the
+    #: estimator (:func:`critic_follows_estimator`); only a value the user gives is kept as it is
     enable: bool | None = None
     #: the critic's model; unset: the actor's (model.*)
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
@@ -613,9 +618,12 @@ class TrainerConfig:
     #: None -> named by compose after what the run trains: "<algorithm preset>_<data task>"
     #: (rlplug.checkpoint.experiment_name_for), so another algorithm gets its own run directory
     experiment_name: str | None = None
+    #: passes over the training data, >= 1 (used when total_training_steps is None)
     total_epochs: int = 1
-    #: None -> epochs x steps per epoch
+    #: training steps, >= 1; None -> total_epochs x steps per epoch
     total_training_steps: int | None = None
+    #: steps at the start in which only the critic is updated (>= 0); 0 when no critic is trained, unless
+    #: given explicitly (:func:`critic_follows_estimator`)
     critic_warmup: int = 0
     test_freq: int = 10
     save_freq: int = 10

@@ -12,7 +12,15 @@ Row schema (verl's, e.g. ``examples/data_preprocess/gsm8k.py``)::
 
 Files are read with pyarrow only (no pandas, nothing is ever unpickled). Every row is validated
 up front; the first problem raises :class:`DatasetError` naming the file, the row (0-based) and
-the column, what was expected and what to do.
+the column, what was expected and what to do. A file with 0 rows says so (before its columns are
+checked: pandas writes the columns of an empty DataFrame without a type), also at config time
+(:func:`check_data_config`).
+
+Chat control tokens in the text: a message whose text holds a special-token string of the tokenizer
+(``<|im_end|>``, ``<|im_start|>`` ...) would become a real control token when the chat template's text
+is tokenized. The rows are counted; ``data.special_tokens_in_text`` (``keep``, the default and verl's
+behaviour: one warning with the count and an example; ``escape``: rendered as plain text; ``error``:
+refused) decides what happens (:func:`read_dataset`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ __all__ = [
     "RLDataset",
     "read_dataset",
     "read_run_datasets",
+    "check_data_config",
+    "dataset_read_kwargs",
+    "special_token_strings",
+    "SPECIAL_TOKENS_IN_TEXT",
     "StatefulDataLoader",
     "WeightedMixLoader",
     "check_train_weights",
@@ -73,13 +85,26 @@ class RLDataset(Sequence):
     * ``ground_truth`` (str), ``extra_info`` (dict, {} when absent)
     * ``index`` (int): position in this dataset; ``source``: ``"file#row"`` it came from
 
-    ``num_filtered`` counts prompts dropped for being longer than ``max_prompt_length``.
+    ``num_filtered`` counts prompts dropped for being longer than ``max_prompt_length``;
+    ``file_stats`` maps each file to ``{"rows": rows read, "kept": rows kept, "shortest_filtered": token
+    count of its shortest dropped prompt or None}``; ``special_token_rows`` counts the rows whose messages'
+    text holds a special-token string of the tokenizer (``data.special_tokens_in_text``).
     """
 
-    def __init__(self, rows: list[dict], files: list[str] | None = None, num_filtered: int = 0) -> None:
+    def __init__(
+        self,
+        rows: list[dict],
+        files: list[str] | None = None,
+        num_filtered: int = 0,
+        *,
+        file_stats: dict[str, dict[str, Any]] | None = None,
+        special_token_rows: int = 0,
+    ) -> None:
         self.rows = rows
         self.files = list(files or [])
         self.num_filtered = num_filtered
+        self.file_stats = dict(file_stats or {})
+        self.special_token_rows = special_token_rows
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -264,6 +289,223 @@ def _chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return [int(t) for t in out]
 
 
+def _chat_text(tokenizer: Any, messages: list[dict]) -> str:
+    """The chat template's text for ``messages`` with the generation prompt (``tokenize=False``)."""
+    return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+
+# ============================================================================ special tokens in the text
+
+#: the values of ``data.special_tokens_in_text``: what a special-token string inside a message's text becomes
+SPECIAL_TOKENS_IN_TEXT = ("keep", "escape", "error")
+
+
+def special_token_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The strings of ``tokenizer``'s special tokens, longest first.
+
+    ``tokenizer.all_special_tokens`` plus every added token marked special
+    (``tokenizer.added_tokens_decoder[id].special``), e.g. ``<|im_start|>``, ``<|im_end|>``,
+    ``<|endoftext|>`` for SmolLM2 and Qwen. Strings that are empty or whitespace only are left out (they
+    would match any text). Added tokens not marked special (e.g. Qwen3's ``<think>``) are ordinary
+    vocabulary and are not included.
+    """
+    found = {str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or [])}
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            found.add(str(getattr(added, "content", added)))
+    return tuple(sorted((s for s in found if s.strip()), key=lambda s: (-len(s), s)))
+
+
+class _SpecialTokens:
+    """The special-token strings of a tokenizer, their ids and a pattern that finds them in text.
+
+    The pattern lists the strings longest first, so a search finds the leftmost, longest one, as the
+    tokenizers' added-token split does (``tokenizers.AddedVocabulary``: leftmost-longest matching).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        strings = special_token_strings(tokenizer)
+        self.ids = {s: int(tokenizer.convert_tokens_to_ids(s)) for s in strings}
+        self.pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
+
+    def first(self, messages: list[dict]) -> tuple[int, str, int] | None:
+        """``(message index, token, character position)`` of the first special-token string in the
+        messages' text, or None."""
+        if self.pattern is not None:
+            for j, m in enumerate(messages):
+                found = self.pattern.search(m["content"])
+                if found:
+                    return j, found.group(0), found.start()
+        return None
+
+
+def _text_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text`` tokenized as plain text: a special-token string in it becomes ordinary tokens
+    (``split_special_tokens=True``), and no BOS/EOS is added."""
+    if not text:
+        return []
+    return [int(t) for t in tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+
+
+def _escaped_chat_ids(tokenizer: Any, messages: list[dict], special: _SpecialTokens, where: str) -> list[int]:
+    """Token ids of the chat template applied to ``messages`` (with the generation prompt) in which every
+    message's text is plain text: a special-token string inside a message is tokenized as ordinary tokens,
+    while the special tokens the template writes itself (role markers, end of turn) keep their ids.
+
+    How: the template is rendered with the real messages and once more with a placeholder (private-use
+    characters absent from the prompt) for each message's text; the placeholders locate each message's
+    text in the rendered prompt. The prompt is then cut at the template's own special tokens, as the
+    tokenizer cuts a text at its added tokens, and each piece between two cuts is tokenized as plain text
+    (:func:`_text_ids`). Decoding the ids gives the rendered prompt back.
+
+    Checks, each raising :class:`DatasetError` prefixed with ``where``: the template inserts every message's
+    text unchanged (else the text cannot be located); the same cut, with the messages' special-token
+    strings cut too, reproduces the tokenizer's own ids for the prompt (so the pieces tokenize as they do
+    in a whole prompt: true for HF fast tokenizers whose added-token split is a plain string match, e.g.
+    byte-level BPE as SmolLM2, Qwen, Llama 3); and the result holds exactly the template's special tokens.
+    """
+    assert special.pattern is not None
+    what = "data.special_tokens_in_text=escape"
+    rendered = _chat_text(tokenizer, messages)
+    base = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in rendered), None)
+    if base is None:
+        raise DatasetError(f"{where}: {what} needs a private-use character absent from the prompt; none is.")
+    marks = [f"{base}{k}{base}" for k in range(len(messages))]
+    skeleton = _chat_text(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)])
+    pieces: list[tuple[str, bool]] = []  # (text, True for a message's text)
+    pos = 0
+    for m, mark in zip(messages, marks):
+        at = skeleton.find(mark, pos)
+        if at >= 0:  # else the template leaves this message out
+            pieces += [(skeleton[pos:at], False), (m["content"], True)]
+            pos = at + len(mark)
+    pieces.append((skeleton[pos:], False))
+    if any(base in text for text, is_msg in pieces if not is_msg) or "".join(t for t, _ in pieces) != rendered:
+        raise DatasetError(
+            f"{where}: {what} cannot locate the messages' text in the prompt: this chat template changes the "
+            "text it inserts (e.g. trims it). Remove the special tokens from the data, or set "
+            "data.special_tokens_in_text=keep (they stay control tokens) or error (refuse such rows)."
+        )
+
+    def cut(escape: bool) -> list[int]:
+        ids: list[int] = []
+        text = ""  # plain text not yet tokenized
+        for piece, is_msg in pieces:
+            if is_msg and escape:
+                text += piece
+                continue
+            start = 0
+            for found in special.pattern.finditer(piece):  # type: ignore[union-attr]
+                ids += _text_ids(tokenizer, text + piece[start : found.start()])
+                ids.append(special.ids[found.group(0)])
+                text, start = "", found.end()
+            text += piece[start:]
+        return ids + _text_ids(tokenizer, text)
+
+    if cut(escape=False) != _chat_ids(tokenizer, messages):
+        raise DatasetError(
+            f"{where}: {what} cannot tokenize this prompt piecewise the way this tokenizer tokenizes it whole "
+            f"({type(tokenizer).__name__}: its added-token split is not a plain string match, or pieces tokenize "
+            "differently alone). Remove the special tokens from the data, or set data.special_tokens_in_text=keep "
+            "or error."
+        )
+    ids = cut(escape=True)
+    template_specials = sum(len(special.pattern.findall(t)) for t, is_msg in pieces if not is_msg)
+    special_ids = set(special.ids.values())
+    if sum(t in special_ids for t in ids) != template_specials:
+        raise DatasetError(
+            f"{where}: {what}: tokenizing the message text as plain text still gave special token ids (the "
+            "tokenizer's vocabulary reaches them by merges). Remove the special tokens from the data."
+        )
+    return ids
+
+
+# ============================================================================ reading
+
+
+def _no_rows_error(path: str, setting: str | None, schema: Any = None, weighted: bool = False) -> DatasetError:
+    """The error for a file with 0 rows, naming ``setting`` (the config key that lists it)."""
+    import pyarrow as pa
+
+    where = setting or "data.train_files / data.val_files"
+    untyped = [
+        f"{f.name}: {f.type}"
+        for f in (schema if schema is not None else [])
+        if pa.types.is_null(f.type) or pa.types.is_floating(f.type)
+    ]
+    note = (
+        f" and its columns lack verl's types ({', '.join(untyped)}), as pandas writes the columns of an "
+        "empty DataFrame"
+        if untyped
+        else ""
+    )
+    drop = f"remove it from {where}" + (" and its weight from data.train_weights" if weighted else "")
+    return DatasetError(
+        f"{path} ({where}): the file has no rows (0 rows){note}. Write its rows in verl's row schema "
+        f"('rlplug data prepare TASK --out DIR' writes such files), or {drop}."
+    )
+
+
+def _num_rows(path: str, setting: str | None = None, weighted: bool = False) -> int:
+    """The row count in ``path``'s parquet footer (nothing else is read).
+
+    Raises :class:`DatasetError` for an unreadable file or one with 0 rows (:func:`_no_rows_error`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: not a readable parquet file ({exc}). {_SCHEMA_HELP}") from exc
+    if meta.num_rows == 0:
+        try:
+            schema = meta.schema.to_arrow_schema()
+        except (pa.ArrowException, OSError):
+            schema = None
+        raise _no_rows_error(path, setting, schema, weighted)
+    return int(meta.num_rows)
+
+
+def check_data_config(cfg: Any) -> None:
+    """The config-time data checks, from :func:`rlplug.validate.validate_config` (before any model loads):
+    ``data.special_tokens_in_text`` is one of :data:`SPECIAL_TOKENS_IN_TEXT`, and every existing file of
+    ``data.train_files`` / ``data.val_files`` has rows (read from the parquet footer only).
+
+    Raises :class:`rlplug.config.ConfigError` for an unknown ``data.special_tokens_in_text`` and
+    :class:`DatasetError` for an unreadable file or one with 0 rows (naming the file and its setting).
+    """
+    from .config import ConfigError
+
+    d = cfg.data
+    mode = d.get("special_tokens_in_text", "keep")
+    if mode not in SPECIAL_TOKENS_IN_TEXT:
+        raise ConfigError(
+            f"data.special_tokens_in_text={mode!r}: use 'keep' (a chat control token such as <|im_end|> inside the "
+            "data's text stays a control token, as in verl), 'escape' (it is rendered as plain text) or 'error' "
+            "(such data is refused)."
+        )
+    weighted = bool(d.get("train_weights"))
+    for key in ("train_files", "val_files"):
+        for f in d.get(key) or []:
+            path = str(Path(str(f)).expanduser())
+            if Path(path).is_file():
+                _num_rows(path, f"data.{key}", weighted and key == "train_files")
+
+
+def dataset_read_kwargs(cfg: Any) -> dict[str, Any]:
+    """The :func:`read_dataset` keyword arguments of the run's ``data.*`` settings (all but the tokenizer):
+    ``max_prompt_length``, ``filter_overlong_prompts``, ``prompt_key``, ``system_prompt``,
+    ``special_tokens_in_text``."""
+    d = cfg.data
+    return dict(
+        max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+        prompt_key=d.prompt_key,
+        system_prompt=d.system_prompt,
+        special_tokens_in_text=d.get("special_tokens_in_text", "keep"),
+    )
+
+
 def read_dataset(
     files: str | Path | Sequence[str | Path],
     *,
@@ -272,6 +514,8 @@ def read_dataset(
     filter_overlong_prompts: bool = True,
     prompt_key: str = "prompt",
     system_prompt: str | None = None,
+    special_tokens_in_text: str = "keep",
+    setting: str | None = None,
 ) -> RLDataset:
     """Read and validate parquet files in verl's row schema.
 
@@ -285,33 +529,55 @@ def read_dataset(
         prompt_key: name of the prompt column.
         system_prompt: prepended as a system message to prompts that do not start with one
             (rows with their own system message keep it).
+        special_tokens_in_text: what a special-token string of the tokenizer
+            (:func:`special_token_strings`, e.g. ``<|im_end|>``) inside a message's text becomes
+            (``data.special_tokens_in_text``): ``"keep"`` a real special token, as the chat template's text
+            is tokenized (verl's and TRL's behaviour; the rows are counted and one warning names the count
+            and an example); ``"escape"`` plain text (:func:`_escaped_chat_ids`: ordinary tokens, the
+            template's own role tokens stay special; decoding gives the text back); ``"error"`` a
+            :class:`DatasetError` with the count and the first row. Needs ``tokenizer`` unless ``"keep"``.
+            The rows with such text are counted in ``RLDataset.special_token_rows``.
+        setting: the config key that lists ``files`` (e.g. ``"data.train_files"``), named in errors.
 
     Returns:
         :class:`RLDataset`.
 
     Raises:
-        DatasetError: missing/unreadable file, missing column, wrong column type, empty prompt,
-            unknown message role, non-text ground truth, invalid UTF-8 or control characters,
-            an overlong prompt when not filtering, or no rows left.
-        ValueError: ``max_prompt_length`` without a tokenizer.
+        DatasetError: missing/unreadable file, a file with 0 rows, missing column, wrong column type,
+            empty prompt, unknown message role, non-text ground truth, invalid UTF-8 or control
+            characters, an overlong prompt when not filtering, no rows left after filtering, special
+            tokens in the text with ``special_tokens_in_text="error"``, or a prompt ``"escape"`` cannot render.
+        ValueError: ``max_prompt_length`` or ``special_tokens_in_text`` other than ``"keep"`` without a
+            tokenizer, or an unknown ``special_tokens_in_text``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     paths: list[str] = [str(Path(f).expanduser()) for f in ([files] if isinstance(files, (str, Path)) else files)]
+    where = setting or "data.train_files / data.val_files"
     if not paths:
         raise DatasetError("No data files given; set data.train_files / data.val_files or data.task.")
     if max_prompt_length is not None and tokenizer is None:
         raise ValueError("max_prompt_length needs a tokenizer to count prompt tokens; pass tokenizer=.")
     if max_prompt_length is not None and max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1 token, got {max_prompt_length}.")
+    if special_tokens_in_text not in SPECIAL_TOKENS_IN_TEXT:
+        raise ValueError(
+            f"special_tokens_in_text={special_tokens_in_text!r}; expected one of {', '.join(SPECIAL_TOKENS_IN_TEXT)}."
+        )
+    if special_tokens_in_text != "keep" and tokenizer is None:
+        raise ValueError(
+            f"special_tokens_in_text={special_tokens_in_text!r} needs the tokenizer whose special tokens to look "
+            "for; pass tokenizer=."
+        )
 
-    rows: list[dict] = []
-    filtered = 0
-    total = 0
+    # ---- 1. every row of every file validated (no tokenization yet)
+    candidates: list[tuple[dict[str, Any], str, int, bool]] = []  # (row, file, row in file, system_prompt added)
+    file_stats: dict[str, dict[str, Any]] = {}
     for path in paths:
         if not Path(path).is_file():
-            raise DatasetError(f"{path}: file not found. Check data.train_files / data.val_files.")
+            raise DatasetError(f"{path}: file not found. Check {where}.")
+        _num_rows(path, setting)  # a file with 0 rows says so before its (possibly untyped) columns are checked
         try:
             schema = pq.read_schema(path)
         except (pa.ArrowException, OSError) as exc:
@@ -323,8 +589,8 @@ def read_dataset(
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"{path}: could not read the parquet data ({exc}).") from exc
         if table.num_rows == 0:
-            raise DatasetError(f"{path}: the file has no rows.")
-        total += table.num_rows
+            raise _no_rows_error(path, setting, schema)
+        file_stats[path] = {"rows": table.num_rows, "kept": 0, "shortest_filtered": None}
         values = {c: _column_values(path, table, c) for c in columns}
         for i in range(table.num_rows):
             ds = values["data_source"][i]
@@ -332,7 +598,8 @@ def read_dataset(
                 raise _err(path, i, "data_source", f"is {ds!r}; expected a non-empty string naming the data source.")
             _check_text(ds, path, i, "data_source")
             messages = _messages(values[prompt_key][i], path, i, prompt_key)
-            if system_prompt is not None and messages[0]["role"] != "system":
+            added = system_prompt is not None and messages[0]["role"] != "system"
+            if added:
                 messages = [{"role": "system", "content": system_prompt}, *messages]
             rm = values["reward_model"][i]
             if not isinstance(rm, dict):
@@ -350,22 +617,85 @@ def read_dataset(
                 "ability": ability if isinstance(ability, str) else "",
                 "source": f"{path}#{i}",
             }
-            if tokenizer is not None:
-                ids = _chat_ids(tokenizer, messages)
-                if max_prompt_length is not None and len(ids) > max_prompt_length:
-                    if not filter_overlong_prompts:
-                        raise _err(
-                            path,
-                            i,
-                            prompt_key,
-                            f"prompt is {len(ids)} tokens after the chat template, longer than max_prompt_length="
-                            f"{max_prompt_length}. Raise data.max_prompt_length or set data.filter_overlong_prompts=true.",
-                        )
-                    filtered += 1
-                    continue
-                row["prompt_ids"] = ids
-            row["index"] = len(rows)
-            rows.append(row)
+            candidates.append((row, path, i, added))
+    total = len(candidates)
+
+    # ---- 2. special-token strings in the messages' text: counted; refused, warned about or escaped
+    special = _SpecialTokens(tokenizer) if tokenizer is not None else None
+    hits: dict[int, tuple[int, str, int]] = {}
+    if special is not None:
+        for k, (row, _, _, _) in enumerate(candidates):
+            hit = special.first(row["messages"])
+            if hit is not None:
+                hits[k] = hit
+    if hits:
+        k = min(hits)
+        row, path, i, added = candidates[k]
+        j, token, at = hits[k]
+        role = row["messages"][j]["role"]
+        if added and j == 0:
+            column, message = "data.system_prompt", "the system message of data.system_prompt"
+        else:
+            column, message = prompt_key, f"message {j - int(added)} ({role})"
+        example = f"{message} holds '{token}' at character {at}"
+        count = f"{len(hits)} of {total} rows of {', '.join(paths)} have"
+        if special_tokens_in_text == "error":
+            raise _err(
+                path,
+                i,
+                column,
+                f"{example}, a control token of the tokenizer; {count} such tokens in their text "
+                "(data.special_tokens_in_text=error). Remove them from the data, or set "
+                "data.special_tokens_in_text=escape to render them as plain text (keep: as control tokens, as verl).",
+            )
+        if special_tokens_in_text == "keep":
+            logger.warning(
+                "%s a control token of the tokenizer in their text, e.g. %s, row %d, %s; with "
+                "data.special_tokens_in_text=keep (the default, as verl) each becomes a real control token in "
+                "the prompt (e.g. a fake end of turn or a new system turn). Set data.special_tokens_in_text=escape "
+                "to render them as plain text, or error to refuse such rows.",
+                count,
+                path,
+                i,
+                example,
+            )
+        else:
+            logger.info(
+                "%s a control token of the tokenizer in their text (e.g. %s, row %d, %s), rendered as plain text "
+                "(data.special_tokens_in_text=escape)",
+                count,
+                path,
+                i,
+                example,
+            )
+
+    # ---- 3. the prompts' token ids and the length filter
+    rows: list[dict] = []
+    filtered = 0
+    for k, (row, path, i, _) in enumerate(candidates):
+        if tokenizer is not None:
+            if k in hits and special_tokens_in_text == "escape":
+                assert special is not None
+                ids = _escaped_chat_ids(tokenizer, row["messages"], special, f"{path}, row {i}, column '{prompt_key}'")
+            else:
+                ids = _chat_ids(tokenizer, row["messages"])
+            if max_prompt_length is not None and len(ids) > max_prompt_length:
+                if not filter_overlong_prompts:
+                    raise _err(
+                        path,
+                        i,
+                        prompt_key,
+                        f"prompt is {len(ids)} tokens after the chat template, longer than max_prompt_length="
+                        f"{max_prompt_length}. Raise data.max_prompt_length or set data.filter_overlong_prompts=true.",
+                    )
+                filtered += 1
+                stats = file_stats[path]
+                stats["shortest_filtered"] = min(len(ids), stats["shortest_filtered"] or len(ids))
+                continue
+            row["prompt_ids"] = ids
+        row["index"] = len(rows)
+        file_stats[path]["kept"] += 1
+        rows.append(row)
     if filtered:
         logger.warning(
             "filtered %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
@@ -375,38 +705,52 @@ def read_dataset(
             ", ".join(paths),
         )
     if not rows:
+        shortest = min(s["shortest_filtered"] for s in file_stats.values())
         raise DatasetError(
-            f"{', '.join(paths)}: no rows left, all {total} prompts are longer than max_prompt_length="
-            f"{max_prompt_length} tokens. Raise data.max_prompt_length."
+            f"{', '.join(paths)} ({where}): no rows left, all {total} prompts are longer than data.max_prompt_length="
+            f"{max_prompt_length} tokens after the chat template (the shortest is {shortest} tokens). Raise "
+            f"data.max_prompt_length to at least {shortest}, or use shorter prompts."
         )
-    return RLDataset(rows, paths, filtered)
+    return RLDataset(rows, paths, filtered, file_stats=file_stats, special_token_rows=len(hits))
 
 
 def read_run_datasets(cfg: Any, tokenizer: Any, check_data_sources: Any = None) -> tuple[RLDataset, RLDataset | None]:
     """The run's training and validation sets (``None`` without validation files), read with the
-    ``data.*`` settings from :func:`rlplug.data_prepare.prepared_data_files` (preparing
-    ``data.task`` first when needed). ``check_data_sources(set_of_names)`` (e.g.
+    ``data.*`` settings (:func:`dataset_read_kwargs`) from :func:`rlplug.data_prepare.prepared_data_files`
+    (preparing ``data.task`` first when needed). ``check_data_sources(set_of_names)`` (e.g.
     :meth:`rlplug.reward.RewardManager.check_data_sources`) is called with every data source of
     both sets before the size check.
 
-    Raises :class:`DatasetError` for a bad file, what ``check_data_sources`` raises, and
-    :class:`rlplug.config.ConfigError` when the training set has fewer usable rows than
-    ``data.train_batch_size``.
+    Raises :class:`DatasetError` for a bad or empty file, an empty set after filtering, or a file of
+    ``data.train_files`` with a positive ``data.train_weights`` entry whose rows were all filtered; what
+    ``check_data_sources`` raises; and :class:`rlplug.config.ConfigError` when the training set has fewer
+    usable rows than ``data.train_batch_size``.
     """
     from .config import ConfigError
     from .data_prepare import prepared_data_files
 
     d = cfg.data
     train_files, val_files = prepared_data_files(cfg)
-    kwargs = dict(
-        tokenizer=tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        filter_overlong_prompts=d.filter_overlong_prompts,
-        prompt_key=d.prompt_key,
-        system_prompt=d.system_prompt,
+    kwargs = dataset_read_kwargs(cfg)
+    prepared = f"the files prepared for data.task={d.task}"
+    train = read_dataset(
+        train_files, tokenizer=tokenizer, setting="data.train_files" if d.train_files else prepared, **kwargs
     )
-    train = read_dataset(train_files, **kwargs)
-    val = read_dataset(val_files, **kwargs) if val_files else None
+    val = (
+        read_dataset(val_files, tokenizer=tokenizer, setting="data.val_files" if d.val_files else prepared, **kwargs)
+        if val_files
+        else None
+    )
+    weights = list(d.get("train_weights") or [])
+    for i, (f, w) in enumerate(zip(train_files if d.train_files else [], weights)):
+        stats = train.file_stats.get(f)
+        if float(w) > 0 and stats is not None and stats["kept"] == 0:
+            raise DatasetError(
+                f"{f} (data.train_files[{i}]): 0 of {stats['rows']} rows left, all its prompts are longer than "
+                f"data.max_prompt_length={d.max_prompt_length} tokens after the chat template (the shortest is "
+                f"{stats['shortest_filtered']} tokens), but data.train_weights[{i}]={w} samples it. Raise "
+                f"data.max_prompt_length to at least {stats['shortest_filtered']}, or give the file the weight 0."
+            )
     if check_data_sources is not None:
         check_data_sources(set(train.data_sources) | (set(val.data_sources) if val else set()))
     if len(train) < d.train_batch_size:

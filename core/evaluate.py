@@ -110,20 +110,15 @@ def validation_rows(cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
     """The run's validation rows as :func:`evaluate` and the trainer's validation use them: the prepared
     validation files (``data.val_files``, else the task's; :func:`rlplug.data_prepare.prepared_data_files`)
     read with the run's prompt settings (``data.max_prompt_length``, ``filter_overlong_prompts``,
-    ``prompt_key``, ``system_prompt``), at most ``data.val_max_samples`` rows. Raises what
-    :func:`rlplug.data.read_dataset` raises (``DataError`` for a bad file or row)."""
-    from .data import read_dataset
+    ``prompt_key``, ``system_prompt``, ``special_tokens_in_text``: :func:`rlplug.data.dataset_read_kwargs`),
+    at most ``data.val_max_samples`` rows. Raises what :func:`rlplug.data.read_dataset` raises
+    (``DatasetError`` for a bad file or row)."""
+    from .data import dataset_read_kwargs, read_dataset
     from .data_prepare import prepared_data_files
 
     _, val_files = prepared_data_files(cfg)
-    ds = read_dataset(
-        val_files,
-        tokenizer=tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-        prompt_key=cfg.data.prompt_key,
-        system_prompt=cfg.data.system_prompt,
-    )
+    setting = "data.val_files" if cfg.data.val_files else f"the files prepared for data.task={cfg.data.task}"
+    ds = read_dataset(val_files, tokenizer=tokenizer, setting=setting, **dataset_read_kwargs(cfg))
     return [ds[i] for i in range(len(ds))][: cfg.data.val_max_samples or None]
 
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from .alerts import check_alert_config
 from .config import ConfigError
 from .contracts import built_classes
-from .data import check_train_weights
+from .data import check_data_config, check_train_weights
 from .dump import check_dump_config
 from .kl_control import KL_CONTROLLER_TYPES
 from .lora import check_lora_config
@@ -404,6 +404,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
                 raise ConfigError(
                     f"data.{key}: file {f} does not exist. Prepare one with 'rlplug data prepare TASK --out DIR'."
                 )
+    check_data_config(cfg)  # data.special_tokens_in_text; a file with 0 rows says so (parquet footer only)
     if cfg.trainer.max_ckpt_to_keep is not None and cfg.trainer.max_ckpt_to_keep < 1:
         raise ConfigError(
             f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep}: keep at least 1 checkpoint, "
