@@ -15,9 +15,10 @@ import functools
 import os
 import re
 import shlex
+import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -716,10 +717,18 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     schema's open maps need no ``+`` and may use keys Hydra's key grammar cannot hold
     (``reward.reward_fn_map.openai/gsm8k=math_verify``): see :func:`rewrite_overrides`.
     Raises :class:`ConfigError` for an unknown key, an unknown group option or a bad value,
-    listing the valid choices. An unset ``trainer.experiment_name`` is filled in from the chosen
-    ``algorithm=`` preset and the data (:func:`rlplug.checkpoint.experiment_name_for`), so each
-    algorithm trains in a run directory of its own. The result is not yet validated; see
-    :func:`rlplug.validate.validate_config`.
+    listing the valid choices. After composing:
+
+    * verl's deprecated global micro-batch sizes given are divided by the number of training processes
+      (:meth:`rlplug.verl_keys.Translation.apply_deprecated`, :func:`training_world_size`), with a warning;
+    * the critic follows the advantage estimator unless the user gives ``critic.enable``: a preset's
+      ``critic.enable`` and ``trainer.critic_warmup`` that disagree with it are changed, with one line
+      printed (:func:`critic_follows_estimator`);
+    * an unset ``trainer.experiment_name`` is filled in from the chosen ``algorithm=`` preset, or the
+      estimator that replaced the preset's own (:func:`run_algorithm_name`), and the data
+      (:func:`rlplug.checkpoint.experiment_name_for`), so each algorithm trains in a run directory of its own.
+
+    The result is not yet validated; see :func:`rlplug.validate.validate_config`.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -741,16 +750,192 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         raise ConfigError(msg) from exc
     finally:
         GlobalHydra.instance().clear()
-    algorithm = OmegaConf.select(cfg, "hydra.runtime.choices.algorithm")  # the chosen preset, for the run's name
-    debug = OmegaConf.select(cfg, "hydra.runtime.choices.debug")  # debug=tiny runs get their own directories
+    chosen = OmegaConf.select(cfg, "hydra.runtime.choices")  # group -> option, e.g. {algorithm: ppo, debug: None}
+    choices: dict[str, Any] = dict(OmegaConf.to_container(chosen)) if chosen is not None else {}  # type: ignore[arg-type]
     with open_dict(cfg):
         del cfg["hydra"]
+    translation.print_notes()  # the inert verl keys given: one line per reason, each key once
+    for line in translation.apply_deprecated(cfg):  # verl's deprecated global micro-batch sizes, per device
+        print(line, file=sys.stderr)
+    for line in critic_follows_estimator(cfg, translation.keys, choices):  # a preset's critic vs the estimator
+        print(line, file=sys.stderr)
     if not cfg.trainer.experiment_name:
         from .checkpoint import experiment_name_for
 
-        cfg.trainer.experiment_name = experiment_name_for(cfg, algorithm, prefix=debug)
-    translation.print_notes()  # the inert verl keys given: one line per reason, each key once
+        name = run_algorithm_name(cfg, choices.get("algorithm"))  # the preset, or the estimator that replaced its own
+        cfg.trainer.experiment_name = experiment_name_for(cfg, name, prefix=choices.get("debug"))
     return cfg
+
+
+# ============================================================================ the critic follows the estimator
+
+
+def preset_setting(choices: Mapping[str, Any], key: str) -> tuple[str, Any] | None:
+    """Which chosen preset file sets ``key``, and to what: ``("configs/algorithm/ppo.yaml", True)`` for
+    ``critic.enable`` under the default config; None when no chosen file sets it (the schema's default).
+
+    ``choices`` maps each config group to its chosen option (Hydra's ``hydra.runtime.choices``, e.g.
+    ``{"algorithm": "ppo", "experiment": "default", "debug": None}``). The files are searched in the reverse
+    order of ``configs/config.yaml``'s defaults list (``debug`` before ``experiment`` before ``algorithm``),
+    the order in which the last one wins when Hydra composes them. A file with ``# @package _global_`` holds
+    top-level keys; another holds its group's keys under the group's name (Hydra's default package).
+    """
+    root = config_dir()
+    for group in reversed(_group_order(root)):
+        choice = choices.get(group)
+        path = root / group / f"{choice}.yaml"
+        if not choice or not path.is_file():
+            continue
+        text = path.read_text()
+        try:
+            node: Any = OmegaConf.create(text)
+        except Exception:  # pragma: no cover - Hydra has read it already
+            continue
+        if node is None or not _global_package(text):
+            node = OmegaConf.create({group: node})
+        with open_dict(node):
+            node.pop("defaults", None)
+        missing = object()
+        try:
+            value = OmegaConf.select(node, key, default=missing)
+        except Exception:  # an interpolation that resolves only in the whole config: the file sets the key
+            value = OmegaConf.select(node, key, default=missing, throw_on_resolution_failure=False)
+        if value is not missing:
+            return f"configs/{group}/{choice}.yaml", value
+    return None
+
+
+def _global_package(text: str) -> bool:
+    """Whether a config file's header (its leading comment lines) says ``# @package _global_``."""
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            return False
+        if re.fullmatch(r"#\s*@package\s+_global_\s*", line.strip()):
+            return True
+    return False
+
+
+@functools.cache
+def _group_order(root: Path) -> tuple[str, ...]:
+    """The config groups in the order ``root/config.yaml``'s defaults list composes them."""
+    loaded = OmegaConf.load(root / "config.yaml")
+    defaults = loaded.get("defaults", []) if isinstance(loaded, DictConfig) else []
+    out: list[str] = []
+    for entry in defaults:
+        if isinstance(entry, DictConfig):
+            out += [str(k).lstrip("/").split("@", 1)[0] for k in entry.keys() if not str(k).startswith("override ")]
+    return tuple(out)
+
+
+def critic_values_needed(cfg: Any) -> tuple[bool, list[str]] | None:
+    """Whether the selected plugins need a critic: ``(needed, who)`` with ``who`` the settings whose plugin
+    requires the batch field ``values`` (``["algorithm.adv_estimator=gae"]``), from the registry's
+    ``requires`` of ``algorithm.adv_estimator`` and ``actor.policy_loss`` (the rule of
+    :func:`rlplug.validate.plan_batch`; verl's ``need_critic`` is the same rule for its estimators: on for
+    ``gae`` only). None when a name does not resolve (validation reports it)."""
+    from .registry import PluginError, get_registry
+
+    registry = get_registry()
+    who = []
+    for kind, key in (("advantage_estimator", "algorithm.adv_estimator"), ("policy_loss", "actor.policy_loss")):
+        name = config_get(cfg, key)
+        try:
+            plugin = registry.registration(kind, str(name)).obj
+        except PluginError:
+            return None
+        if "values" in tuple(getattr(plugin, "requires", ()) or ()):
+            who.append(f"{key}={name}")
+    return bool(who), who
+
+
+def critic_follows_estimator(cfg: DictConfig, given: Collection[str], choices: Mapping[str, Any]) -> list[str]:
+    """Make a preset's critic settings follow the advantage estimator, as verl's ``need_critic`` does;
+    returns the line to print for what it changed (none or one).
+
+    verl trains a critic when ``critic.enable`` is true, or, with it unset (its default), when the estimator
+    is ``gae`` (``verl/trainer/ppo/utils.py::need_critic``); rlplug's presets set ``critic.enable``
+    (``configs/algorithm/ppo.yaml``: true), so ``algorithm.adv_estimator=grpo`` on the default config would
+    keep PPO's critic. Here a ``critic.enable`` that the user did not give (``given``: the rlplug keys the
+    overrides set, :attr:`rlplug.verl_keys.Translation.keys`) and that disagrees with what the estimator and
+    the policy loss require (:func:`critic_values_needed`) is set to that, and a ``trainer.critic_warmup > 0``
+    that the user did not give is set to 0 when no critic is trained (a warm-up without a critic would keep
+    the actor frozen for nothing). Values the user gives are kept (``critic.enable=true`` beside a critic-free
+    estimator trains a critic; an explicit warm-up without a critic is refused by
+    :func:`rlplug.validate.validate_config`). ``choices``: the chosen config groups, to name the preset file
+    a changed value came from (:func:`preset_setting`). Nothing changes when a plugin name does not resolve.
+    """
+    decided = critic_values_needed(cfg)
+    if decided is None:
+        return []
+    needed, who = decided
+    changes: list[str] = []
+
+    def change(key: str, old: Any, new: Any) -> None:
+        found = preset_setting(choices, key)
+        where = f"from {found[0]}" if found is not None else "from the config files"
+        changes.append(f"{key}: {_yaml(old)} ({where}) -> {_yaml(new)}")
+        OmegaConf.update(cfg, key, new, merge=False)
+
+    enable = cfg.critic.enable
+    if "critic.enable" not in given and enable is not None and bool(enable) != needed:
+        change("critic.enable", enable, needed)
+        enable = needed
+    trained = bool(enable) if enable is not None else needed
+    warmup = cfg.trainer.critic_warmup
+    if not trained and "trainer.critic_warmup" not in given and isinstance(warmup, int) and warmup > 0:
+        change("trainer.critic_warmup", warmup, 0)
+    if not changes:
+        return []
+    estimator = f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}"
+    if needed:
+        why = f"{' and '.join(who)} requires values, which only a critic produces"
+    elif "critic.enable" in given:
+        why = "critic.enable=false: no critic is trained, so a warm-up would keep the actor frozen for nothing"
+    else:
+        why = f"{estimator} needs no critic (no selected plugin requires values; verl decides the same way)"
+    tail = "; set critic.enable=true to keep it" if any(c.startswith("critic.enable: true") for c in changes) else ""
+    return [f"{', '.join(changes)}: {why}{tail}."]
+
+
+def run_algorithm_name(cfg: Any, preset: str | None) -> str | None:
+    """The algorithm part of the run's name (:func:`rlplug.checkpoint.experiment_name_for`): the chosen
+    ``algorithm=`` preset (``ppo``, ``dr_grpo``), unless ``algorithm.adv_estimator`` is not the preset's own
+    estimator (``algorithm.adv_estimator=grpo`` on the default config): then the estimator (``grpo``), so the
+    run is named after what it trains. None without a preset (the estimator then)."""
+    if not preset:
+        return None
+    found = preset_setting({"algorithm": preset}, "algorithm.adv_estimator")
+    estimator = config_get(cfg, "algorithm.adv_estimator")
+    if found is not None and estimator is not None and str(found[1]) != str(estimator):
+        return str(estimator)
+    return str(preset)
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as YAML writes a scalar (``true``, ``3``, ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def training_world_size(cfg: Any) -> int:
+    """The number of training processes the run has: 1 for ``trainer.backend=local`` (one process), else
+    torchrun's ``WORLD_SIZE`` (1 when unset: ``trainer=fsdp2`` without torchrun is a one-rank group).
+    verl's deprecated global micro-batch sizes are divided by it (:mod:`rlplug.verl_keys`).
+
+    Raises :class:`ConfigError` for a ``WORLD_SIZE`` that is not a positive integer."""
+    if str(config_get(cfg, "trainer.backend", "local")) == "local":
+        return 1
+    text = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ConfigError(f"WORLD_SIZE={text!r}: the number of training processes must be a positive integer.")
+    return size
 
 
 def _quote_as_given(msg: str, given: Sequence[str], sent: Sequence[str]) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from .alerts import check_alert_config
-from .config import ConfigError
+from .config import ConfigError, config_get
 from .contracts import built_classes
 from .data import check_data_config, check_train_weights
 from .dump import check_dump_config
@@ -226,6 +226,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     registry = registry or get_registry()
     choices: list[PluginChoice] = []
     a, d, r = cfg.actor, cfg.data, cfg.rollout
+    check_counts(cfg)  # the run's length and batch counts: impossible values first, before anything is built
 
     estimator = _resolve(
         registry, "advantage_estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator, choices
@@ -297,12 +298,8 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
             f"algorithm.kl_ctrl.horizon={cfg.algorithm.kl_ctrl.horizon}: the adaptive controller needs horizon > 0."
         )
 
-    # ---- batch sizes (prompts, as verl)
-    _positive(d.train_batch_size, "data.train_batch_size")
-    _positive(r.n, "rollout.n")
-    _positive(a.ppo_mini_batch_size, "actor.ppo_mini_batch_size")
+    # ---- batch sizes (prompts, as verl); data.train_batch_size, rollout.n, ppo_* counts: check_counts
     _positive(a.micro_batch_size_per_device, "actor.micro_batch_size_per_device")
-    _positive(a.ppo_epochs, "actor.ppo_epochs")
     budgets = token_budgets(cfg)  # actor.use_dynamic_bsz: micro_batch_size_per_device is not used
     a_micro = 1 if budgets["actor"] is not None else a.micro_batch_size_per_device
     _check_minibatch("actor", d.train_batch_size, a.ppo_mini_batch_size, a_micro, r.n)
@@ -448,8 +445,9 @@ def _check_critic_warmup(cfg: DictConfig, plan: BatchPlan) -> None:
     """``trainer.critic_warmup`` (steps in which only the critic is updated) needs a critic.
 
     Raises :class:`ConfigError` for a negative value, and for a positive one when no critic is
-    trained (``plan.use_critic`` false): those steps would update nothing, and a preset that
-    sets a warm-up for PPO must not carry it to a critic-free algorithm.
+    trained (``plan.use_critic`` false): those steps would update nothing. A preset's warm-up
+    never gets here without a critic (:func:`rlplug.config.critic_follows_estimator` sets it to 0
+    when composing), so this refuses a warm-up the user gave.
     """
     warmup, c = int(cfg.trainer.critic_warmup), cfg.critic
     if warmup < 0:
@@ -520,6 +518,57 @@ def _check_critic_model(critic_model: Any) -> None:
         critic_model_folder(critic_model)
     except (ModelPreparationError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+
+
+#: the counts :func:`check_counts` refuses below 1: key -> (what it counts, an example); None is not allowed
+#: for these keys except where the schema documents it (trainer.total_training_steps, critic.ppo_epochs)
+COUNT_KEYS: dict[str, tuple[str, str]] = {
+    "trainer.total_training_steps": (
+        "the number of training steps",
+        "100, or null to train trainer.total_epochs passes over the data",
+    ),
+    "trainer.total_epochs": ("the number of passes over the training data", "1"),
+    "data.train_batch_size": ("the prompts per training step", "8"),
+    "actor.ppo_mini_batch_size": ("the prompts per optimizer step of the actor", "a divisor of data.train_batch_size"),
+    "actor.ppo_epochs": ("the passes of the actor's update over each batch", "1"),
+    "rollout.n": ("the responses sampled per prompt", "1 for PPO, 4 for GRPO"),
+    "critic.ppo_epochs": ("the passes of the critic's update over each batch", "1, or null for actor.ppo_epochs"),
+}
+#: keys of :data:`COUNT_KEYS` whose None the schema documents (a default taken from elsewhere)
+_NULLABLE_COUNTS = ("trainer.total_training_steps", "critic.ppo_epochs")
+
+
+def check_counts(cfg: Any) -> None:
+    """Refuse a run length or batch count below 1 (:data:`COUNT_KEYS`): ``trainer.total_training_steps``
+    (None: ``total_epochs`` x the steps per epoch), ``trainer.total_epochs``, ``data.train_batch_size``,
+    ``actor.ppo_mini_batch_size``, ``actor.ppo_epochs``, ``rollout.n`` and ``critic.ppo_epochs`` (None: the
+    actor's). verl's spellings (``actor_rollout_ref.rollout.n``, ``actor_rollout_ref.actor.ppo_epochs`` ...)
+    land on these keys (:mod:`rlplug.verl_keys`). No key of these documents -1 or 0 (unlike
+    ``rollout.top_k=-1``, ``trainer.test_freq=-1``, which keep their meaning): a run with 0 or -1 steps
+    would end before its first step with an exit code of 0, and a count of 0 divides nothing.
+
+    Raises :class:`ConfigError` naming the key, the value, what it counts and an example.
+    """
+    for key, (what, example) in COUNT_KEYS.items():
+        value = config_get(cfg, key)
+        if value is None and key in _NULLABLE_COUNTS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{key}={_show(value)}{_verl_spelling(key)}: {what} must be an integer >= 1 (e.g. {example})."
+            )
+
+
+def _verl_spelling(key: str) -> str:
+    """`` (verl's K)`` for an rlplug key that verl spells otherwise (the key table's mapped rows), else ``""``."""
+    from .verl_keys import MAPPED, TABLE
+
+    names = [r.key for r in TABLE if r.kind == MAPPED and r.target == key and r.key != key]
+    return f" (verl's {' or '.join(names)})" if names else ""
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value)
 
 
 def _positive(value: Any, key: str) -> None:

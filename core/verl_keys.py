@@ -13,7 +13,11 @@ reference policy under ``actor_rollout_ref.``; rlplug flattens them (``actor.``,
   setting, an off switch); a note is printed once at start (one line per reason, naming its keys).
   Some inert keys accept only the values that really have no effect (``mtp.enable=false``); another value
   is rejected;
-* **rejected**: a feature rlplug does not have; the error says why and what to use instead.
+* **rejected**: a feature rlplug does not have; the error says why and what to use instead;
+* **deprecated**: verl's deprecated global micro-batch sizes (``actor_rollout_ref.actor.ppo_micro_batch_size``,
+  ``critic.ppo_micro_batch_size`` ...), which verl still converts to per-device sizes by dividing by the number
+  of training processes. They are read the same way (:meth:`Translation.apply_deprecated`), with a warning
+  naming the per-device key; given together with that key they are an error, as in verl.
 
 :func:`translate_overrides` runs in :func:`rlplug.config.compose` before Hydra sees the overrides;
 :func:`file_overrides` turns a YAML file (verl's layout or rlplug's) into overrides. ``docs/verl.md``
@@ -36,7 +40,7 @@ from .config import ConfigError
 
 #: the verl commit the table describes (verl-project/verl)
 VERL_COMMIT = "1dda039b9"
-MAPPED, INERT, REJECTED = "mapped", "inert", "rejected"
+MAPPED, INERT, REJECTED, DEPRECATED = "mapped", "inert", "rejected", "deprecated"
 
 #: top-level sections that exist only in verl: a key under them that the table lacks is an unknown key
 VERL_ONLY_SECTIONS = (
@@ -90,6 +94,10 @@ class VerlKey:
     limits the values an inert or mapped key accepts; another value is rejected with ``otherwise``.
     ``convert`` turns verl's value into rlplug's; ``example`` is a value the docs and tests use;
     ``must_equal`` names an rlplug key an inert key must agree with (no row uses it at present).
+    A deprecated row (verl's global micro-batch size) names its per-device ``replacement`` (a verl key),
+    its rlplug ``target`` (None: the per-device size has no effect here, ``note`` says why) and
+    ``dynamic_bsz``, the rlplug switches that decide whether verl checks it against the replacement
+    (the first one given counts; verl skips the check with token-budget micro-batches).
     """
 
     key: str
@@ -102,6 +110,8 @@ class VerlKey:
     example: Any = None
     group: bool = False
     must_equal: str | None = None
+    replacement: str | None = None
+    dynamic_bsz: tuple[str, ...] = ()
 
     def accepts(self, value: Any) -> bool:
         """Whether ``value`` (a Python value, or an interpolation string) may be given for this key."""
@@ -113,7 +123,7 @@ class VerlKey:
 
     def target_for(self, key: str) -> str:
         """The rlplug key a (mapped) verl ``key`` matching this row lands on."""
-        if self.target is None:
+        if self.target is None or self.kind != MAPPED:
             raise ValueError(f"verl key {self.key} is {self.kind}, not mapped")
         if self.key.endswith(".*") and self.target.endswith(".*"):
             return self.target[:-1] + key[len(self.key) - 1 :]
@@ -233,7 +243,10 @@ _NESTED_LORA = (
 _NO_MTP = "Multi-token prediction (MTP) is not implemented in rlplug."
 _NO_QAT = "Quantization-aware training (QAT) is not implemented in rlplug."
 _BACKENDS = "verl's megatron/veomni engines are not available; rlplug's backends are trainer=local and trainer=fsdp2."
-_OLD_MICRO = "verl's deprecated global micro-batch size, not set"
+#: the switches of verl's check of a deprecated micro-batch size against its per-device key (verl skips it
+#: with use_dynamic_bsz): the actor's for the actor, rollout and reference; the critic's, else the actor's
+_ACTOR_DYNAMIC = ("actor.use_dynamic_bsz",)
+_CRITIC_DYNAMIC = ("critic.use_dynamic_bsz", "actor.use_dynamic_bsz")
 _REWARD_FN = (
     "A reward manager class from a module is not loaded: write a reward function "
     "(reward.custom_reward_function.path, or a reward_function plugin)."
@@ -253,6 +266,13 @@ def _i(key: str, note: str, allowed: Any = _ANY, otherwise: str = "", **kw: Any)
 
 def _r(key: str, note: str) -> VerlKey:
     return VerlKey(key, REJECTED, note=note)
+
+
+def _d(key: str, replacement: str, target: str | None, dynamic: tuple[str, ...], note: str = "") -> VerlKey:
+    """verl's deprecated global micro-batch size ``key``: ``value // training processes`` per device (verl's
+    fsdp workers), read as ``target`` (None: no effect here, for the reason ``note``); ``replacement`` is
+    verl's per-device key."""
+    return VerlKey(key, DEPRECATED, target=target, note=note, example=16, replacement=replacement, dynamic_bsz=dynamic)
 
 
 def _optim(verl: str, ours: str, example_lr: float) -> list[VerlKey]:
@@ -425,12 +445,11 @@ def _actor_rows() -> list[VerlKey]:
             _BACKENDS,
         ),
         _m(f"{A}.ppo_mini_batch_size", "actor.ppo_mini_batch_size", 64, "prompts per optimizer step, as verl"),
-        _i(
+        _d(
             f"{A}.ppo_micro_batch_size",
-            _OLD_MICRO,
-            {None},
-            "verl's deprecated global micro-batch size: set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
-            "(rlplug: actor.micro_batch_size_per_device) instead.",
+            f"{A}.ppo_micro_batch_size_per_gpu",
+            "actor.micro_batch_size_per_device",
+            _ACTOR_DYNAMIC,
         ),
         _m(
             f"{A}.ppo_micro_batch_size_per_gpu",
@@ -494,6 +513,13 @@ def _actor_rows() -> list[VerlKey]:
         _i(f"{A}.entropy_checkpointing", _MEMORY),
         _i(f"{A}.pad_to_length", "a kernel padding setting; results are unchanged"),
         _i(f"{A}.use_remove_padding", "a kernel optimisation (packed sequences); results are unchanged"),
+        _d(
+            f"{R}.log_prob_micro_batch_size",
+            f"{R}.log_prob_micro_batch_size_per_gpu",
+            None,
+            _ACTOR_DYNAMIC,
+            "the reference's log-prob pass uses actor.micro_batch_size_per_device (memory only)",
+        ),
         _i(f"{R}.*", _REF),
     ]
 
@@ -559,11 +585,12 @@ def _rollout_rows() -> list[VerlKey]:
         _i(f"{RO}.scheduling_policy", _ENGINE),
         _i(f"{RO}.load_format", "the engines load the weights from model.path and get each update pushed"),
         _i(f"{RO}.layered_summon", _MEMORY),
-        _i(
+        _d(
             f"{RO}.log_prob_micro_batch_size",
-            _OLD_MICRO,
-            {None},
-            "verl's deprecated global micro-batch size: set log_prob_micro_batch_size_per_gpu (memory only) instead.",
+            f"{RO}.log_prob_micro_batch_size_per_gpu",
+            None,
+            _ACTOR_DYNAMIC,
+            "the old-log-prob pass uses actor.micro_batch_size_per_device (memory only)",
         ),
         _i(f"{RO}.log_prob_micro_batch_size_per_gpu", _MEMORY),
         _i(f"{RO}.log_prob_use_dynamic_bsz", "the log-prob passes follow actor.use_dynamic_bsz (memory only)"),
@@ -751,12 +778,11 @@ def _critic_rows() -> list[VerlKey]:
         ),
         _m("critic.enable", "critic.enable", False, "null: on when the advantage estimator needs values, as verl"),
         _m("critic.ppo_mini_batch_size", "critic.ppo_mini_batch_size", 16),
-        _i(
+        _d(
             "critic.ppo_micro_batch_size",
-            _OLD_MICRO,
-            {None},
-            "verl's deprecated global micro-batch size: set critic.ppo_micro_batch_size_per_gpu "
-            "(rlplug: critic.micro_batch_size_per_device) instead.",
+            "critic.ppo_micro_batch_size_per_gpu",
+            "critic.micro_batch_size_per_device",
+            _CRITIC_DYNAMIC,
         ),
         _m("critic.ppo_micro_batch_size_per_gpu", "critic.micro_batch_size_per_device", 2, "memory only"),
         _m("critic.use_dynamic_bsz", "critic.use_dynamic_bsz", True, "null: the actor's setting"),
@@ -780,11 +806,12 @@ def _critic_rows() -> list[VerlKey]:
             "rlplug's critic uses the actor's loss_scale_factor: set actor_rollout_ref.actor.loss_scale_factor.",
         ),
         _i("critic.checkpoint.*", _CKPT),
-        _i(
+        _d(
             "critic.forward_micro_batch_size",
-            _OLD_MICRO,
-            {None},
-            "verl's deprecated global micro-batch size: set critic.forward_micro_batch_size_per_gpu (memory only).",
+            "critic.forward_micro_batch_size_per_gpu",
+            None,
+            _CRITIC_DYNAMIC,
+            "the value pass uses critic.micro_batch_size_per_device (memory only)",
         ),
         _i("critic.forward_micro_batch_size_per_gpu", _MEMORY),
         _i("critic.ulysses_sequence_parallel_size", _LAYOUT),
@@ -826,7 +853,12 @@ def _reward_rows() -> list[VerlKey]:
         _m("reward.reward_model.micro_batch_size_per_device", "reward.reward_model.micro_batch_size_per_device", 4),
         _m("reward.reward_model.max_length", "reward.reward_model.max_length", 2048, "longer inputs cut on the right"),
         _m("reward.reward_model.trust_remote_code", "reward.reward_model.trust_remote_code", True),
-        _i("reward.reward_model.micro_batch_size", _OLD_MICRO, {None}, _OLD_MICRO + ": set micro_batch_size_per_gpu."),
+        _d(
+            "reward.reward_model.micro_batch_size",
+            "reward_model.micro_batch_size_per_gpu",
+            "reward.reward_model.micro_batch_size_per_device",
+            (),
+        ),
         _i("reward.reward_model.enable_resource_pool", _RM_ENGINE),
         _i("reward.reward_model.n_gpus_per_node", _LAYOUT),
         _i("reward.reward_model.nnodes", _LAYOUT),
@@ -1044,17 +1076,32 @@ def suggest(key: str, n: int = 3) -> list[str]:
 # ============================================================================ translating overrides
 
 
+@dataclass(frozen=True)
+class DeprecatedValue:
+    """A deprecated verl key given with a number: ``key`` as spelled, ``value`` (global, over every training
+    process) and its table ``row`` (kind :data:`DEPRECATED`)."""
+
+    key: str
+    value: int
+    row: VerlKey
+
+
 @dataclass
 class Translation:
     """What :func:`translate_overrides` made of the overrides.
 
     ``overrides`` go to Hydra; ``sources[i]`` is the override the user gave for ``overrides[i]`` (to
-    quote it in errors); ``inert`` maps each reason to the inert keys given that it covers, in order.
+    quote it in errors); ``inert`` maps each reason to the inert keys given that it covers, in order;
+    ``deprecated`` maps each deprecated key given (its current spelling) to its value, applied after
+    composing (:meth:`apply_deprecated`); ``keys`` are the rlplug keys the overrides set, in any spelling
+    (a section given whole counts for each of its keys; a deprecated key for its rlplug key).
     """
 
     overrides: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     inert: dict[str, list[str]] = field(default_factory=dict)
+    deprecated: dict[str, DeprecatedValue] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)
 
     @property
     def notes(self) -> list[str]:
@@ -1070,6 +1117,70 @@ class Translation:
         """Write :attr:`notes` to ``stream`` (default: ``sys.stderr``), a line each."""
         for note in self.notes:
             print(note, file=stream or sys.stderr)
+
+    def apply_deprecated(self, cfg: Any) -> list[str]:
+        """Set the rlplug key of each deprecated global micro-batch size given (:attr:`deprecated`) in the
+        composed ``cfg`` to ``value // W``, ``W`` the number of training processes
+        (:func:`rlplug.config.training_world_size`: 1 for trainer=local, torchrun's WORLD_SIZE otherwise), as
+        verl's fsdp workers divide it by the data-parallel size (``ppo_micro_batch_size //= world size``, a
+        floor; verl's sequence-parallel divisor is 1 here: rlplug shards no sequence). Returns one warning
+        line per key, naming the per-device key to use instead; a key whose per-device size has no effect
+        here (the reference's and the rollout's log-prob passes, the critic's value pass) is converted for
+        the warning only.
+
+        Raises:
+            ConfigError: a value smaller than ``W`` (0 per device; verl refuses
+                ``ppo_micro_batch_size * sp_size < n_gpus`` the same way).
+        """
+        if not self.deprecated:
+            return []
+        from omegaconf import OmegaConf
+
+        from .config import training_world_size
+
+        world = training_world_size(cfg)
+        processes = f"{world} training process" + ("" if world == 1 else "es")
+        lines = []
+        for d in self.deprecated.values():
+            row, per = d.row, d.value // world
+            instead = _replacement_text(row)
+            if per < 1:
+                raise ConfigError(
+                    f"{d.key}={d.value}: verl's deprecated global micro-batch size is divided over the {processes} "
+                    f"(WORLD_SIZE), {d.value} // {world} = 0 per device. Give at least {world}, or set the per-device "
+                    f"{instead} instead."
+                )
+            how = f"{d.value} // {processes}, as verl's workers divide it"
+            if row.target is not None:
+                OmegaConf.update(cfg, row.target, per, merge=False)
+                lines.append(
+                    f"Warning: verl key {d.key}={d.value} is deprecated (a global count): read as "
+                    f"{row.target}={per} ({how}). Set {_replacement_text(row, per)} instead."
+                )
+            else:
+                lines.append(
+                    f"Warning: verl key {d.key}={d.value} is deprecated (a global count: {per} per device, {how}) "
+                    f"and has no effect here: {row.note}. Set {instead} instead, or drop it."
+                )
+        return lines
+
+
+def _replacement_text(row: VerlKey, value: Any = None) -> str:
+    """A deprecated row's per-device key as the user may spell it, with ``value`` when given: verl's, and
+    rlplug's when it is mapped (``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 (rlplug:
+    actor.micro_batch_size_per_device=8)``)."""
+    assert row.replacement is not None
+    target, eq = _replacement_target(row), "" if value is None else f"={value}"
+    if target is None or target == row.replacement:
+        return row.replacement + eq
+    return f"{row.replacement}{eq} (rlplug: {target}{eq})"
+
+
+def _replacement_target(row: VerlKey) -> str | None:
+    """The rlplug key of a deprecated row's per-device key, or None when that key is inert here."""
+    assert row.replacement is not None
+    rep = lookup(row.replacement)
+    return rep.target_for(canonical_key(row.replacement)) if rep is not None and rep.kind == MAPPED else None
 
 
 _OVERRIDE = re.compile(r"(~|\+{0,2})([^=~@]+?)(?:=(.*))?", flags=re.S)
@@ -1209,20 +1320,27 @@ def translate_overrides(overrides: Sequence[str]) -> Translation:
     """
     out = Translation()
     given: dict[str, dict[str, Any]] = {}  # rlplug key -> {spelling: its literal value (the latest)}
+    inert_given: dict[str, dict[str, Any]] = {}  # inert verl key (current spelling) -> {spelling: its value}
     must_equal: list[tuple[str, VerlKey, Any]] = []
     for override in overrides:
-        sent = _translate_one(override, out, given, must_equal)
+        sent = _translate_one(override, out, given, must_equal, inert_given)
         if sent is not None:
             out.overrides.append(sent)
             out.sources.append(override)
     _check_conflicts(given)
     for shown, row, value in must_equal:
         _check_must_equal(shown, row, value, given)
+    _check_deprecated(out.deprecated, given, inert_given)
+    out.keys = set(given) | {d.row.target for d in out.deprecated.values() if d.row.target is not None}
     return out
 
 
 def _translate_one(
-    override: str, out: Translation, given: dict[str, dict[str, Any]], must_equal: list[tuple[str, VerlKey, Any]]
+    override: str,
+    out: Translation,
+    given: dict[str, dict[str, Any]],
+    must_equal: list[tuple[str, VerlKey, Any]],
+    inert_given: dict[str, dict[str, Any]],
 ) -> str | None:
     """The override to send to Hydra for ``override`` (None: nothing), recording notes, values and checks."""
     m = _OVERRIDE.fullmatch(override)
@@ -1248,11 +1366,16 @@ def _translate_one(
         return None  # a legacy key's null: not set (verl's migrate_legacy_reward_impl skips it too)
     if row.kind == REJECTED:
         raise ConfigError(f"{shown}: {row.note}")
+    if row.kind == DEPRECATED:
+        _record_deprecated(out, row, key, canon, shown, ok, value)
+        return None
     if ok and not row.accepts(value):
         raise ConfigError(f"{shown}: {row.otherwise or row.note}")
     if row.kind == INERT:
         if row.must_equal and ok and value is not None and not _is_interpolation(value):
             must_equal.append((shown, row, value))
+        if ok and value is not None and not _is_interpolation(value):  # a per-device key a deprecated one replaces
+            inert_given.setdefault(canon, {})[key] = value
         keys = out.inert.setdefault(row.note, [])
         if key not in keys:
             keys.append(key)
@@ -1265,6 +1388,64 @@ def _translate_one(
     elif ok:
         _record(given, target, key, row.convert(value) if row.convert else value)
     return sent if row.group else ("++" if prefix == "++" else "") + f"{target}={sent}"
+
+
+def _record_deprecated(out: Translation, row: VerlKey, key: str, canon: str, shown: str, ok: bool, value: Any) -> None:
+    """Record a deprecated key's value in ``out.deprecated`` (the latest wins). ``null`` is verl's default
+    (not set), and so is an interpolation of another deprecated key (verl's generated config links
+    ``critic.forward_micro_batch_size`` to ``critic.ppo_micro_batch_size``). Raises :class:`ConfigError`
+    for anything but an integer >= 1: another interpolation cannot be divided at compose time."""
+    if ok and value is None:
+        return
+    instead = _replacement_text(row)
+    if ok and _is_interpolation(value):
+        refs = [lookup(_interpolated_ref(m, key)[0]) for m in _INTERPOLATED_KEY.finditer(str(value))]
+        if refs and all(r is not None and r.kind == DEPRECATED for r in refs):
+            return
+        raise ConfigError(
+            f"{shown}: verl's deprecated global micro-batch size is divided by the number of training processes "
+            f"when the config is composed, so it must be a number here, not an interpolation. Give a number, or "
+            f"set the per-device {instead} instead."
+        )
+    if not ok or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{shown}: verl's deprecated global micro-batch size counts responses over all training processes, so "
+            f"it must be an integer >= 1 (e.g. {key}=16). Better, set the per-device {instead} instead."
+        )
+    out.deprecated[canon] = DeprecatedValue(key=key, value=int(value), row=row)
+
+
+def _check_deprecated(
+    deprecated: dict[str, DeprecatedValue], given: dict[str, dict[str, Any]], inert_given: dict[str, dict[str, Any]]
+) -> None:
+    """Raise :class:`ConfigError` when a deprecated micro-batch size and its per-device key (in verl's or
+    rlplug's spelling, a literal other than null) are both given, as verl's config checks do
+    (``check_mutually_exclusive``, ``ActorConfig.__post_init__``: "You have set both ..."); like verl, not
+    when the row's ``use_dynamic_bsz`` is given true (micro-batches are then token budgets, and neither
+    size is used)."""
+    for d in deprecated.values():
+        row = d.row
+        assert row.replacement is not None
+        target = _replacement_target(row)
+        spellings = given.get(target, {}) if target is not None else inert_given.get(canonical_key(row.replacement), {})
+        both = {k: v for k, v in spellings.items() if v is not None and not _is_interpolation(v)}
+        if not both or _dynamic_bsz_given(row, given):
+            continue
+        other, value = next(iter(both.items()))
+        raise ConfigError(
+            f"{d.key}={d.value} and {other}={hydra_value(value)} are both set: {d.key} is verl's deprecated global "
+            f"form of {_replacement_text(row)}, and verl refuses the two together (without use_dynamic_bsz). "
+            f"Remove {d.key}."
+        )
+
+
+def _dynamic_bsz_given(row: VerlKey, given: dict[str, dict[str, Any]]) -> bool:
+    """Whether the first of ``row.dynamic_bsz`` given with a value other than null is given true."""
+    for key in row.dynamic_bsz:
+        values = [v for v in given.get(key, {}).values() if v is not None]
+        if values:
+            return values[-1] is True
+    return False
 
 
 def _record(given: dict[str, dict[str, Any]], target: str, key: str, value: Any) -> None:
@@ -1311,16 +1492,46 @@ def override_target(override: str) -> str | None:
     row = lookup(key) if "." in key else None
     if row is None:
         return canonical_key(key)
+    if row.kind == DEPRECATED:  # the per-device key it is read as
+        return row.target
     return row.target_for(canonical_key(key)) if row.kind == MAPPED else None
+
+
+def _setting_of(override: str) -> str | None:
+    """The setting an override gives, for :func:`merge_file_and_command_line`: its rlplug key
+    (:func:`override_target`), or, for an inert per-device key of a deprecated row and for that deprecated
+    key, the per-device key's verl spelling (the two spellings of one setting); None otherwise."""
+    target = override_target(override)
+    if target is not None:
+        return target
+    m = _OVERRIDE.fullmatch(override)
+    if m is None or m.group(3) is None or m.group(1) == "~":
+        return None
+    key = canonical_key(m.group(2).strip())
+    row = lookup(key) if "." in key else None
+    if row is not None and row.kind == DEPRECATED and row.replacement is not None:
+        return canonical_key(row.replacement)
+    return key if key in _inert_replacements() else None
+
+
+@functools.cache
+def _inert_replacements() -> frozenset[str]:
+    """The per-device keys of the deprecated rows that are inert here (current spelling)."""
+    return frozenset(
+        canonical_key(r.replacement)
+        for r in TABLE
+        if r.kind == DEPRECATED and r.replacement is not None and _replacement_target(r) is None
+    )
 
 
 def merge_file_and_command_line(file: Sequence[str], command_line: Sequence[str]) -> list[str]:
     """A config file's overrides, then the command line's, with the command line winning: a file
     override is dropped when the command line sets the same rlplug key in any spelling (so verl's file
     holding both ``optim.clip_grad`` and ``grad_clip`` does not conflict with ``...actor.grad_clip=0.5``
-    given on the command line). Conflicts within the file, or within the command line, stay errors."""
-    given = {t for t in (override_target(o) for o in command_line) if t is not None}
-    kept = [o for o in file if override_target(o) not in given]
+    given on the command line; likewise a deprecated global micro-batch size and its per-device key). Conflicts
+    within the file, or within the command line, stay errors."""
+    given = {t for t in (_setting_of(o) for o in command_line) if t is not None}
+    kept = [o for o in file if _setting_of(o) is None or _setting_of(o) not in given]
     return [*kept, *command_line]
 
 
@@ -1451,6 +1662,20 @@ def markdown_table() -> str:
         extra = [row.note] if row.note and row.kind == MAPPED else []
         if row.kind == MAPPED:
             text = f"`{row.target}=`" if row.group else f"`{row.target}`"
+        elif row.kind == DEPRECATED:
+            read = (
+                f"read as `{row.target}` = value // training processes"
+                if row.target
+                else f"accepted without effect ({row.note})"
+            )
+            rlplug = _replacement_target(row)
+            text = (
+                f"verl's global form of `{row.replacement}`: {read}, with a deprecation warning; given with "
+                f"`{row.replacement}`"
+                + (f" or `{rlplug}`" if rlplug not in (None, row.replacement) else "")
+                + ": an error, as in verl"
+                + (" (not with use_dynamic_bsz=true)" if row.dynamic_bsz else "")
+            )
         else:
             text = row.note
         if row.allowed is not _ANY:
