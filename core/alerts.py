@@ -32,11 +32,14 @@ Actions:
   ``rlplug.alert.<name>`` (trackers with a ``set_tags`` method: ``mlflow``);
 * ``stop``: the checkpoint of the finished step is saved, then :class:`AlertStopped` ends the run
   with exit code 5 (:attr:`rlplug.exit_codes.ExitCode.ALERT_STOP`) and a message naming the rule,
-  the value and how to resume (the same command resumes; the counts of every rule are in the
-  checkpoint, and the rule that fired starts from 0);
+  the value, how to resume (the same command resumes; the counts of every rule are in the
+  checkpoint, and the rule that fired starts from 0) and what to change first, e.g. the override
+  that halves the learning rate (:func:`lower_lr`), which the resume applies;
 * ``scale_lr``: the role's learning rate is multiplied by ``factor`` from the next step on
   (the backend's ``scale_lr``, :meth:`rlplug.training.TrainingBackendBase.scale_lr`, scales the
-  schedule's base rates, which its checkpoint holds); ``alerts/lr_scale/<role>`` logs the product;
+  schedule's base rates, which its checkpoint holds); ``alerts/lr_scale/<role>`` logs the product.
+  A resume with another ``<role>.optim.lr`` keeps the factors: the rate is then the new one times the
+  schedule's multiplier times the factors in force at the checkpoint;
 * ``scale_kl_coef``: multiplies every active KL coefficient: ``actor.kl_loss_coef`` when
   ``actor.use_kl_loss`` and the in-reward controller's value (:mod:`rlplug.kl_control`) when
   ``algorithm.use_kl_in_reward``; ``alerts/kl_coef_scale`` logs the product. The controller's value
@@ -82,6 +85,7 @@ __all__ = [
     "check_alert_config",
     "kl_seq_sum_metrics",
     "needs_old_log_probs",
+    "lower_lr",
 ]
 
 log = logging.getLogger("rlplug")
@@ -438,6 +442,16 @@ def check_alert_config(
     return kept, pending
 
 
+def lower_lr(cfg: Any, role: str = "actor") -> str:
+    """The override that halves ``role``'s configured learning rate (``actor.optim.lr=5e-05`` for a run at
+    ``1e-4``), the advice of the stop messages (an alert's ``stop``, exit code 3); ``<role>.optim.lr=<lower>``
+    when ``cfg`` has no rate. A resume applies a changed rate (``docs/reliability.md``)."""
+    lr = config_get(cfg, f"{role}.optim.lr") if cfg is not None else None
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+        return f"{role}.optim.lr=<lower>"
+    return f"{role}.optim.lr={float(lr) / 2:g}"
+
+
 def needs_old_log_probs(cfg: Any, use_ref: bool) -> bool:
     """Whether a rule watches the KL guard of a run with a reference model (``use_ref``) while the rollout
     engine returns no log-probs: the old-log-prob pass must then run (it is what :func:`kl_seq_sum_metrics`
@@ -499,6 +513,7 @@ class AlertEngine:
         self.kl_scale = 1.0
         self.stopping: str | None = None  # the stop message, once a stop rule fired
         self._base_kl_loss_coef = float(cfg.actor.kl_loss_coef) if cfg is not None else None
+        self._saved_kl_loss_coef: float | None = None  # the checkpoint's configured coefficient (load_state_dict)
         #: rules whose metric only a DYNAMIC_METRICS pattern matches: checked when their pattern is first logged
         self.pending = {r.name: r for r in self.rules if r.name in set(pending)}
         self._own = list(own)  # what the trainer logs itself: not evidence that a pattern's producer ran
@@ -579,8 +594,10 @@ class AlertEngine:
             self.stopping = (
                 f"{what} (action stop). The checkpoint of step {step} is saved under {root}. Resume with the same "
                 "command (trainer.resume_mode=auto); the rule starts counting again, so it fires again only if the "
-                "condition holds again. Change the cause first (e.g. a lower actor.optim.lr or a higher KL "
-                f"coefficient), or raise its threshold / remove it from trainer.alerts to continue as is."
+                "condition holds again. Change the cause first: e.g. a lower learning rate, "
+                f"{lower_lr(self.cfg, rule.role)} added to the command (the resume applies it and lists every setting "
+                "changed since the checkpoint), or a higher KL coefficient; or raise the rule's threshold / remove it "
+                "from trainer.alerts to continue as is."
             )
         elif rule.action == "scale_lr":
             new_lr = trainer.backend.scale_lr(rule.role, rule.factor)
@@ -622,7 +639,16 @@ class AlertEngine:
             "fired": dict(self.fired),
             "lr_scale": dict(self.lr_scale),
             "kl_scale": self.kl_scale,
+            # the configured actor.kl_loss_coef: the run config (and its config.yaml) holds it times kl_scale
+            **({"kl_loss_coef": self._base_kl_loss_coef} if self._base_kl_loss_coef is not None else {}),
         }
+
+    def configured_at_checkpoint(self) -> dict[str, Any]:
+        """After :meth:`load_state_dict`: the settings the checkpointed run had configured where its saved
+        ``config.yaml`` holds what the rules made of them (``{"actor.kl_loss_coef": value}``: ``scale_kl_coef``
+        multiplies the run config's coefficient), for :func:`rlplug.checkpoint.config_changes`; ``{}`` for a
+        checkpoint that did not record it."""
+        return {} if self._saved_kl_loss_coef is None else {"actor.kl_loss_coef": self._saved_kl_loss_coef}
 
     def _load_counts(self, state: Mapping[str, Any]) -> None:
         self.counts = {r.name: int(state.get("counts", {}).get(r.name, 0)) for r in self.rules}
@@ -635,5 +661,7 @@ class AlertEngine:
         self._load_counts(state)
         self.lr_scale = {str(k): float(v) for k, v in (state.get("lr_scale") or {}).items()}
         self.kl_scale = float(state.get("kl_scale", 1.0))
+        saved = state.get("kl_loss_coef")
+        self._saved_kl_loss_coef = None if saved is None else float(saved)
         if self.kl_scale != 1.0 and self.cfg is not None and self.cfg.actor.use_kl_loss:
             self._set_kl_loss_coef()

@@ -10,7 +10,8 @@ Layout under ``trainer.default_local_dir``::
                                       and source.json, so the checkpoint exports alone (rlplug.export)
         trainer_state.json            global step, data loader position, KL controller
         run_fingerprint.json          what makes the run (algorithm, reward, model, data): checked on resume
-        config.yaml                   the run config (for reading; resuming uses the command's)
+        config.yaml                   the run config (resuming uses the command's: the settings that differ
+                                      are listed, and refused where a resumed run cannot change them)
         checksums.json                size and sha256 of every file above, written after them (before
                                       COMPLETE): verified on resume and by ``rlplug checkpoint verify``
     latest_checkpointed_iteration.txt the step of the latest complete checkpoint (verl's name): resume
@@ -26,7 +27,8 @@ Layout under ``trainer.default_local_dir``::
 :func:`save_checkpoint` writes one (files in the order above) and :func:`load_checkpoint` reads
 one back; :func:`resume_checkpoint` finds the one ``trainer.resume_mode`` selects, and
 :func:`open_run_dir` decides, before any model loads, how a run starts in its directory: it
-refuses to resume a checkpoint whose :func:`run_fingerprint` differs from the command's, and to
+refuses to resume a checkpoint whose :func:`run_fingerprint` differs from the command's, or with a
+setting changed that a resumed run cannot change (:data:`RESUME_FIXED`, :func:`config_changes`), and to
 start fresh in a directory that holds another run's checkpoints unless ``trainer.overwrite=true``
 (then they are moved aside). The RNG capture (:func:`seed_everything`, :func:`rng_state`,
 :func:`set_rng_state`) lives here too, so a resumed run draws the same random numbers as an
@@ -58,6 +60,7 @@ unless the environment variable ``RLPLUG_TEST_KILL_AT`` is set.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
 import itertools
 import json
@@ -96,6 +99,13 @@ __all__ = [
     "run_fingerprint",
     "fingerprint_diff",
     "check_fingerprint",
+    "config_changes",
+    "read_saved_config",
+    "refused_changes",
+    "format_changes",
+    "describe_change",
+    "RESUME_FIXED",
+    "RESUME_FREE",
     "experiment_name_for",
     "RunStart",
     "open_run_dir",
@@ -1245,9 +1255,12 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
     run: the length and rhythm of training (``trainer.total_training_steps``, ``total_epochs``,
     ``save_freq``, ``test_freq``, ``max_wall_time_s``), logging, devices, threads and memory-only
     sizes (micro-batches, chunks), and numeric coefficients one may tune on purpose (learning
-    rates, clip ratios, KL and entropy coefficients, ``gamma``, ``lam``). Batch sizes and the data
-    order are checked by the data loader's own state (:func:`load_checkpoint`). Keys missing from
-    ``config`` (e.g. a partial test config) read as ``None``.
+    rates, clip ratios, KL and entropy coefficients, ``gamma``, ``lam``): a resume applies and lists
+    them. Some settings that do not make another run cannot change on resume all the same (the batch
+    size, ``rollout.n``, the seed, ``model.*``, the backend: :data:`RESUME_FIXED`, refused by
+    :func:`check_fingerprint` from the saved ``config.yaml``); the data order is also checked by the
+    data loader's own state (:func:`load_checkpoint`). Keys missing from ``config`` (e.g. a partial test
+    config) read as ``None``.
     """
     from .config import config_get
 
@@ -1346,6 +1359,166 @@ def _show(value: Any) -> str:
     return repr(value) if value is _UNSET else json.dumps(value)
 
 
+# ============================================================================ settings changed on resume
+
+#: settings a resumed run cannot change, beside the run fingerprint's (:func:`run_fingerprint`), as
+#: (:mod:`fnmatch` pattern, why); :func:`check_fingerprint` refuses a change of any of them before any model loads
+RESUME_FIXED: tuple[tuple[str, str], ...] = (
+    (
+        "data.train_batch_size",
+        "the data loader's position and the learning-rate schedule's length are counted in batches of this size",
+    ),
+    (
+        "rollout.n",
+        "it sets the group of responses every prompt gets (the groups of group-based estimators, the number of "
+        "responses per step); to change it during a run, declare rollout.n_schedule from the start",
+    ),
+    ("trainer.seed", "every step's sampling seed and the checkpointed random states follow from it"),
+    ("trainer.backend", "the checkpoint's backend/ folder is in its training backend's own format"),
+    ("model.*", "the checkpoint's weights and optimizer states belong to this model as configured"),
+    ("algorithm.kl_ctrl.type", "the KL controller's checkpointed state is of this type"),
+    ("data.seed", "the data loader's order follows from it"),
+    ("data.shuffle", "the data loader's order follows from it"),
+    ("data.train_weights", "the data loader's mix and position follow from it"),
+)
+#: keys matched by :data:`RESUME_FIXED` that a resume may change all the same: how the model is computed
+#: (memory, attention kernel), not what it is
+RESUME_FREE: tuple[str, ...] = ("model.enable_gradient_checkpointing", "model.attn_implementation")
+#: keys that say how this start finds its checkpoint, not what the run trains: never listed as changes
+START_KEYS: tuple[str, ...] = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.overwrite")
+
+
+def _config_container(config: Any) -> dict[str, Any]:
+    """``config`` (a DictConfig, or a mapping) as plain, resolved, JSON-like containers; interpolations that do
+    not resolve stay as written."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(config, DictConfig):
+        config = OmegaConf.create(dict(config))
+    try:
+        out = OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException:
+        out = OmegaConf.to_container(config, resolve=False)
+    return json.loads(json.dumps(out, default=str))
+
+
+def _ordered_diff(key: str, a: Any, b: Any, out: list[tuple[str, Any, Any]]) -> None:
+    """:func:`_diff` with the keys of nested mappings in ``b``'s order, then those only ``a`` has."""
+    if a == b:
+        return
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*b, *(k for k in a if k not in b)]:
+            _ordered_diff(f"{key}.{k}" if key else str(k), a.get(k, _UNSET), b.get(k, _UNSET), out)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and any(isinstance(x, dict) for x in a):
+        for i, (x, y) in enumerate(zip(a, b)):  # lists of mappings (trainer.alerts, reward.shaping) entry by entry
+            _ordered_diff(f"{key}[{i}]", x, y, out)
+    else:
+        out.append((key, a, b))
+
+
+def read_saved_config(path: Path) -> dict[str, Any] | None:
+    """The run config saved in the checkpoint ``path`` (its ``config.yaml``) as plain resolved containers, or
+    None when it has none or it is unreadable (a checkpoint of an older rlplug, a damaged file)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    file = Path(path) / CONFIG_FILE
+    try:
+        loaded = OmegaConf.load(file)
+    except (OSError, ValueError, OmegaConfBaseException) as exc:
+        if file.exists():
+            log.warning("%s is unreadable (%s): the settings changed since the checkpoint cannot be listed", file, exc)
+        return None
+    saved = _config_container(loaded)
+    return saved if isinstance(saved, dict) else None
+
+
+def config_changes(
+    path: Path, config: Any, saved_overrides: Mapping[str, Any] | None = None
+) -> list[tuple[str, Any, Any]] | None:
+    """The settings of ``config`` (the command's run config) that differ from the checkpoint ``path``'s saved
+    ``config.yaml``, as ``(dotted key, checkpoint's value, this command's value)`` in the config's order.
+
+    Both sides are compared resolved; nested mappings key by key (``actor.optim.lr``), lists as whole values
+    (``actor.optim.betas``) except lists of mappings, entry by entry (``trainer.alerts[0].max``); a key one side
+    lacks shows ``(unset)``. :data:`START_KEYS` (how this start finds its checkpoint) are left out.
+    ``saved_overrides`` (dotted key -> value) replaces saved values that the run changed on its own, to compare
+    what was configured (the trainer passes the ``actor.kl_loss_coef`` a ``trainer.alerts`` ``scale_kl_coef``
+    scaled: :meth:`rlplug.alerts.AlertEngine.configured_at_checkpoint`). Returns None when the checkpoint has
+    no readable ``config.yaml`` (:func:`read_saved_config`): nothing to compare with."""
+    saved = read_saved_config(path)
+    if saved is None:
+        return None
+    if saved_overrides:
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.create(saved)
+        for key, value in saved_overrides.items():
+            if OmegaConf.select(node, key, default=_UNSET) is not _UNSET:
+                OmegaConf.update(node, key, value, merge=False)
+        saved = _config_container(node)
+    out: list[tuple[str, Any, Any]] = []
+    _ordered_diff("", saved, _config_container(config), out)
+    return [c for c in out if not any(fnmatch.fnmatchcase(c[0], k) for k in START_KEYS)]
+
+
+def _irrelevant_model_change(key: str, old: Any, new: Any, config: Any) -> bool:
+    """Whether a ``model.*`` change leaves the model as it was (the same reading as :func:`run_fingerprint`):
+    ``model.tiny.*`` unless ``model.source=tiny``, the LoRA settings without LoRA (rank 0), and ``model.path``
+    naming the same folder."""
+    from .config import config_get
+
+    if key.startswith("model.tiny.") and config_get(config, "model.source") != "tiny":
+        return True
+    if key in ("model.lora_alpha", "model.target_modules", "model.exclude_modules") or key.startswith(
+        ("model.target_modules[", "model.exclude_modules[")
+    ):
+        return not config_get(config, "model.lora_rank")
+    if key == "model.path" and isinstance(old, str) and isinstance(new, str):
+        return _abspath(old) == _abspath(new)
+    return False
+
+
+def refused_changes(changes: list[tuple[str, Any, Any]], config: Any) -> list[tuple[str, Any, Any, str]]:
+    """The ``changes`` (of :func:`config_changes`) a resume refuses: those :data:`RESUME_FIXED` matches (not
+    :data:`RESUME_FREE`, nor ``model.*`` changes that leave the model as it was), with the reason."""
+    out = []
+    for key, old, new in changes:
+        if key in RESUME_FREE:
+            continue
+        why = next((w for pattern, w in RESUME_FIXED if fnmatch.fnmatchcase(key, pattern)), None)
+        if why is None or (key.startswith("model.") and _irrelevant_model_change(key, old, new, config)):
+            continue
+        out.append((key, old, new, why))
+    return out
+
+
+def _override(key: str, value: Any) -> str:
+    """``key=value`` as a command-line override would give it (Hydra's grammar for plain values)."""
+    if value is _UNSET:
+        return f"~{key}"
+    if value is None:
+        return f"{key}=null"
+    if isinstance(value, bool):
+        return f"{key}={str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"{key}={value}"
+    if isinstance(value, str):
+        return f"{key}={value}" if value and re.fullmatch(r"[\w./@:+-]+", value) else f"{key}={json.dumps(value)}"
+    return f"{key}={json.dumps(value).replace(' ', '')}"
+
+
+def describe_change(old: Any, new: Any) -> str:
+    """``old -> new`` as the change lists show it (values as JSON, a side without the key ``(unset)``)."""
+    return f"{_show(old)} -> {_show(new)}"
+
+
+def format_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """One line per change, ``  key: old -> new`` (:func:`describe_change`)."""
+    return "\n".join(f"  {key}: {describe_change(old, new)}" for key, old, new in changes)
+
+
 def _new_dir_option(config: Any) -> str:
     """The override that gives a run a directory of its own."""
     from .config import config_get
@@ -1357,15 +1530,23 @@ def _new_dir_option(config: Any) -> str:
 
 def check_fingerprint(path: Path, config: Any) -> None:
     """Refuse to resume ``config``'s run from the checkpoint ``path`` when it was written by another
-    run: compares its ``run_fingerprint.json`` with :func:`run_fingerprint` of ``config``.
+    run, or with a setting changed that a resumed run cannot change: the resume compatibility check,
+    run by :func:`open_run_dir` before any model loads.
 
-    Raises :class:`rlplug.config.ConfigError` naming every differing key with the checkpoint's and
-    the command's values, and the ways out (a new ``trainer.experiment_name``, or a fresh start in
-    this directory with ``trainer.resume_mode=disable trainer.overwrite=true``), or when the file
-    is unreadable. A checkpoint without the file (written before rlplug recorded fingerprints)
-    resumes, with a warning logged and printed.
+    First its ``run_fingerprint.json`` is compared with :func:`run_fingerprint` of ``config``; a difference
+    raises :class:`rlplug.config.ConfigError` naming every differing key with the checkpoint's and the
+    command's values, and the ways out (a new ``trainer.experiment_name``, or a fresh start in this directory
+    with ``trainer.resume_mode=disable trainer.overwrite=true``); so does an unreadable file. A checkpoint
+    without the file (written before rlplug recorded fingerprints) resumes, with a warning logged and printed.
+
+    Then its ``config.yaml`` is compared with ``config`` (:func:`config_changes`): a change of a key of
+    :data:`RESUME_FIXED` (``data.train_batch_size``, ``rollout.n``, ``trainer.seed``, ``trainer.backend``,
+    ``model.*`` but :data:`RESUME_FREE`, the KL controller's type, the data order's settings) raises
+    :class:`rlplug.config.ConfigError` naming each such key, its checkpoint's and its new value and why it
+    cannot change, with the overrides that set them back and how to start a new run instead. Every other
+    change is allowed: the trainer applies and lists it (:meth:`rlplug.trainer.Trainer._apply_resume_changes`).
     """
-    from .config import ConfigError
+    from .config import ConfigError, config_get
 
     file = path / FINGERPRINT_FILE
     if not file.is_file():
@@ -1375,31 +1556,43 @@ def check_fingerprint(path: Path, config: Any) -> None:
         )
         log.warning(msg)
         print(msg, flush=True)
-        return
-    from .config import config_get
-
-    ways = (
-        f"Either train in a new directory: {_new_dir_option(config)}, or start fresh in this one: "
-        "trainer.resume_mode=disable trainer.overwrite=true (the old checkpoints are moved aside, not deleted)."
-    )
-    if config_get(config, "trainer.resume_mode") == "resume_path":  # the directory does not pick the checkpoint
+    else:
         ways = (
-            "Point trainer.resume_from_path at a checkpoint of this run, or start a new run from that "
-            f"checkpoint's weights: rlplug export {path} --out DIR, then model=path model.path=DIR "
-            "trainer.resume_mode=disable."
+            f"Either train in a new directory: {_new_dir_option(config)}, or start fresh in this one: "
+            "trainer.resume_mode=disable trainer.overwrite=true (the old checkpoints are moved aside, not deleted)."
         )
-    try:
-        saved = json.loads(file.read_text())
-        if not isinstance(saved, dict):
-            raise ValueError(f"expected a JSON object, got {type(saved).__name__}")
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"Cannot resume from {path}: {file} is unreadable ({exc}). {ways}") from exc
-    diffs = fingerprint_diff(saved, run_fingerprint(config))
-    if diffs:
-        lines = "\n".join(f"  {key}: {_show(old)} -> {_show(new)}" for key, old, new in diffs)
+        if config_get(config, "trainer.resume_mode") == "resume_path":  # the directory does not pick the checkpoint
+            ways = (
+                "Point trainer.resume_from_path at a checkpoint of this run, or start a new run from that "
+                f"checkpoint's weights: rlplug export {path} --out DIR, then model=path model.path=DIR "
+                "trainer.resume_mode=disable."
+            )
+        try:
+            saved = json.loads(file.read_text())
+            if not isinstance(saved, dict):
+                raise ValueError(f"expected a JSON object, got {type(saved).__name__}")
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"Cannot resume from {path}: {file} is unreadable ({exc}). {ways}") from exc
+        diffs = fingerprint_diff(saved, run_fingerprint(config))
+        if diffs:
+            raise ConfigError(
+                f"Cannot resume from {path}: it was written by another run. What differs (checkpoint -> this "
+                f"command):\n{format_changes(diffs)}\n{ways} To continue the checkpointed run instead, restore the "
+                "settings above."
+            )
+    refused = refused_changes(config_changes(path, config) or [], config)
+    if refused:
+        lines = "\n".join(f"  {key}: {_show(old)} -> {_show(new)} ({why})" for key, old, new, why in refused)
+        back = " ".join(_override(key, old) for key, old, _new, _why in refused)
+        one = len(refused) == 1
         raise ConfigError(
-            f"Cannot resume from {path}: it was written by another run. What differs (checkpoint -> this "
-            f"command):\n{lines}\n{ways} To continue the checkpointed run instead, restore the settings above."
+            f"Cannot resume from {path} with {'this setting' if one else 'these settings'} changed (checkpoint -> "
+            f"this command):\n{lines}\nA resume continues the checkpointed run, which needs "
+            f"{'it' if one else 'them'} as {'it was' if one else 'they were'}. To resume, set "
+            f"{'it' if one else 'them'} back: {back}. To train with the new {'value' if one else 'values'}, start a "
+            f"new run: {_new_dir_option(config)} (or trainer.resume_mode=disable trainer.overwrite=true in this "
+            f"directory, which moves its checkpoints aside); to start it from this checkpoint's weights, export them "
+            f"first: rlplug export {path} --out DIR, then model=path model.path=DIR."
         )
 
 

@@ -593,6 +593,42 @@ class Schedule:
                 backend.scale_lr(role, after / before)
         self._lr_phase = index if self.phases else None
 
+    def carried_lr(self, role: str) -> float:
+        """The configured ``<role>.optim.lr`` the optimizers carry now: that of the phase they were last set for
+        (:meth:`enter`; after a resume, the checkpoint's), else the run's."""
+        return float(self._lr_config(self._lr_phase)[role].optim.lr)
+
+    def resume_lr_ratios(self, saved_lrs: Mapping[str, float]) -> dict[str, float]:
+        """After a resume whose checkpoint's run config had the learning rates ``saved_lrs`` (``{"actor": lr,
+        "critic": lr}``, the roles whose ``<role>.optim.lr`` this run's config changed): by how much each role's
+        rates must be multiplied so that the optimizers carry this config's rate, ``{role: new / old}``.
+
+        The optimizers carry the rate of the phase they were last set for (the checkpointed ``phase``; the run's
+        config without ``algorithm.schedule``), times the LR schedule's multiplier and the ``trainer.alerts``
+        ``scale_lr`` factors, which the multiplication keeps. ``new`` is that phase's ``<role>.optim.lr`` now,
+        ``old`` the same phase composed with the checkpoint's run rates: a phase whose ``overrides`` set its own
+        rate gives 1.0 (a phase's rate is absolute, ``docs/schedules.md``). Call after the checkpoint's state
+        is loaded (:meth:`load_state_dict`). Raises ``ValueError`` when an old rate is not > 0 or a new one < 0."""
+        out: dict[str, float] = {}
+        old_cfg: DictConfig | None = None
+        if self.phases and self._lr_phase is not None:
+            old_cfg = _copy(self.run_cfg)
+            for role, lr in saved_lrs.items():
+                old_cfg[role].optim.lr = float(lr)
+            old_phase = compose_phases(old_cfg)[self._lr_phase].cfg
+        for role, lr in saved_lrs.items():
+            if old_cfg is not None:
+                old, new = float(old_phase[role].optim.lr), float(self.phases[self._lr_phase].cfg[role].optim.lr)
+            else:
+                old, new = float(lr), float(self.run_cfg[role].optim.lr)
+            if not (old > 0 and new >= 0):
+                raise ValueError(
+                    f"{role}.optim.lr: {old} -> {new}: the checkpoint's rate must be > 0 (the schedule's rates are "
+                    "scaled by new / old) and the new one >= 0"
+                )
+            out[role] = new / old
+        return out
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {"phase": self._lr_phase, "step_phase": self._key[0] if self._key and self.phases else None}

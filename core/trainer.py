@@ -45,14 +45,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from .alerts import AlertEngine, kl_seq_sum_metrics, needs_old_log_probs
+from .alerts import AlertEngine, kl_seq_sum_metrics, lower_lr, needs_old_log_probs
 from .batch import build_batch, estimate_on_rows, padded_rows, rows_left_out
 from .batch_filter import collect_rollouts
 from .checkpoint import (  # noqa: F401
     CheckpointManager,
     _fault_point,
+    config_changes,
+    describe_change,
     experiment_name_for,
     load_checkpoint,
     open_run_dir,
@@ -157,15 +159,18 @@ def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0)
     )
 
 
-def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path) -> None:
+def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path, cfg: DictConfig | None = None) -> None:
     """Raise :class:`TrainingStopped` when ``bad`` (the backend's ``consecutive_bad_steps``) reached
-    ``trainer.max_consecutive_bad_steps``."""
+    ``trainer.max_consecutive_bad_steps``; its message suggests the override that halves the learning rate of
+    ``cfg`` (the run config, :func:`rlplug.alerts.lower_lr`), which a resume applies."""
     limit = trainer_cfg.max_consecutive_bad_steps
     if bad >= limit:
         raise TrainingStopped(
             f"{bad} consecutive optimizer steps had a non-finite loss or gradient (limit "
             f"trainer.max_consecutive_bad_steps={limit}); stopping. The last good "
-            f"checkpoint is intact under {checkpoint_root}. Lower the learning rate or check the data/reward."
+            f"checkpoint is intact under {checkpoint_root}. Lower the learning rate, e.g. add {lower_lr(cfg)} (or a "
+            "lower critic.optim.lr) to the command and rerun it: it resumes from that checkpoint with the new rate "
+            "and lists every setting changed since. Or check the data/reward."
         )
 
 
@@ -288,6 +293,9 @@ class Trainer:
         self.alerts = AlertEngine.from_config(cfg, self.plan, self.registry)  # trainer.alerts, checked names
         self.score_norm = ScoreNormalizer(cfg.reward.normalize)  # reward.normalize (off: scores unchanged)
 
+        self.resume_changes: list[tuple[str, Any, Any]] = []  # settings changed since the checkpoint (_resume)
+        self._check_resume_lr(cfg)  # a changed learning rate the backend cannot apply: refused before models load
+
         # ---- models and engines
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
         self.backend = backend_factory(
@@ -331,11 +339,113 @@ class Trainer:
         path = self.start.begin(coordinator=self.coordinator)  # overwrite=true moves the old run aside; rank 0's pick
         if path is None:
             return
+        configured = OmegaConf.to_container(self.schedule.run_cfg, resolve=True)  # before the state may scale any
         self.global_step = load_checkpoint(path, backend=self.backend, stateful=self._stateful())
-        self._push_weights()
         log.info("Resumed from %s at step %d", path, self.global_step)
         print(f"Resumed from {path} (step {self.global_step}).", flush=True)
+        self._apply_resume_changes(path, configured)
+        self._push_weights()
         _fault_point("resumed")
+
+    def _check_resume_lr(self, cfg: DictConfig) -> None:
+        """Before any model loads (on the process that selected the checkpoint): refuse a resume whose
+        ``actor.optim.lr`` / ``critic.optim.lr`` differs from the checkpoint's when it cannot be applied: the
+        training backend does not declare the capability ``scale_lr`` (:class:`rlplug.types.TrainingBackend`),
+        or the checkpoint's rate is not > 0 (the schedule's rates are scaled by new / old). Raises
+        :class:`rlplug.config.ConfigError` naming the key, both values and what to do."""
+        from .config import ConfigError
+        from .contracts import built_classes
+
+        path = self.start.resume_from
+        if path is None:
+            return
+        roles = ("actor", "critic") if self.plan.use_critic else ("actor",)
+        changed = [(k, o, n) for k, o, n in config_changes(path, cfg) or [] if k in {f"{r}.optim.lr" for r in roles}]
+        if not changed:
+            return
+        for key, old, new in changed:
+            if not (isinstance(old, (int, float)) and old > 0 and isinstance(new, (int, float)) and new >= 0):
+                raise ConfigError(
+                    f"Cannot resume from {path} with {key} {describe_change(old, new)}: the resumed rates are the "
+                    "checkpoint's times new / old, which needs a checkpoint rate > 0 and a new one >= 0. Start a new "
+                    "run instead (trainer.resume_mode=disable trainer.overwrite=true, or another directory)."
+                )
+        reg = self.registry.registration("training_backend", str(cfg.trainer.backend))
+        lacking = [c.__qualname__ for c in built_classes(reg.obj, reg.extra) if "scale_lr" not in c.capabilities]
+        if lacking:
+            keys = ", ".join(f"{k} {describe_change(o, n)}" for k, o, n in changed)
+            raise ConfigError(
+                f"Cannot resume from {path} with {keys}: trainer.backend={cfg.trainer.backend} ({', '.join(lacking)}, "
+                f"{reg.distribution} {reg.version}) does not declare the capability 'scale_lr', so the checkpoint's "
+                "learning rates would go on unchanged. Set it back to the checkpoint's value, or use a backend "
+                "that declares it (local, fsdp2)."
+            )
+
+    def _apply_resume_changes(self, path: Path, configured: Any) -> None:
+        """After the checkpoint ``path`` is loaded: make the settings of this run's config that differ from the
+        checkpoint's (:func:`rlplug.checkpoint.config_changes`, ``configured`` being this run's config as given)
+        take effect where the checkpointed state would keep the old value, and list them all (printed on the
+        main process, logged, and logged as tracker params ``resume.step_<N>.<key>`` by :meth:`fit`).
+
+        :func:`rlplug.checkpoint.check_fingerprint` already refused the settings a resumed run cannot change.
+        Most others are read from the config at every step and hold as they are. The ones a checkpoint holds:
+
+        * ``<role>.optim.lr`` (actor, critic): each role's rates are multiplied by new / old
+          (:meth:`rlplug.schedule.Schedule.resume_lr_ratios`, the backend's ``scale_lr``), so from the first
+          resumed step the rate is the new base times the LR schedule's multiplier at that step times the
+          ``trainer.alerts`` ``scale_lr`` factors in force at the checkpoint (``optimizer.param_groups``,
+          the scheduler's ``base_lrs`` and the logged ``<role>/lr`` agree). The other ``optim`` settings, AdamW's
+          and the schedule's shape, are the backend's (:meth:`rlplug.training.TrainingBackendBase.load`);
+        * ``algorithm.kl_ctrl.kl_coef``: the KL controller's value is multiplied by new / old (the adaptive
+          controller's progress and a ``scale_kl_coef`` factor kept); from 0, it becomes new x the alerts' factor.
+        """
+        changes = config_changes(path, configured, saved_overrides=self.alerts.configured_at_checkpoint())
+        step = self.global_step + 1
+        if changes is None:
+            msg = (
+                f"WARNING: {path} has no readable config.yaml, so the settings changed since the checkpoint cannot be "
+                "listed, and the checkpoint's learning rates go on (a changed actor.optim.lr / critic.optim.lr is not "
+                "applied)."
+            )
+            log.warning(msg)
+            if self.is_main:
+                print(msg, flush=True)
+            return
+        self.resume_changes = changes
+        if not changes:
+            log.info("Settings unchanged since the checkpoint %s.", path)
+            if self.is_main:
+                print("Settings unchanged since the checkpoint.", flush=True)
+            return
+        old = {k: o for k, o, _n in changes}
+        notes = []
+        roles = ["actor"] + (["critic"] if self.use_critic else [])
+        saved_lrs = {r: float(old[f"{r}.optim.lr"]) for r in roles if f"{r}.optim.lr" in old}
+        for role, ratio in self.schedule.resume_lr_ratios(saved_lrs).items():
+            rate = self.backend.scale_lr(role, ratio) if ratio != 1.0 else None
+            base, factor = self.schedule.carried_lr(role), self.alerts.lr_scale.get(role, 1.0)
+            if rate is None:
+                notes.append(f"{role} learning rate: unchanged (this phase of algorithm.schedule sets its own)")
+                continue
+            multiplier = rate / (base * factor) if base * factor else 1.0
+            notes.append(
+                f"{role} learning rate from step {step}: {rate:.6g} = {role}.optim.lr {base:g} x {multiplier:.6g} "
+                f"(the LR schedule's multiplier at this step) x {factor:g} (trainer.alerts scale_lr factors)"
+            )
+        if "algorithm.kl_ctrl.kl_coef" in old:
+            before, after = old["algorithm.kl_ctrl.kl_coef"], float(self.schedule.run_cfg.algorithm.kl_ctrl.kl_coef)
+            if isinstance(before, (int, float)) and before > 0:
+                self.kl_ctrl.value *= after / float(before)
+            else:
+                self.kl_ctrl.value = after * self.alerts.kl_scale
+            notes.append(f"KL controller's coefficient from step {step}: {self.kl_ctrl.value:.6g}")
+        lines = [f"  {key}: {describe_change(o, n)}" for key, o, n in changes] + [f"  -> {n}" for n in notes]
+        msg = "Settings changed since the checkpoint (checkpoint -> this command), in effect from step " + (
+            f"{step}:\n" + "\n".join(lines)
+        )
+        log.info(msg)
+        if self.is_main:
+            print(msg, flush=True)
 
     def _push_weights(self) -> None:
         weights = self.backend.actor_weights()
@@ -453,7 +563,7 @@ class Trainer:
             if step > self.schedule.phase_start + cfg.trainer.critic_warmup and update:  # counted in the phase
                 with stage(metrics, "update_actor"):
                     metrics.update(self.backend.update_actor(batch))
-                check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root)
+                check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root, self.schedule.run_cfg)
                 with stage(metrics, "update_weights"):
                     self._push_weights()
         metrics.update(
@@ -533,6 +643,10 @@ class Trainer:
         self.trackers.open(
             cfg, self.registry, model_path=self.model_path, is_main=self.is_main, step=self.global_step
         )  # step: metrics.jsonl keeps the lines up to the resumed step
+        if self.resume_changes:  # what this resume changed, once per resumed step (tracker params are immutable)
+            self.trackers.log_params(
+                {f"resume.step_{self.global_step}.{k}": describe_change(o, n) for k, o, n in self.resume_changes}
+            )
         status = "failed"
         t_start = time.time()
         try:

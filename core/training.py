@@ -92,6 +92,10 @@ _STATS_PREFIX = "minibatch_stats/"
 #: The counters file a backend checkpoint holds (``consecutive_bad_steps`` per role, ...).
 STATE_FILE = "backend_state.json"
 
+#: The attribute of a :class:`Role`'s LR scheduler that records the schedule's shape (:attr:`Role.lr_schedule`);
+#: ``LambdaLR.state_dict()`` saves every attribute, so each checkpoint holds it (:meth:`Role.load_scheduler_state`).
+LR_SCHEDULE_ATTR = "rlplug_lr_schedule"
+
 
 # ============================================================================ helpers
 
@@ -337,32 +341,51 @@ class Role:
             weight_decay=float(config_get(optim_cfg, "weight_decay", 0.0)),
             fused=self.fused or None,
         )
+        #: the AdamW settings of this run's config, put back over a checkpoint's (:meth:`keep_optimizer_implementation`)
+        self.optimizer_settings: dict[str, Any] = {
+            "betas": betas,
+            "eps": float(config_get(optim_cfg, "eps", 1e-8)),
+            "weight_decay": float(config_get(optim_cfg, "weight_decay", 0.0)),
+        }
         warmup = int(config_get(optim_cfg, "lr_warmup_steps", -1))
         if warmup <= 0:  # as verl: lr_warmup_steps wins when > 0, else the ratio of the total
             warmup = int(float(config_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_optimizer_steps)
         self.total_optimizer_steps = total_optimizer_steps
         self.warmup_steps = warmup
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            build_lr_lambda(
-                warmup,
-                total_optimizer_steps,
-                str(config_get(optim_cfg, "warmup_style", "constant")),
-                float(config_get(optim_cfg, "min_lr_ratio", 0.0)),
-                int(float(config_get(optim_cfg, "lr_hold_ratio", 0.0)) * total_optimizer_steps),
-            ),
+        #: the shape of the LR schedule (:func:`build_lr_lambda`'s arguments), kept in the scheduler's checkpoint
+        #: (:data:`LR_SCHEDULE_ATTR`) so that a resume can tell when it changed (:meth:`load_scheduler_state`)
+        self.lr_schedule: dict[str, Any] = {
+            "warmup_steps": warmup,
+            "total_steps": int(total_optimizer_steps),
+            "style": str(config_get(optim_cfg, "warmup_style", "constant")),
+            "min_lr_ratio": float(config_get(optim_cfg, "min_lr_ratio", 0.0)),
+            "hold_steps": int(float(config_get(optim_cfg, "lr_hold_ratio", 0.0)) * total_optimizer_steps),
+        }
+        self.lr_lambda = build_lr_lambda(
+            warmup,
+            total_optimizer_steps,
+            self.lr_schedule["style"],
+            self.lr_schedule["min_lr_ratio"],
+            self.lr_schedule["hold_steps"],
         )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_lambda)
+        setattr(self.scheduler, LR_SCHEDULE_ATTR, dict(self.lr_schedule))  # saved by state_dict()
 
     def keep_optimizer_implementation(self) -> None:
-        """After ``optimizer.load_state_dict``: use this run's AdamW kernel, not the checkpoint's.
+        """After ``optimizer.load_state_dict``: use this run's AdamW kernel and settings, not the checkpoint's.
 
-        torch restores every param-group option from the saved state, ``fused`` and ``foreach``
-        included, so a checkpoint written with another ``optim.fused`` (or before the option
-        existed) would silently switch kernels on resume. This puts the configured choice back and
-        places each ``step`` counter where that kernel wants it (a float32 tensor on the
+        torch restores every param-group option from the saved state (``betas``, ``eps``,
+        ``weight_decay``, ``fused`` and ``foreach`` included), so a checkpoint written with other
+        settings (or before ``optim.fused`` existed) would silently keep them on resume. This puts the
+        configured ``betas``, ``eps`` and ``weight_decay`` (:attr:`optimizer_settings`) and the kernel choice
+        back, and places each ``step`` counter where that kernel wants it (a float32 tensor on the
         parameter's device for the fused kernel, on the CPU otherwise), as torch does at load time.
+        The moment estimates are kept; AdamW reads the settings from the parameter group at every step,
+        so they hold from the first resumed step. The learning rate is the scheduler's business
+        (:meth:`load_scheduler_state`). An unchanged config leaves every value as saved (bitwise resume).
         """
         for group in self.optimizer.param_groups:
+            group.update(self.optimizer_settings)
             group["fused"] = self.fused or None
             group["foreach"] = None
             for p in group["params"]:
@@ -370,6 +393,37 @@ class Role:
                 if state and torch.is_tensor(state.get("step")):
                     device = p.device if self.fused else torch.device("cpu")
                     state["step"] = state["step"].to(device=device, dtype=torch.float32)
+
+    def load_scheduler_state(self, state: Mapping[str, Any], *, optimizer_restored: bool = True) -> None:
+        """Restore the LR scheduler from a checkpoint's ``state`` (``scheduler.state_dict()``): its base rates
+        (every ``trainer.alerts`` ``scale_lr`` factor is in them) and its step count.
+
+        The schedule's shape (:attr:`lr_schedule`: warmup, length in optimizer steps, style, floor, hold) is
+        this run's config's, never the checkpoint's. When it differs from the shape the checkpoint recorded (a
+        changed ``optim.warmup_style``, ``lr_warmup_steps``, ``min_lr_ratio``, ``trainer.total_training_steps``
+        ...), or when the optimizer's parameter groups were not restored (``optimizer_restored=False``: they
+        still hold this run's initial rate), the current rates are recomputed (:meth:`refresh_lr`), so that
+        the new schedule holds from the first resumed optimizer step on. Otherwise the saved rates stay
+        exactly as they were (a resume with an unchanged config is bitwise exact). A checkpoint written
+        before the shape was recorded keeps its rates until the next scheduler step."""
+        self.scheduler.load_state_dict(dict(state))
+        saved = getattr(self.scheduler, LR_SCHEDULE_ATTR, None)
+        setattr(self.scheduler, LR_SCHEDULE_ATTR, dict(self.lr_schedule))
+        if not optimizer_restored or (saved is not None and dict(saved) != self.lr_schedule):
+            self.refresh_lr()
+
+    def refresh_lr(self) -> None:
+        """Set each parameter group's rate to its base rate times the schedule's multiplier at the current
+        optimizer step, ``base_lr * lr_lambda(last_epoch)``: what ``LambdaLR`` computes at each of its steps."""
+        step = int(self.scheduler.last_epoch)  # type: ignore[attr-defined]
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # type: ignore[attr-defined]
+            group["lr"] = float(base) * self.lr_lambda(step)
+        self.scheduler._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]  # type: ignore[attr-defined]
+
+    @property
+    def lr_multiplier(self) -> float:
+        """The schedule's multiplier at the current optimizer step (:func:`build_lr_lambda` of ``last_epoch``)."""
+        return float(self.lr_lambda(int(self.scheduler.last_epoch)))  # type: ignore[attr-defined]
 
     @property
     def lr(self) -> float:
@@ -725,7 +779,9 @@ class TrainingBackendBase:
         """Multiply ``role``'s (``"actor"`` or ``"critic"``) learning rate by ``factor`` from the next optimizer
         step on, for the rest of the schedule: the schedule's base rates and the current rates are scaled, and
         both are in the optimizer and scheduler checkpoint. Returns the new current rate. Used by the alert
-        action ``scale_lr`` (:mod:`rlplug.alerts`). Raises ``ValueError`` for a role this backend does not train."""
+        action ``scale_lr`` (:mod:`rlplug.alerts`), by a phase change of ``algorithm.schedule`` and by a resume
+        with another ``<role>.optim.lr`` (the ratio of the new rate to the checkpoint's, :meth:`rlplug.trainer.
+        Trainer._apply_resume_changes`). Raises ``ValueError`` for a role this backend does not train."""
         r = {"actor": self.actor, "critic": self.critic}.get(role)
         if r is None:
             roles = "actor, critic" if self.critic else "actor"
@@ -733,6 +789,7 @@ class TrainingBackendBase:
         r.scheduler.base_lrs = [float(b) * factor for b in r.scheduler.base_lrs]  # type: ignore[attr-defined]
         for group in r.optimizer.param_groups:
             group["lr"] = float(group["lr"]) * factor
+        r.scheduler._last_lr = [float(g["lr"]) for g in r.optimizer.param_groups]  # type: ignore[attr-defined]
         return r.lr
 
     def apply_phase(self, config: Any) -> None:
@@ -1291,6 +1348,10 @@ class TrainingBackendBase:
     def load(self, directory: str | Path) -> None:
         """Restore what :meth:`save` wrote (weights, optimizer and scheduler states, counters).
 
+        This run's config wins over the checkpoint's settings: AdamW's ``betas``, ``eps``, ``weight_decay``
+        and kernel (:meth:`Role.keep_optimizer_implementation`) and the LR schedule's shape
+        (:meth:`Role.load_scheduler_state`); the base learning rates are the checkpoint's (a changed
+        ``optim.lr`` is applied by the trainer with :meth:`scale_lr`, keeping the alerts' factors).
         Optimizer/scheduler files are read with ``torch.load(..., weights_only=True)``.
         Raises ``FileNotFoundError`` for a missing file and ``ValueError`` when the weights do
         not match the model (wrong model or a checkpoint without a critic).
@@ -1328,7 +1389,7 @@ class TrainingBackendBase:
                     )
             role.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True, map_location=self.device))
             role.keep_optimizer_implementation()
-            role.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+            role.load_scheduler_state(torch.load(d / "scheduler.pt", weights_only=True))
         state_file = src / STATE_FILE
         if state_file.is_file():
             state = json.loads(state_file.read_text())

@@ -271,7 +271,9 @@ def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(used_dir, cap
         (used_dir / f"global_step_{step}" / FINGERPRINT_FILE).unlink()
         (used_dir / f"global_step_{step}" / "checksums.json").unlink()
         (used_dir / f"global_step_{step}" / "COMPLETE").write_text(f'{{"step": {step}}}')
-    cfg = run_config(GRPO, used_dir)  # even another algorithm: there is nothing to compare with
+    # even another algorithm: there is no fingerprint to compare with (its config.yaml still holds the settings a
+    # resume cannot change, such as rollout.n, which REINFORCE++ keeps at 1: tests/test_resume_changes.py)
+    cfg = run_config([o if o != "algorithm=ppo" else "algorithm=reinforce_pp" for o in PPO], used_dir)
     with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
         _, start = open_run_dir(cfg, used_dir)
     assert start.resume_from == used_dir / "global_step_3"

@@ -53,7 +53,9 @@ differ):
   ``torch.distributed.checkpoint`` (DCP; resumable on a different number of ranks), the
   scheduler and counters written by rank 0, and the actor's full weights as
   ``actor/model.safetensors`` (written by rank 0) so ``rlplug export`` reads it unchanged.
-  The checkpoint folder must be on a file system every rank sees.
+  The checkpoint folder must be on a file system every rank sees. As in the ``local`` backend, a
+  resume keeps this run's optimizer settings and LR-schedule shape over the checkpoint's
+  (:meth:`rlplug.training.Role.keep_optimizer_implementation`, :meth:`rlplug.training.Role.load_scheduler_state`).
 
 The trainer coordinates the ranks through ``backend.coordinator``
 (:class:`rlplug.training.TorchDistributedCoordinator`: ``world_size``, ``is_main``,
@@ -686,7 +688,11 @@ class FSDP2TrainingBackend(TrainingBackendBase):
                 dcp.load(state, checkpoint_id=str(d / "dcp"))
                 set_model_state_dict(role.model, state["model"])
                 role.optimizer.state.clear()
-            role.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+            # this run's schedule shape; the rates recomputed when it changed or the parameter groups were not restored
+            role.load_scheduler_state(
+                torch.load(d / "scheduler.pt", weights_only=True),
+                optimizer_restored=bool(info.get("optimizer_saved", False)),
+            )
             role.consecutive_bad_steps = int(info.get("consecutive_bad_steps", 0))
         self._barrier()
 
