@@ -434,8 +434,7 @@ def _no_rows_error(path: str, setting: str | None, schema: Any = None, weighted:
         if pa.types.is_null(f.type) or pa.types.is_floating(f.type)
     ]
     note = (
-        f" and its columns lack verl's types ({', '.join(untyped)}), as pandas writes the columns of an "
-        "empty DataFrame"
+        f" and its columns lack verl's types ({', '.join(untyped)}), as pandas writes the columns of an empty DataFrame"
         if untyped
         else ""
     )
