@@ -426,7 +426,9 @@ def replay_config(config: Any, overrides: Sequence[str]) -> Any:
                         f"rlplug replay: unknown key '{key}' in '{ov.input_line}'; the config has no such setting "
                         "(add it with '+' if it is an open map entry)."
                     )
-                OmegaConf.update(cfg, key, value, merge=False)
+                # a list of mappings into a list of structured entries (reward.shaping=[{name: ...}]) is converted
+                # only by a merge; a merged list is replaced as a whole, as the assignment would
+                OmegaConf.update(cfg, key, value, merge=isinstance(value, list))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"rlplug replay: '{ov.input_line}': {exc}") from exc
     return cfg
