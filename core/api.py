@@ -22,13 +22,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainResult", "train", "score_response", "build_config", "dataset_to_parquet", "register_reward_funcs"]
+__all__ = [
+    "TrainResult",
+    "train",
+    "score_response",
+    "build_config",
+    "dataset_to_parquet",
+    "register_reward_funcs",
+    "reward_weights_for",
+]
 
 #: the data_source of rows from a dataset without a ``data_source`` column
 DEFAULT_DATA_SOURCE = "trl"
@@ -183,8 +192,9 @@ def _data_files(data: Any, folder: Path, stem: str) -> list[str]:
 def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, contract: str = "auto") -> list[str]:
     """Register ``reward_funcs`` (functions, with TRL's or verl's contract, or names of registered reward
     functions) as kind ``reward_function`` and return their names. A function is registered under its
-    ``__name__`` (``reward_func_<i>`` for a lambda) with the contract :func:`rlplug.reward_contract.as_reward_function`
-    finds (or ``contract``); a name registered by an earlier :func:`train` call in this process is replaced.
+    ``__name__`` (``reward_func_<i>`` for a lambda; ``<name>_<i>`` for the ``i``-th entry when an earlier one
+    has its name) with the contract :func:`rlplug.reward_contract.as_reward_function` finds (or ``contract``);
+    a name registered by an earlier :func:`train` call in this process is replaced.
 
     Raises:
         rlplug.config.ConfigError: the name is taken by an installed plugin (rename the function), or a
@@ -203,10 +213,12 @@ def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, con
         try:
             obj = as_reward_function(fn, contract)
         except RewardContractError as exc:
-            raise ConfigError(str(exc)) from exc
+            raise ConfigError(f"train(reward_funcs[{i}]): {exc}") from exc
         name = str(getattr(obj, "name", None) or getattr(fn, "__name__", ""))
         if not name.isidentifier():
             name = f"reward_func_{i}"
+        if name in names:  # two functions of one name (TRL allows it): each needs its own registry entry
+            name = f"{name}_{i}"
         existing = registry.entries["reward_function"].get(name)
         if existing is not None and existing.distribution != _DIST:
             raise ConfigError(
@@ -219,11 +231,98 @@ def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, con
     return names
 
 
+def reward_weights_for(reward_weights: Any, names: Sequence[str]) -> list[float]:
+    """TRL's ``reward_weights`` for the reward functions ``names``: one finite number per function (None:
+    1.0 each, TRL's default), as floats.
+
+    Raises:
+        rlplug.config.ConfigError: not a list of numbers, a non-finite number, or another length than ``names``.
+    """
+    import math
+
+    from .config import ConfigError
+
+    if reward_weights is None:
+        return [1.0] * len(names)
+    if isinstance(reward_weights, (str, bytes, Mapping)) or not isinstance(reward_weights, Sequence):
+        raise ConfigError(
+            f"train(reward_weights={reward_weights!r:.60}): expected a list of numbers, one per reward function "
+            f"({', '.join(names)})."
+        )
+    if len(reward_weights) != len(names):
+        raise ConfigError(
+            f"train(reward_weights=...) has {len(reward_weights)} weights for {len(names)} reward functions "
+            f"({', '.join(names)}); give one weight per function, in the order of reward_funcs (TRL's rule)."
+        )
+    out = []
+    for name, w in zip(names, reward_weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(float(w)):
+            raise ConfigError(
+                f"train(reward_weights=...): the weight of reward function '{name}' is {w!r:.60}; expected a finite "
+                "number."
+            )
+        out.append(float(w))
+    return out
+
+
+def _data_columns(data: Any) -> set[str] | None:
+    """The columns a TRL-contract reward function receives for ``data`` (a dataset, or parquet path(s) in
+    verl's schema): ``data_source``, ``ground_truth`` and the ``extra_info`` keys but ``prompt``; None when
+    they cannot be told without reading the data (an unreadable file, ``extra_info`` stored as a map)."""
+    keys = {"data_source", "ground_truth"}
+    if isinstance(data, (str, os.PathLike)) or (
+        isinstance(data, Sequence) and data and all(isinstance(x, (str, os.PathLike)) for x in data)
+    ):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for path in [data] if isinstance(data, (str, os.PathLike)) else data:
+            try:
+                schema = pq.read_schema(path)
+            except (pa.ArrowException, OSError):
+                return None
+            if "extra_info" in schema.names:
+                field_type = schema.field("extra_info").type
+                if not pa.types.is_struct(field_type):
+                    return None
+                keys |= {field_type.field(i).name for i in range(field_type.num_fields)}
+        return keys - {"prompt"}
+    for row in _verl_rows(data):
+        keys |= set(row["extra_info"])
+    return keys - {"prompt"}
+
+
+def _check_columns(names: Sequence[str], columns: set[str] | None, cfg: Any, registry: Any = None) -> None:
+    """Check before any model loads that every TRL-contract function of ``names`` gets the dataset columns it
+    names as parameters (:func:`rlplug.reward_contract.required_columns`) from ``columns`` or its
+    ``reward.kwargs.<name>``; raises :class:`rlplug.config.ConfigError` naming the function and the column."""
+    from .config import ConfigError
+    from .registry import get_registry
+    from .reward_contract import required_columns
+
+    if columns is None:
+        return
+    registry = registry or get_registry()
+    for name in names:
+        fn = registry.get("reward_function", name)
+        if getattr(fn, "contract", None) != "trl":
+            continue
+        settings = set((cfg.reward.kwargs or {}).get(name) or {})
+        missing = [c for c in required_columns(fn) if c not in columns and c not in settings]
+        if missing:
+            raise ConfigError(
+                f"train(): reward function '{name}' takes {', '.join(missing)}, which the training data has no "
+                f"column for (it has: {', '.join(sorted(columns))}; TRL passes every column but 'prompt' by name). "
+                "Add the column, rename the parameter, or give it a default."
+            )
+
+
 def train(
     config_or_overrides: Any = None,
     train_dataset: Any = None,
     eval_dataset: Any = None,
     reward_funcs: Sequence[Any] | Callable[..., Any] | None = None,
+    reward_weights: Sequence[float] | None = None,
 ) -> TrainResult:
     """Train with rlplug from Python, TRL-style; returns a :class:`TrainResult`.
 
@@ -236,29 +335,39 @@ def train(
             schema; sets ``data.train_files`` (``data.task`` is then unused). None: the config's data.
         eval_dataset: the same for validation (``data.val_files``); needs ``train_dataset`` or
             ``data.train_files`` (a prepared ``data.task`` brings its own test split).
-        reward_funcs: reward functions with TRL's batched contract ``fn(prompts, completions, **columns)
-            -> list[float]`` or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``
-            (told apart by :func:`rlplug.reward_contract.as_reward_function`), or registered names. They
-            score every data source: the first is the correctness function (``reward.default``, with
-            ``reward.reward_fn_map`` emptied), the others are ``reward.shaping`` terms of weight 1.0 (TRL
-            sums its reward functions). None: the config's reward.
+        reward_funcs: reward functions with TRL's batched contract (``fn(completions, **kwargs)``,
+            ``fn(prompts, completions, answer, **kwargs) -> list[float | None]``, :mod:`rlplug.reward_contract`)
+            or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (told apart by
+            :func:`rlplug.reward_contract.as_reward_function`), or registered names. They score every data
+            source: the first is the correctness function (``reward.default``, with ``reward.reward_fn_map``
+            emptied), the others are ``reward.shaping`` terms, so the score is TRL's weighted sum (a
+            ``None`` adds nothing). None: the config's reward.
+        reward_weights: TRL's ``reward_weights``: one weight per function of ``reward_funcs`` (None: 1.0
+            each). The first is ``reward.correctness_weight``, the others the shaping terms' weights.
 
     Raises:
-        rlplug.config.ConfigError: a bad config, a reward-function name clash or contract problem, or
-            eval data without training files.
+        rlplug.config.ConfigError: a bad config, a reward-function name clash or contract problem, a TRL
+            function naming a column the training data lacks, ``reward_weights`` that are not one number per
+            function (or given without ``reward_funcs``, or next to ``reward.correctness_weight``), or eval
+            data without training files.
         rlplug.data.DatasetError: a dataset without rows or prompts.
         rlplug.exit_codes.TrainingStopped: the run stopped early (non-finite steps, reward failures, an
             alert); its checkpoint is intact.
     """
     from omegaconf import open_dict
 
-    from .config import ConfigError
+    from .config import ConfigError, ShapingConfig
     from .metrics import read_metrics_jsonl
     from .trainer import Trainer, run_dir_for
     from .validate import validate_config
 
     cfg = build_config(config_or_overrides)
     run_dir = run_dir_for(cfg)
+    if reward_weights is not None and reward_funcs is None:
+        raise ConfigError(
+            "train(reward_weights=...) needs reward_funcs: the weights are those of the functions given there "
+            "(for the config's reward, set reward.correctness_weight and reward.shaping[i].weight)."
+        )
     with open_dict(cfg):
         if train_dataset is not None:
             cfg.data.train_files = _data_files(train_dataset, run_dir / "datasets", "train")
@@ -277,10 +386,20 @@ def train(
                     "train(reward_funcs=[]): give at least one reward function, or None for the config's."
                 )
             names = register_reward_funcs(funcs)
+            weights = reward_weights_for(reward_weights, names)
+            if reward_weights is not None and cfg.reward.correctness_weight is not None:
+                raise ConfigError(
+                    f"train(): reward_weights and reward.correctness_weight={cfg.reward.correctness_weight} both "
+                    f"set the weight of '{names[0]}'; give it once (reward_weights[0])."
+                )
+            if train_dataset is not None:
+                _check_columns(names, _data_columns(train_dataset), cfg)
             cfg.reward.reward_fn_map = {}
             cfg.reward.default = names[0]
             cfg.reward.custom_reward_function.path = None
-            cfg.reward.shaping = [{"name": n, "weight": 1.0} for n in names[1:]]
+            if reward_weights is not None:
+                cfg.reward.correctness_weight = weights[0]
+            cfg.reward.shaping = [ShapingConfig(name=n, weight=w) for n, w in zip(names[1:], weights[1:])]
     validate_config(cfg)
     from omegaconf import OmegaConf
 
@@ -328,7 +447,8 @@ def score_response(
 
     Returns a dict: ``total`` (the score), ``function`` (the correctness function and the setting that chose
     it), ``terms`` (a list of ``{name, value, weight, contribution}``: ``correctness``, each
-    ``shaping/<name>``, ``overlong_reward``; the contributions sum to ``total``), ``reported`` (the other
+    ``shaping/<name>``, ``overlong_reward``; the contributions sum to ``total``; a TRL-contract function's
+    ``None`` is a NaN ``value`` contributing 0), ``reported`` (the other
     values the functions reported: ``acc``, ``format`` ...), ``failed`` and ``error`` (a reward failure's
     message, the score is then ``reward.fallback_score``), ``response_length``.
 
@@ -361,8 +481,8 @@ def score_response(
         ]
         if "overlong_reward" in extra:
             terms.append({"name": "overlong_reward", "value": extra["overlong_reward"][0], "weight": 1.0})
-        for t in terms:
-            t["contribution"] = t["weight"] * t["value"]
+        for t in terms:  # a TRL-contract function's None (NaN here) adds nothing, as TRL's nansum
+            t["contribution"] = 0.0 if math.isnan(t["value"]) else t["weight"] * t["value"]
         shown = {t["name"] for t in terms} | {FAILED, "overlong"}
         reported = {k: v[0] for k, v in extra.items() if k not in shown}
         return {
@@ -386,7 +506,8 @@ def print_score(result: Mapping[str, Any], console: Any) -> None:
     for col in ("term", "value", "weight", "contribution"):
         table.add_column(col)
     for t in result["terms"]:
-        table.add_row(t["name"], f"{t['value']:g}", f"{t['weight']:g}", f"{t['contribution']:g}")
+        value = "n/a (None)" if math.isnan(t["value"]) else f"{t['value']:g}"
+        table.add_row(t["name"], value, f"{t['weight']:g}", f"{t['contribution']:g}")
     table.add_row("total", "", "", f"{result['total']:g}")
     console.print(table)
     if result["reported"]:

@@ -49,6 +49,7 @@ from .exit_codes import ExitCode, TrainingStopped
 from .losses import compute_token_level_scores
 from .metrics import stage
 from .reward import components_tensor, scored_rows
+from .reward_contract import trl_inputs
 from .types import RolloutOutput
 
 __all__ = [
@@ -212,7 +213,9 @@ def _score(trainer: Any, part_rows: list[dict], prompt_ids: list[list[int]], out
     result = None
     if trainer.is_main:
         rows = [part_rows[i] for i in out.prompt_index]
-        result = trainer.reward.score(rows, trainer._decode(out), lengths=out.response_lengths)
+        result = trainer.reward.score(
+            rows, trainer._decode(out), lengths=out.response_lengths, **trl_inputs(trainer, out)
+        )
     scores, extra, reward_metrics = trainer.coordinator.broadcast(result)
     return ScoredRollout(part_rows, prompt_ids, out, list(scores), dict(extra), dict(reward_metrics))
 

@@ -51,6 +51,7 @@ def score_responses(
     :func:`rlplug.metrics.validation_metrics` turns them into the metrics.
     """
     from .reward import ACC_REPORTED, FAILED, PRED
+    from .reward_contract import trl_ids
 
     skip = {"acc", "correctness", FAILED, ACC_REPORTED, PRED}  # reported by the fields of ScoredResponse itself
     rows = list(rows)
@@ -60,7 +61,8 @@ def score_responses(
         chunk = rows[start : start + size]
         out = generate([list(r["prompt_ids"]) for r in chunk])
         texts = decode(out)
-        scores, extra, _ = reward.score([chunk[i] for i in out.prompt_index], texts, report_acc=True)
+        rows_out = [chunk[i] for i in out.prompt_index]
+        scores, extra, _ = reward.score(rows_out, texts, report_acc=True, **trl_ids(reward, out))
         names = [k for k in extra if k not in skip and not k.startswith("shaping/")]
         for j, i in enumerate(out.prompt_index):
             components = {k: float(extra[k][j]) for k in names if extra[k][j] is not None}

@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from .config import ConfigError, map_entry_override
+from .reward_contract import BatchedRewardFunction
 from .reward_model import shaping_entries
 
 if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
@@ -87,6 +88,7 @@ if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start f
 
 __all__ = [
     "FileRewardFunction",
+    "FileTrlRewardFunction",
     "load_custom_reward_function",
     "RewardManager",
     "RewardConfigError",
@@ -222,26 +224,75 @@ class FileRewardFunction:
         return f"FileRewardFunction(path={self.path!r}, name={self.name!r})"
 
 
-def load_custom_reward_function(section: Any) -> FileRewardFunction | None:
+class FileTrlRewardFunction(BatchedRewardFunction):
+    """A reward function with TRL's batched contract from ``reward.custom_reward_function`` (the file's
+    function ``name`` at ``path``, as :class:`FileRewardFunction` loads it; :mod:`rlplug.reward_contract`).
+    ``label`` and ``path`` as :class:`FileRewardFunction`'s; pickles as ``(path, name)``."""
+
+    def __init__(self, path: str | os.PathLike, name: str = "compute_score") -> None:
+        loaded = FileRewardFunction(path, name)
+        fn = loaded.fn.fn if isinstance(loaded.fn, BatchedRewardFunction) else loaded.fn
+        super().__init__(fn, loaded.name)
+        self.path = loaded.path
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name this function: ``custom_reward_function(<file>:<name>)``."""
+        return f"custom_reward_function({Path(self.path).name}:{self.name})"
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # type: ignore[override]
+        return (FileTrlRewardFunction, (self.path, self.name))
+
+    def __repr__(self) -> str:
+        return f"FileTrlRewardFunction(path={self.path!r}, name={self.name!r}, contract='trl')"
+
+
+def load_custom_reward_function(section: Any) -> FileRewardFunction | FileTrlRewardFunction | None:
     """The function ``reward.custom_reward_function`` selects (``section``: that config node, a
     mapping or dataclass with ``path``, ``name``, ``reward_kwargs``), checked so a run fails before
     any model loads; None when ``path`` is not set.
 
-    Besides what :class:`FileRewardFunction` checks, ``fn(data_source, solution_str, ground_truth,
-    extra_info, **reward_kwargs)`` must bind to the function's signature.
+    The function follows verl's contract, or TRL's (:mod:`rlplug.reward_contract`): decorated with
+    ``@rlplug.trl_reward``, marked ``reward_contract = "trl"``, or with TRL's parameter names
+    (``fn(completions, **kwargs)``, ``fn(prompts, completions, answer, **kwargs)``: told apart as
+    :func:`rlplug.reward_contract.as_reward_function` does; a signature that fits neither, such as
+    ``fn(*args, **kwargs)``, is taken as verl's, as before). A TRL-contract function is returned as a
+    :class:`FileTrlRewardFunction`; ``reward_kwargs`` are then passed as plain keywords. Otherwise
+    ``fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`` must bind to the
+    function's signature.
 
     Raises:
-        RewardConfigError: a missing or broken file, a missing or non-callable function, or
-            ``reward_kwargs`` (or the four positional arguments) the function does not accept.
+        RewardConfigError: a missing or broken file, a missing or non-callable function, a function
+            marked as TRL's that cannot be called so, or ``reward_kwargs`` (or the four positional
+            arguments) the function does not accept.
     """
+    from .reward_contract import RewardContractError, as_reward_function
+
     crf = _section(section)
     if not crf.get("path"):
         return None
     fn = FileRewardFunction(str(crf["path"]), str(crf.get("name") or "compute_score"))
     kwargs = dict(crf.get("reward_kwargs") or {})
     try:
-        sig = inspect.signature(fn.fn)
-    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        as_trl = isinstance(as_reward_function(fn.fn), BatchedRewardFunction)
+    except RewardContractError as exc:
+        if isinstance(fn.fn, BatchedRewardFunction) or getattr(fn.fn, "reward_contract", None) == "trl":
+            raise RewardConfigError(f"{_CRF}: {exc}") from exc
+        as_trl = False  # fits neither by its names: verl's, checked below as before
+    if as_trl:
+        trl = FileTrlRewardFunction(fn.path, fn.name)
+        sig = _signature_of(trl.fn)
+        if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            unknown = sorted(set(kwargs) - set(sig.parameters))
+            if unknown:
+                raise RewardConfigError(
+                    f"{_CRF}.reward_kwargs sets {', '.join(unknown)}, which {trl.name}{sig} in {trl.path} (TRL's "
+                    "contract: reward_kwargs are passed as keywords) does not accept; add the parameter(s) or "
+                    "**kwargs, or fix the setting."
+                )
+        return trl
+    sig = _signature_of(fn.fn)
+    if sig is None:  # pragma: no cover - builtins without a signature
         return fn
     try:
         sig.bind("data_source", "solution_str", "ground_truth", None, **kwargs)
@@ -263,6 +314,13 @@ class _RewardTimeout(BaseException):
 
 # ============================================================================ calling one function
 # A result is (status, value): ("ok", return value) | ("error", message) | ("timeout", message).
+
+
+def _signature_of(fn: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
@@ -615,6 +673,26 @@ def _finite(x: Any) -> bool:
         return False
 
 
+def _nz(x: float) -> float:
+    """``x``, or 0.0 for NaN (a TRL-contract function's ``None``: TRL's ``nansum`` adds nothing for it)."""
+    return 0.0 if math.isnan(x) else x
+
+
+def _mean_std(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    """``<prefix>/mean`` and, for two or more values, ``<prefix>/std`` with Bessel's correction (TRL's
+    ``nanstd``: ``sqrt(sum((x - mean)^2) / (n - 1))``), in float64."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    out = {f"{prefix}/mean": mean}
+    if n > 1:
+        out[f"{prefix}/std"] = math.sqrt(math.fsum((x - mean) ** 2 for x in values) / (n - 1))
+    return out
+
+
+#: the metrics RewardManager.score writes itself, ``reward/<name>`` (TRL's log_metric cannot take these names)
+_OWN_METRICS = ("failures", "timeouts", "failed_samples", "worker_restarts", "unscorable")
+
+
 def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
     """DAPO's overlong reward shaping (Yu et al. 2025, "DAPO", Eq. 13; verl's ``DAPORewardManager``):
     ``min(-(length - (max_resp_len - buffer_len)) / buffer_len * penalty_factor, 0)``.
@@ -752,6 +830,10 @@ class RewardManager:
         self.total_worker_restarts = 0
         #: the first failure of the last :meth:`score` call ("reward function 'x' on data_source=y: error"), or None
         self.last_error: str | None = None
+        from .reward_contract import MetricLog
+
+        #: TRL's ``log_metric`` for TRL-contract functions; drained into each :meth:`score` call's metrics
+        self._metric_log = MetricLog()
         for i, (_, name, _, kwargs) in enumerate(self.shaping):
             self._resolve(name, f"reward.shaping[{i}]", kwargs)
         if validation and not cfg.get("val_reward_model", False):  # verl's val_reward_fn: the rule reward alone
@@ -759,7 +841,9 @@ class RewardManager:
             if len(rules) < len(self.shaping):
                 self.shaping, self.correctness_weight = rules, 1.0
         # precedence 1: a function from a file scores every data source (its slot in _fns is its label)
-        self.custom: FileRewardFunction | None = load_custom_reward_function(cfg.get("custom_reward_function"))
+        self.custom: FileRewardFunction | FileTrlRewardFunction | None = load_custom_reward_function(
+            cfg.get("custom_reward_function")
+        )
         if self.custom is not None:
             self._fns[self.custom.label] = self.custom
             self.fn_kwargs[self.custom.label] = dict(_section(cfg["custom_reward_function"]).get("reward_kwargs") or {})
@@ -818,6 +902,12 @@ class RewardManager:
         if data_source in self.fn_map:
             return f"reward.reward_fn_map.{data_source}"
         return "reward.default" if self.default else None
+
+    @property
+    def uses_trl(self) -> bool:
+        """Whether a function resolved so far (the shaping terms, the custom function, and the correctness
+        functions of the data sources :meth:`check_data_sources` has seen) follows TRL's contract."""
+        return any(getattr(fn, "contract", None) == "trl" for fn in self._fns.values())
 
     @property
     def seen_data_sources(self) -> frozenset[str]:
@@ -947,6 +1037,8 @@ class RewardManager:
         *,
         report_acc: bool = False,
         lengths: Sequence[int] | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        trainer_state: Any = None,
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         """Score ``responses`` (decoded text, special tokens removed) against their rows.
 
@@ -965,6 +1057,21 @@ class RewardManager:
                 overlong shaping on (``reward.overlong_buffer.enable``), each score gets
                 :func:`overlong_penalty` added and ``extra`` gets ``overlong_reward`` (and ``overlong``,
                 1.0 where the penalty is < 0, with ``log``). ``None`` (validation, ``rlplug eval``): no penalty.
+            completion_ids: the ``B`` responses' token ids, passed to TRL-contract functions as
+                ``completion_ids`` (:mod:`rlplug.reward_contract`); None: not passed.
+            trainer_state: passed to TRL-contract functions as ``trainer_state``
+                (:func:`rlplug.reward_contract.trainer_state`); None: not passed.
+
+        TRL-contract functions (``contract == "trl"``) may return ``None`` (or NaN) for a response: "does not
+        apply". Such a value adds nothing to the score (TRL's ``nansum`` over the weighted functions) and is
+        NaN in ``extra`` (``correctness``, ``shaping/<name>``; ``acc`` 0.0); a response for which every
+        function returned ``None`` is unscorable (TRL 1.16): marked in ``extra["reward_failed"]`` (so training
+        leaves it out, as TRL gives it no advantage), scored ``reward.fallback_score``, counted in
+        ``reward/unscorable`` and warned about once. With a TRL-contract function in use ``metrics`` also
+        holds TRL's per-function statistics ``reward/<name>/mean`` and ``reward/<name>/std`` (over the
+        responses the function returned a number for; ``std`` with Bessel's correction, as TRL's ``nanstd``,
+        given two or more numbers; ``<name>`` the function's name, a shaping term's label), and the values its
+        functions logged with ``log_metric(name, value)`` as ``reward/<name>`` (their mean).
 
         Returns:
             ``(scores, extra, metrics)``: ``scores`` ``B`` floats (correctness + weighted shaping);
@@ -1016,8 +1123,15 @@ class RewardManager:
         self.last_worker_restarts = 0
         from .reward_contract import run_batched  # TRL-contract functions: one call per function and batch
 
-        results = run_batched(calls, payload, rows_or_fields, self._run, self.timeout_s)
-        calls, results = self._run_batched(rows_or_fields, responses, calls, list(results))
+        trl_labels = self._trl_labels(slots)
+        self._metric_log.reserved = {f"reward/{k}" for k in _OWN_METRICS} | {
+            f"reward/{lab}/{stat}" for lab in trl_labels.values() for stat in ("mean", "std")
+        }
+        trl_kwargs = {"completion_ids": completion_ids, "trainer_state": trainer_state, "log_metric": self._metric_log}
+        if completion_ids is not None and len(completion_ids) != n:
+            raise ValueError(f"score(): {len(completion_ids)} completion_ids for {n} responses; pass one per response.")
+        results = run_batched(calls, payload, rows_or_fields, self._run, self.timeout_s, trl_kwargs)
+        calls, results = self._run_batched(rows_or_fields, responses, calls, list(results), trl_kwargs)
         results = [_item_result(r) for r in results]
 
         correctness = [self.fallback_score] * n
@@ -1028,9 +1142,21 @@ class RewardManager:
         failures = timeouts = 0
         failed = [0.0] * n  # 1.0 where any of the sample's calls failed
         preds: list[str | None] = [None] * n  # the main function's "pred" strings (report_acc only)
+        applies = [0] * n  # calls per sample that returned a value (not TRL's None) or failed
+        trl_values: dict[str, list[float]] = {lab: [] for lab in trl_labels.values()}
         self.last_error = None
         for (name, i, slot), (status, value) in zip(calls, results):
+            trl = getattr(self._fns[name], "contract", None) == "trl"
+            if trl and status == "ok" and value is None:  # TRL: does not apply to this sample (nansum)
+                if slot == "main":
+                    correctness[i] = math.nan
+                else:
+                    shaping_vals[slot][i] = math.nan
+                continue
+            applies[i] += 1
             val, extra_vals, error = self._interpret(status, value)
+            if trl and error is None:
+                trl_values[trl_labels[(name, slot)]].append(val)
             if error is not None:
                 failures += 1
                 timeouts += status == "timeout"
@@ -1050,10 +1176,28 @@ class RewardManager:
                         other.setdefault(k, [math.nan] * n)[i] = v
             else:
                 shaping_vals[slot][i] = val
+        unscorable = [i for i in range(n) if applies[i] == 0]  # every function returned TRL's None
+        for i in unscorable:
+            failed[i] = 1.0
+            correctness[i] = self.fallback_score
+            if self.last_error is None:
+                self.last_error = (
+                    f"every reward function returned None (does not apply) for a response on data_source={ds[i]}"
+                )
+            self._log_failure(
+                "all",
+                "every reward function returned None (TRL: unscorable, left out of training)",
+                ds[i],
+                responses[i],
+                gts[i],
+            )
         cw = self.correctness_weight
         scores = [
-            cw * correctness[i] + sum(w * shaping_vals[label][i] for label, _, w, _ in self.shaping) for i in range(n)
+            cw * _nz(correctness[i]) + sum(w * _nz(shaping_vals[label][i]) for label, _, w, _ in self.shaping)
+            for i in range(n)
         ]
+        for i in unscorable:
+            scores[i] = self.fallback_score
         extra_out: dict[str, list[float]] = {"acc": acc, "correctness": correctness}
         for label, _, _, _ in self.shaping:
             extra_out[f"shaping/{label}"] = shaping_vals[label]
@@ -1081,7 +1225,28 @@ class RewardManager:
         }
         if self.num_workers > 0:
             metrics["reward/worker_restarts"] = float(self.last_worker_restarts)
+        if trl_labels:
+            metrics["reward/unscorable"] = float(len(unscorable))
+            for lab, vals in trl_values.items():
+                if vals:
+                    metrics.update(_mean_std(f"reward/{lab}", vals))
+        metrics.update(self._metric_log.drain())
         return scores, extra_out, metrics
+
+    def _trl_labels(self, slots: Sequence[str]) -> dict[tuple[str, str], str]:
+        """``{(function key, slot): metric label}`` of the TRL-contract functions this call uses: a correctness
+        function by its name (``fn.name``), a shaping term by its label (``<label>_shaping`` when a correctness
+        function has that name too)."""
+        out: dict[tuple[str, str], str] = {}
+        for key in dict.fromkeys(slots):
+            fn = self._fns[key]
+            if getattr(fn, "contract", None) == "trl":
+                out[(key, "main")] = str(getattr(fn, "name", key))
+        main_names = set(out.values())
+        for label, name, _, _ in self.shaping:
+            if getattr(self._fns[name], "contract", None) == "trl":
+                out[(name, label)] = f"{label}_shaping" if label in main_names else label
+        return out
 
     def score_async(
         self,
@@ -1090,6 +1255,8 @@ class RewardManager:
         *,
         overlap: bool = True,
         lengths: Sequence[int] | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        trainer_state: Any = None,
     ) -> cf.Future[tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]]:
         """Start :meth:`score` on a background thread and return its future, so scoring overlaps
         other work (the trainer's log-prob and value passes).
@@ -1101,13 +1268,17 @@ class RewardManager:
         processes, and torch releases the GIL inside its kernels, so both proceed together. One
         thread serves the manager: calls run one after another. With ``overlap=False`` the scoring
         runs here, before returning (an error raises here), and the future is already done.
-        :meth:`close` waits for a running call. ``lengths`` as in :meth:`score`.
+        :meth:`close` waits for a running call. ``lengths``, ``completion_ids`` and ``trainer_state`` as in
+        :meth:`score`.
         """
         t0 = time.perf_counter()
 
         def work() -> tuple[tuple[list[float], dict[str, list[float]], dict[str, float]], float]:
             texts = responses() if callable(responses) else responses
-            return self.score(rows_or_fields, texts, lengths=lengths), time.perf_counter() - t0
+            result = self.score(
+                rows_or_fields, texts, lengths=lengths, completion_ids=completion_ids, trainer_state=trainer_state
+            )
+            return result, time.perf_counter() - t0
 
         if not overlap:
             done: cf.Future = cf.Future()
@@ -1118,7 +1289,12 @@ class RewardManager:
         return self._thread.submit(work)
 
     def _run_batched(
-        self, rows_or_fields: Any, responses: list[str], calls: list, results: list
+        self,
+        rows_or_fields: Any,
+        responses: list[str],
+        calls: list,
+        results: list,
+        trl_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[tuple[str, int, str]], list[tuple[str, Any]]]:
         """Call each shaping function with a ``score_batch`` method (a TRL-contract function, the
         ``judge``, a model-based reward such as ``reward_model``: :mod:`rlplug.reward_model`) once for
@@ -1130,7 +1306,10 @@ class RewardManager:
         Timeout: the main slot's (:func:`rlplug.reward_contract.run_batched`): the call runs in a
         thread joined after ``reward.timeout_s * B`` seconds (a timeout of every response), so a
         function gets the same time as a shaping term as in ``reward.default``. Functions marked
-        ``model_based = True`` (a model forward, whose time is the model's, not a hang's) have none."""
+        ``model_based = True`` (a model forward, whose time is the model's, not a hang's) have none.
+        TRL-contract functions also get ``trl_kwargs`` (:func:`rlplug.reward_contract.trl_call_kwargs`)."""
+        from .reward_contract import trl_call_kwargs
+
         batched = [(label, name, kw) for label, name, _, kw in self.shaping if hasattr(self._fns[name], "score_batch")]
         if not batched:
             return calls, results
@@ -1145,6 +1324,7 @@ class RewardManager:
             fn: Any = self._fns[name]
             timeout = None if getattr(fn, "model_based", False) or not self.timeout_s else self.timeout_s * n
             args, kw = (ds, responses, gts, infos), {"messages": messages, **kwargs}
+            kw.update(trl_call_kwargs(fn, trl_kwargs, range(n)))
             status, value = _call_in_thread(fn.score_batch, args, kw, timeout)
             if status == "ok" and (not isinstance(value, Sequence) or len(value) != n):
                 status, value = "error", f"score_batch returned {type(value).__name__} for {n} responses"

@@ -4,14 +4,14 @@ Two contracts can be registered as kind ``reward_function``:
 
 * ``"verl"`` (the default, :class:`rlplug.types.RewardFunction`): one call per response,
   ``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``.
-* ``"trl"`` (TRL's ``GRPOTrainer`` reward functions): one call per batch,
-  ``fn(prompts, completions, **columns) -> list[float]``, one value (or ``None``: the function does not
-  apply to that sample, counted as 0.0 as TRL's sum over functions does) per completion. Register it
-  wrapped, so the registry holds a :class:`BatchedRewardFunction` and knows its contract:
+* ``"trl"`` (the reward functions of TRL's ``GRPOTrainer``, TRL 1.16): one call per batch, with keywords,
+  ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_metric=..., **columns)
+  -> list[float | None]``, one value per completion. ``None`` (or NaN) means "does not apply to this sample".
+  Register it wrapped, so the registry holds a :class:`BatchedRewardFunction` and knows its contract:
   ``register("my_reward", rlplug.trl_reward(fn))``, or decorate the function with ``@rlplug.trl_reward``.
   :func:`as_reward_function` (used by :func:`rlplug.train` for ``reward_funcs``) also takes plain
   functions and, without an explicit ``contract=``, tells the two apart by their parameter names
-  (checked: a function that fits neither or both is an error asking for ``contract=``).
+  (a function that fits neither or both is an error asking for ``contract=``).
 
 What a TRL-contract function receives (:meth:`BatchedRewardFunction.score_batch`), as TRL passes it:
 
@@ -19,16 +19,28 @@ What a TRL-contract function receives (:meth:`BatchedRewardFunction.score_batch`
   messages): ``extra_info["prompt"]`` when the row has it (:func:`rlplug.train` stores it there),
   else the row's chat messages;
 * ``completions``: the decoded responses, as strings for string prompts, as
-  ``[{"role": "assistant", "content": text}]`` for conversational ones;
+  ``[{"role": "assistant", "content": text}]`` for conversational ones (TRL's conversational format);
+* ``completion_ids``: the responses' token ids (lists of ints, EOS included when generated), when the
+  caller has them (the trainer passes them; ``rlplug reward`` has none and leaves the keyword out);
 * ``**columns``: ``data_source``, ``ground_truth`` and every key of the rows' ``extra_info`` (the
-  dataset's other columns, for data from :func:`rlplug.train`), each a list with one value per sample
-  (``None`` where a row lacks the key), plus the function's ``reward.kwargs.<name>`` as plain keywords.
+  dataset's other columns, with their values as the dataset had them, for data from :func:`rlplug.train`),
+  each a list with one value per sample (``None`` where a row lacks the key), plus the function's
+  ``reward.kwargs.<name>`` as plain keywords;
+* ``trainer_state``: a ``transformers.TrainerState`` with ``global_step`` (optimizer steps done before
+  this batch), ``max_steps`` and ``epoch``, when the caller passes one (the trainer does);
+* ``log_metric``: ``log_metric(name, value)`` logs a scalar as ``reward/<name>`` (averaged over the calls
+  of one scoring call), as TRL's ``log_metric`` does.
+
+TRL's ``log_extra`` (a column of its completions table) and ``environments`` are not passed: rlplug has
+no completions table or environments. A function without ``**kwargs`` gets only the keywords it names.
 
 The reward manager (:meth:`rlplug.reward.RewardManager.score`) calls each TRL-contract function once
 per :meth:`~rlplug.reward.RewardManager.score` call with all its samples, in this process (not in the
-``reward.num_workers`` pool), through :meth:`BatchedRewardFunction.score_batch` (the signature every
-batched reward function has there). As the correctness function (:func:`run_batched`) it runs under a
-timeout of ``reward.timeout_s`` per sample, an exception or a timeout is a reward failure of every sample
+``reward.num_workers`` pool), through :meth:`BatchedRewardFunction.score_batch`. It combines the functions as
+TRL does (``nansum`` of the weighted values: a ``None`` adds nothing), and a sample for which every function
+returned ``None`` is unscorable (TRL 1.16): it is left out of training like a failed reward, with a warning
+(:mod:`rlplug.reward`). As the correctness function (:func:`run_batched`) a TRL-contract function runs under
+a timeout of ``reward.timeout_s`` per sample, an exception or a timeout is a reward failure of every sample
 of the call, and a return value that is not one number (or ``None``) per completion raises
 :class:`RewardContractError` at once (a bug in the function, not a failure to score a response). As a
 ``reward.shaping`` term it goes through the manager's batched shaping call, where that error fails the
@@ -39,28 +51,41 @@ steps with the message).
 from __future__ import annotations
 
 import inspect
+import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
     "CONTRACTS",
+    "TRL_ARGUMENTS",
     "BatchedRewardFunction",
     "RewardContractError",
+    "MetricLog",
     "as_reward_function",
     "trl_reward",
+    "required_columns",
     "run_batched",
+    "trainer_state",
+    "trl_ids",
+    "trl_inputs",
 ]
 
 #: the reward-function contracts and their call signatures
 CONTRACTS = {
     "verl": "fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict",
-    "trl": "fn(prompts, completions, **columns) -> list[float]",
+    "trl": "fn(prompts, completions, **kwargs) -> list[float | None]",
 }
+
+#: the keywords TRL's GRPOTrainer passes besides the dataset's columns (TRL 1.16 ``_calculate_rewards``);
+#: ``log_extra`` and ``environments`` are TRL's too but rlplug has nothing to pass for them
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
 class RewardContractError(TypeError):
     """A reward function does not follow its contract (:data:`CONTRACTS`): a TRL-contract function
-    returned the wrong number of values or non-numbers, or a function's contract cannot be told."""
+    returned the wrong number of values or non-numbers, needs an argument nobody passes, or a function's
+    contract cannot be told."""
 
 
 class ScoresOneAsABatch:
@@ -77,15 +102,118 @@ class ScoresOneAsABatch:
         )[0]
 
 
+class MetricLog:
+    """TRL's ``log_metric(name, value)`` for reward functions: collects scalars (thread-safe) until
+    :meth:`drain` returns each name's mean as ``reward/<name>``.
+
+    Raises (when called): :class:`RewardContractError` for a name that is not a non-empty string, one of the
+    manager's own metric names (``reserved``), or a value that is not a finite number."""
+
+    def __init__(self, reserved: Sequence[str] = ()) -> None:
+        self._values: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+        self.reserved = set(reserved)
+
+    def __call__(self, name: str, value: float) -> None:
+        if not isinstance(name, str) or not name:
+            raise RewardContractError(f"log_metric(name, value): name must be a non-empty string, got {name!r:.60}.")
+        if f"reward/{name}" in self.reserved:
+            raise RewardContractError(
+                f"log_metric({name!r}, ...): reward/{name} is one of rlplug's own reward metrics; choose another name."
+            )
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise RewardContractError(f"log_metric({name!r}, {value!r:.60}): the value must be a number.") from None
+        if not math.isfinite(v):
+            raise RewardContractError(f"log_metric({name!r}, {v}): the value must be finite.")
+        with self._lock:
+            self._values.setdefault(name, []).append(v)
+
+    def drain(self) -> dict[str, float]:
+        """``{"reward/<name>": mean of the values logged since the last drain}``; clears them."""
+        with self._lock:
+            values, self._values = self._values, {}
+        return {f"reward/{k}": sum(v) / len(v) for k, v in values.items()}
+
+
+def trainer_state(global_step: int, max_steps: int, epoch: float) -> Any:
+    """What TRL passes as ``trainer_state``: a ``transformers.TrainerState`` with ``global_step`` (optimizer
+    steps done before the scored batch), ``max_steps`` (the run's steps) and ``epoch``."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=int(global_step), max_steps=int(max_steps), epoch=float(epoch))
+
+
+def trl_ids(reward: Any, out: Any) -> dict[str, Any]:
+    """``{"completion_ids": out.response_ids}`` (a :class:`rlplug.types.RolloutOutput`'s token ids, EOS
+    included when generated, as TRL's) when the reward manager ``reward`` uses a TRL-contract function
+    (:attr:`rlplug.reward.RewardManager.uses_trl`), else ``{}``: the keywords validation adds to ``score``."""
+    return {"completion_ids": out.response_ids} if getattr(reward, "uses_trl", False) else {}
+
+
+def trl_inputs(trainer: Any, out: Any) -> dict[str, Any]:
+    """The keywords the trainer adds to :meth:`rlplug.reward.RewardManager.score` for TRL-contract functions:
+    ``completion_ids`` (``out.response_ids``, a :class:`rlplug.types.RolloutOutput`'s token ids, EOS included
+    when generated, as TRL's) and ``trainer_state`` (:func:`trainer_state` from the trainer's ``global_step``:
+    steps done before this batch, ``total_steps`` and ``loader.steps_per_epoch``; None when ``trainer`` lacks
+    them, e.g. a stand-in object in a test). ``{}`` unless ``trainer.reward`` uses a TRL-contract function
+    (:attr:`rlplug.reward.RewardManager.uses_trl`)."""
+    if not getattr(getattr(trainer, "reward", None), "uses_trl", False):
+        return {}
+    done, total = getattr(trainer, "global_step", None), getattr(trainer, "total_steps", None)
+    per_epoch = getattr(getattr(trainer, "loader", None), "steps_per_epoch", None)
+    state = None
+    if isinstance(done, int) and isinstance(total, int) and isinstance(per_epoch, int):
+        state = trainer_state(done, total, done / max(1, per_epoch))
+    return {"completion_ids": out.response_ids, "trainer_state": state}
+
+
+def _signature(fn: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _trl_callable(sig: inspect.Signature) -> str | None:
+    """Why ``sig`` cannot be called as TRL calls a reward function (keywords only, ``completions`` among
+    them), or None when it can: it accepts ``completions`` (by name or ``**kwargs``) and has no required
+    positional-only parameter."""
+    params = sig.parameters.values()
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if "completions" not in names and not var_kw:
+        return "it takes no `completions` keyword (nor **kwargs)"
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        return f"TRL passes every argument by keyword, and {', '.join(positional)} are positional-only"
+    return None
+
+
+def required_columns(fn: Any) -> list[str]:
+    """The dataset columns a TRL-contract function needs: its parameters without a default that are not
+    TRL's own arguments (:data:`TRL_ARGUMENTS`), e.g. ``["answer"]`` for ``fn(prompts, completions, answer,
+    **kwargs)``. ``fn`` may be a :class:`BatchedRewardFunction`."""
+    sig = _signature(getattr(fn, "fn", fn))
+    if sig is None:
+        return []
+    return [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in TRL_ARGUMENTS
+    ]
+
+
 class BatchedRewardFunction(ScoresOneAsABatch):
     """A reward function with TRL's batched contract (``contract = "trl"``), as the registry holds it.
 
-    ``fn(prompts, completions, **columns) -> list[float]`` (see the module docstring); ``name`` names it
-    in messages (default ``fn.__name__``). Calling the object itself follows verl's per-sample contract
-    (:class:`rlplug.types.RewardFunction`), scoring a batch of one (the prompt from
-    ``extra_info["prompt"]``, else ``None``), so code that scores one response at a time
-    (``rlplug.testing.check_reward_function``) works; the reward manager calls :meth:`score_batch`.
-    Pickles as ``(fn, name)``: a module-level ``fn`` makes it picklable.
+    ``fn(prompts, completions, **kwargs) -> list[float | None]`` (see the module docstring); ``name`` names
+    it in messages and metrics (default ``fn.__name__``). Calling the object itself follows verl's per-sample
+    contract (:class:`rlplug.types.RewardFunction`), scoring a batch of one (the prompt from
+    ``extra_info["prompt"]``, else ``None``; a ``None`` from ``fn`` is 0.0 there), so code that scores one
+    response at a time (``rlplug.testing.check_reward_function``) works; the reward manager calls
+    :meth:`score_batch`. Pickles as ``(fn, name)``: a module-level ``fn`` makes it picklable.
     """
 
     contract = "trl"
@@ -100,6 +228,12 @@ class BatchedRewardFunction(ScoresOneAsABatch):
             if hasattr(fn, attr):
                 setattr(self, attr, getattr(fn, attr))
 
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
+    ) -> float:
+        value = super().__call__(data_source, solution_str, ground_truth, extra_info, **kwargs)
+        return 0.0 if value is None else value
+
     def score_batch(
         self,
         data_sources: Sequence[str],
@@ -107,16 +241,26 @@ class BatchedRewardFunction(ScoresOneAsABatch):
         ground_truths: Sequence[Any],
         extra_infos: Sequence[Any],
         messages: Sequence[Any] | None = None,
+        *,
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        trainer_state: Any = None,
+        log_metric: Callable[[str, float], None] | None = None,
         **kwargs: Any,
-    ) -> list[float]:
-        """Call ``fn`` once for the ``B`` decoded responses ``solution_strs`` (the reward manager's batched
-        call, as for the other batched reward functions: ``data_sources``, ``ground_truths``,
-        ``extra_infos`` and the prompts' chat ``messages``, ``B`` each; ``kwargs`` its
-        ``reward.kwargs``). Returns ``B`` floats, ``None`` counted as 0.0 (the function does not apply).
+    ) -> list[float | None]:
+        """Call ``fn`` once for the ``B`` decoded responses ``solution_strs`` with TRL's keywords (the module
+        docstring): ``data_sources``, ``ground_truths``, ``extra_infos`` and the prompts' chat ``messages``
+        (``B`` each) make ``prompts``, ``completions`` and the columns; ``completion_ids`` (``B`` lists of token
+        ids), ``trainer_state`` and ``log_metric`` are passed when given; ``kwargs`` are its ``reward.kwargs``.
+        A function without ``**kwargs`` gets only the keywords it names.
+
+        Returns ``B`` values in order: floats, or ``None`` where ``fn`` returned ``None`` or NaN (the function
+        does not apply to that sample, TRL's meaning). Numbers of any kind (``bool``, ``int``, numpy and torch
+        scalars, a tensor or array of ``B``) are converted to float, as TRL's ``torch.tensor(..., float32)`` does.
 
         Raises:
-            RewardContractError: ``fn`` returned something other than ``B`` numbers or ``None``, or a
-                ``reward.kwargs`` setting has the name of a data column.
+            RewardContractError: ``fn`` returned something other than ``B`` numbers or ``None``, it needs an
+                argument that is neither TRL's nor a column of these rows, or a ``reward.kwargs`` setting or a
+                data column has the name of one of TRL's arguments or of another column.
         """
         n = len(solution_strs)
         msgs = list(messages) if messages is not None else [None] * n
@@ -129,14 +273,61 @@ class BatchedRewardFunction(ScoresOneAsABatch):
             [{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, solution_strs)
         ]
         columns = _columns(rows)
-        clash = sorted(set(columns) & set(kwargs))
+        clash = sorted(set(columns) & set(TRL_ARGUMENTS))
+        if clash:
+            raise RewardContractError(
+                f"reward function '{self.name}': the data has column(s) {clash}, which are names of TRL's reward "
+                f"arguments ({', '.join(TRL_ARGUMENTS)}); rename the column(s) in the dataset."
+            )
+        clash = sorted((set(columns) | set(TRL_ARGUMENTS)) & set(kwargs))
         if clash:
             raise RewardContractError(
                 f"reward function '{self.name}': reward.kwargs.{self.name} sets {clash}, which are also data columns "
-                "passed to it; rename the setting or the column."
+                "or TRL's arguments passed to it; rename the setting or the column."
             )
-        out = self.fn(prompts=prompts, completions=completions, **columns, **kwargs)
-        return [0.0 if v is None else v for v in _check_values(self.name, out, n)]
+        call: dict[str, Any] = {"prompts": prompts, "completions": completions}
+        if completion_ids is not None:
+            if len(completion_ids) != n:
+                raise ValueError(f"score_batch(): {len(completion_ids)} completion_ids for {n} completions.")
+            call["completion_ids"] = [[int(t) for t in ids] for ids in completion_ids]
+        call.update(columns)
+        call.update(kwargs)
+        if trainer_state is not None:
+            call["trainer_state"] = trainer_state
+        if log_metric is not None:
+            call["log_metric"] = log_metric
+        out = self.fn(**self._accepted(call))
+        return _check_values(self.name, out, n)
+
+    def _accepted(self, call: dict[str, Any]) -> dict[str, Any]:
+        """``call`` narrowed to the keywords ``fn`` accepts (all with ``**kwargs``); raises
+        :class:`RewardContractError` for a required parameter ``call`` lacks."""
+        sig = _signature(self.fn)
+        if sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            accepted = call
+        else:
+            accepted = {k: v for k, v in call.items() if k in sig.parameters}
+        missing = [c for c in required_columns(self.fn) if c not in call]
+        for name in TRL_ARGUMENTS:
+            p = sig.parameters.get(name) if sig is not None else None
+            if p is not None and p.default is p.empty and p.kind is not p.VAR_KEYWORD and name not in call:
+                missing.append(name)
+        if missing:
+            available = sorted(k for k in call if k not in TRL_ARGUMENTS)
+            notes = {
+                "completion_ids": "completion_ids and trainer_state come from the trainer only (not `rlplug reward`)",
+                "trainer_state": "completion_ids and trainer_state come from the trainer only (not `rlplug reward`)",
+                "log_extra": "rlplug passes no log_extra or environments (it has no completions table or environments)",
+                "environments": "rlplug passes no log_extra or environments (it has no completions table or environments)",
+            }
+            why = sorted({notes[m] for m in missing if m in notes})
+            raise RewardContractError(
+                f"reward function '{self.name}' needs {', '.join(missing)}, which this call does not have. "
+                f"Columns of the data: {', '.join(available) or 'none'}"
+                + "".join(f"; {w}" for w in why)
+                + ". Add the column to the dataset, give the parameter a default, or take it from **kwargs."
+            )
+        return accepted
 
     def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
         return (BatchedRewardFunction, (self.fn, self.name))
@@ -155,6 +346,9 @@ def _prompt_of(row: Mapping[str, Any]) -> Any:
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """The rows' columns as TRL passes them: ``data_source``, ``ground_truth`` and every ``extra_info`` key
+    but ``prompt``, one list each; a column the dataset had itself (an ``extra_info`` key) keeps its values
+    as they were (``ground_truth`` is a string in ``reward_model``, the column may hold numbers)."""
     columns: dict[str, list[Any]] = {
         "data_source": [r.get("data_source") for r in rows],
         "ground_truth": [_ground_truth(r) for r in rows],
@@ -163,8 +357,10 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     for r in rows:
         extra = r.get("extra_info")
         if isinstance(extra, Mapping):
-            keys += [k for k in extra if k not in keys and k != "prompt" and k not in columns]
+            keys += [k for k in extra if k not in keys and k != "prompt"]
     for k in keys:
+        if k in columns and not all(isinstance(r.get("extra_info"), Mapping) and k in r["extra_info"] for r in rows):
+            continue  # data_source / ground_truth: the dataset's own column only where every row has it
         columns[k] = [r["extra_info"].get(k) if isinstance(r.get("extra_info"), Mapping) else None for r in rows]
     return columns
 
@@ -181,7 +377,9 @@ def _check_values(name: str, out: Any, n: int) -> list[float | None]:
     if hasattr(out, "tolist") and not isinstance(out, (str, bytes)):
         out = out.tolist()  # a tensor or numpy array
     if not isinstance(out, Sequence) or isinstance(out, (str, bytes, Mapping)):
-        raise RewardContractError(f"{how} returned {type(out).__name__} {out!r:.60}; return a list of {n} floats.")
+        raise RewardContractError(
+            f"{how} returned {type(out).__name__} {out!r:.60}; return a list of {n} floats (None: not applicable)."
+        )
     if len(out) != n:
         raise RewardContractError(
             f"{how} returned {len(out)} values for {n} completions; return one float (or None) per completion, "
@@ -192,11 +390,19 @@ def _check_values(name: str, out: Any, n: int) -> list[float | None]:
         if v is None:
             values.append(None)
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+        if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+            v = v.item()  # a numpy or torch scalar
+        if isinstance(v, (str, bytes)) or not isinstance(v, (bool, int, float)):
             raise RewardContractError(
-                f"{how} returned {type(v).__name__} {v!r:.60} for completion {i}; expected a float."
+                f"{how} returned {type(v).__name__} {v!r:.60} for completion {i}; expected a float (or None)."
             )
-        values.append(float(v))
+        try:
+            f = float(v)
+        except OverflowError:
+            raise RewardContractError(
+                f"{how} returned an int of {len(str(abs(int(v))))} digits for completion {i}; expected a float."
+            ) from None
+        values.append(None if math.isnan(f) else f)  # NaN: TRL's nansum treats it as None
     return values
 
 
@@ -209,6 +415,8 @@ def trl_reward(fn: Callable[..., Any] | None = None, *, name: str | None = None)
 
 
 _VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")
+#: parameter names that say "TRL's contract" (any one of them, by name)
+_TRL_NAMES = ("prompts", "completions", "completion_ids")
 
 
 def _binds(sig: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
@@ -225,13 +433,15 @@ def as_reward_function(fn: Any, contract: str = "auto") -> Callable[..., Any]:
 
     ``contract``: ``"trl"``, ``"verl"`` or ``"auto"``. With ``"auto"`` an explicit marker wins (a
     :class:`BatchedRewardFunction`, or a ``reward_contract`` attribute of ``"trl"`` or ``"verl"`` on the
-    function); otherwise the signature decides: parameters named ``prompts`` and ``completions`` (called as
-    keywords, as TRL does) make it TRL's, verl's four leading parameters (``data_source``,
-    ``solution_str``, ...) verl's.
+    function); otherwise the signature decides: a parameter named ``prompts``, ``completions`` or
+    ``completion_ids`` makes it TRL's (``fn(completions, **kwargs)``, ``fn(prompts, completions, answer,
+    **kwargs)``: other required parameters are dataset columns, :func:`required_columns`), verl's two leading
+    parameters (``data_source, solution_str``) verl's.
 
     Raises:
         RewardContractError: an unknown ``contract``, a function whose signature fits neither contract or
-            both (``fn(*args, **kwargs)``: pass ``contract=``), or an explicit contract it cannot be called with.
+            both (``fn(*args, **kwargs)``: pass ``contract=``), or an explicit contract it cannot be called with
+            (TRL's: it must accept ``completions`` by keyword, by name or ``**kwargs``).
     """
     if contract not in ("auto", *CONTRACTS):
         raise RewardContractError(f"contract={contract!r}; expected one of 'auto', {', '.join(map(repr, CONTRACTS))}.")
@@ -246,23 +456,23 @@ def as_reward_function(fn: Any, contract: str = "auto") -> Callable[..., Any]:
     name = getattr(fn, "__name__", type(fn).__name__)
     if contract == "auto":
         contract = str(getattr(fn, "reward_contract", "auto"))
-    try:
-        sig: inspect.Signature | None = inspect.signature(fn)
-    except (TypeError, ValueError):
-        sig = None
+    sig = _signature(fn)
     if sig is not None:
-        trl_ok = _binds(sig, prompts=[], completions=[])
+        trl_why = _trl_callable(sig)
         verl_ok = _binds(sig, "data_source", "solution_str", "ground_truth", None)
-        params = list(sig.parameters)
+        params = [p.name for p in sig.parameters.values() if p.kind is not p.VAR_POSITIONAL]
         if contract == "auto":
-            named_trl = trl_ok and "prompts" in params and "completions" in params
+            named_trl = trl_why is None and any(p in params for p in _TRL_NAMES)
             named_verl = verl_ok and params[:2] == list(_VERL_NAMES[:2])
             if named_trl != named_verl:
                 contract = "trl" if named_trl else "verl"
-        bad = (contract == "trl" and not trl_ok) or (contract == "verl" and not verl_ok)
-        if bad:
+        if contract == "trl" and trl_why is not None:
             raise RewardContractError(
-                f"reward function '{name}'{sig} cannot be called with the {contract} contract {CONTRACTS[contract]}."
+                f"reward function '{name}'{sig} cannot be called with the trl contract {CONTRACTS['trl']}: {trl_why}."
+            )
+        if contract == "verl" and not verl_ok:
+            raise RewardContractError(
+                f"reward function '{name}'{sig} cannot be called with the verl contract {CONTRACTS['verl']}."
             )
     if contract == "auto":
         raise RewardContractError(
@@ -279,12 +489,15 @@ def run_batched(
     rows_or_fields: Any,
     run: Callable[[list[tuple[Callable, tuple, dict]]], list[tuple[str, Any]]],
     timeout_s: float | None,
+    trl_kwargs: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, Any]]:
     """The results ``(status, value)`` of the reward manager's ``payload`` (one ``(fn, (data_source,
     response, ground_truth, extra_info), kwargs)`` per entry of ``calls``: ``(name, sample, slot)``):
-    per-sample functions through ``run`` (the manager's serial or pool execution), each TRL-contract
-    function (:class:`BatchedRewardFunction`, with the same kwargs) once for all its samples, in a thread
-    joined after ``timeout_s`` seconds per sample. Raises :class:`RewardContractError` (see the module docstring)."""
+    per-sample functions through ``run`` (the manager's serial or pool execution), each batched function
+    (:class:`BatchedRewardFunction`, with the same kwargs) once for all its samples, in a thread
+    joined after ``timeout_s`` seconds per sample. ``trl_kwargs`` go to TRL-contract functions only
+    (``contract == "trl"``): ``completion_ids`` (one list per sample of the whole call, indexed by the
+    sample), ``trainer_state`` and ``log_metric``. Raises :class:`RewardContractError` (see the module docstring)."""
     from .reward import _call_in_thread
 
     batched = [j for j, (fn, _, _) in enumerate(payload) if isinstance(fn, BatchedRewardFunction)]
@@ -305,13 +518,27 @@ def run_batched(
         messages = [rows[calls[j][1]].get("messages") for j in js]
         timeout = timeout_s * len(js) if timeout_s else None
         args = (ds, texts, gts, extras)
+        extra_kw = trl_call_kwargs(fn, trl_kwargs, [calls[j][1] for j in js])
         score_batch = fn.score_batch  # type: ignore[attr-defined]  # a BatchedRewardFunction (checked above)
-        status, value = _call_in_thread(score_batch, args, {"messages": messages, **kwargs}, timeout)
+        status, value = _call_in_thread(score_batch, args, {"messages": messages, **kwargs, **extra_kw}, timeout)
         if status == "error" and value.startswith(f"{RewardContractError.__name__}:"):
             raise RewardContractError(value.split(": ", 1)[1])
         for k, j in enumerate(js):
             results[j] = (status, value) if status != "ok" else ("ok", value[k])
     return results
+
+
+def trl_call_kwargs(fn: Any, trl_kwargs: Mapping[str, Any] | None, samples: Sequence[int]) -> dict[str, Any]:
+    """The keywords of ``fn.score_batch`` for a TRL-contract ``fn`` (``contract == "trl"``) from ``trl_kwargs``
+    (``completion_ids`` of every sample, ``trainer_state``, ``log_metric``; None values left out), the
+    ``completion_ids`` of ``samples`` only; ``{}`` for other functions."""
+    if getattr(fn, "contract", None) != "trl" or not trl_kwargs:
+        return {}
+    out = {k: v for k, v in trl_kwargs.items() if v is not None}
+    if out.get("completion_ids") is not None:
+        ids = out["completion_ids"]
+        out["completion_ids"] = [ids[i] for i in samples]
+    return out
 
 
 def _rows(rows_or_fields: Any) -> list[dict]:

@@ -82,6 +82,7 @@ from .metrics import (
 from .registry import Registry, get_registry
 from .report import log_validation_samples
 from .reward import RewardFailureGuard, components_tensor, scored_rows
+from .reward_contract import trl_inputs
 from .reward_model import validation_reward
 from .reward_norm import ScoreNormalizer
 from .rollout_correction import apply_rollout_correction, bypasses_old_log_probs, use_rollout_log_probs_as_old
@@ -487,7 +488,7 @@ class Trainer:
 
     @on_main_then_broadcast
     def _score(self, rows: list[dict], out: RolloutOutput) -> tuple[list[float], dict, dict]:
-        return self.reward.score([rows[i] for i in out.prompt_index], self._decode(out))
+        return self.reward.score([rows[i] for i in out.prompt_index], self._decode(out), **trl_inputs(self, out))
 
     def _baseline_scores(self, rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput) -> torch.Tensor:
         """``(B,) float32``: the score of a greedy response to each response's prompt (ReMax's baseline);
@@ -504,7 +505,7 @@ class Trainer:
             return None
         rows_out, overlap = [rows[i] for i in out.prompt_index], bool(self.cfg.reward.overlap)
         return self.reward.score_async(
-            rows_out, lambda: self._decode(out), overlap=overlap, lengths=out.response_lengths
+            rows_out, lambda: self._decode(out), overlap=overlap, lengths=out.response_lengths, **trl_inputs(self, out)
         )
 
     def _finish_scoring(self, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:

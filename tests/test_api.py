@@ -155,6 +155,7 @@ def test_trl_function_as_shaping_with_chat_prompts():
     # TRL's conversational format: message-list prompts, completions as one assistant message each
     assert prompts == [msgs, msgs]
     assert completions == [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "123"}]]
+    assert callable(columns.pop("log_metric"))  # TRL's log_metric (no trainer here: no trainer_state, completion_ids)
     assert columns == {"data_source": ["d", "d"], "ground_truth": ["5", "5"], "id": [0, 1]}
 
 
