@@ -445,16 +445,19 @@ def _no_rows_error(path: str, setting: str | None, schema: Any = None, weighted:
     )
 
 
-def _num_rows(path: str, setting: str | None = None, weighted: bool = False) -> int:
-    """The row count in ``path``'s parquet footer (nothing else is read).
+def _check_has_rows(path: str, setting: str | None = None, weighted: bool = False, unreadable_ok: bool = False) -> None:
+    """Raise :func:`_no_rows_error` when ``path``'s parquet footer counts 0 rows (nothing else is read).
 
-    Raises :class:`DatasetError` for an unreadable file or one with 0 rows (:func:`_no_rows_error`)."""
+    Raises :class:`DatasetError` for a file with 0 rows, and for an unreadable file unless ``unreadable_ok``
+    (then the reader reports it later)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         meta = pq.read_metadata(path)
     except (pa.ArrowException, OSError) as exc:
+        if unreadable_ok:
+            return
         raise DatasetError(f"{path}: not a readable parquet file ({exc}). {_SCHEMA_HELP}") from exc
     if meta.num_rows == 0:
         try:
@@ -462,16 +465,16 @@ def _num_rows(path: str, setting: str | None = None, weighted: bool = False) -> 
         except (pa.ArrowException, OSError):
             schema = None
         raise _no_rows_error(path, setting, schema, weighted)
-    return int(meta.num_rows)
 
 
 def check_data_config(cfg: Any) -> None:
     """The config-time data checks, from :func:`rlplug.validate.validate_config` (before any model loads):
     ``data.special_tokens_in_text`` is one of :data:`SPECIAL_TOKENS_IN_TEXT`, and every existing file of
-    ``data.train_files`` / ``data.val_files`` has rows (read from the parquet footer only).
+    ``data.train_files`` / ``data.val_files`` that is a readable parquet file has rows (read from its footer
+    only; an unreadable file is reported by :func:`read_dataset` when the data is read).
 
     Raises :class:`rlplug.config.ConfigError` for an unknown ``data.special_tokens_in_text`` and
-    :class:`DatasetError` for an unreadable file or one with 0 rows (naming the file and its setting).
+    :class:`DatasetError` for a file with 0 rows (naming the file and its setting).
     """
     from .config import ConfigError
 
@@ -488,7 +491,7 @@ def check_data_config(cfg: Any) -> None:
         for f in d.get(key) or []:
             path = str(Path(str(f)).expanduser())
             if Path(path).is_file():
-                _num_rows(path, f"data.{key}", weighted and key == "train_files")
+                _check_has_rows(path, f"data.{key}", weighted and key == "train_files", unreadable_ok=True)
 
 
 def dataset_read_kwargs(cfg: Any) -> dict[str, Any]:
@@ -576,7 +579,7 @@ def read_dataset(
     for path in paths:
         if not Path(path).is_file():
             raise DatasetError(f"{path}: file not found. Check {where}.")
-        _num_rows(path, setting)  # a file with 0 rows says so before its (possibly untyped) columns are checked
+        _check_has_rows(path, setting)  # a file with 0 rows says so before its (possibly untyped) columns are checked
         try:
             schema = pq.read_schema(path)
         except (pa.ArrowException, OSError) as exc:
