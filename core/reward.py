@@ -834,6 +834,9 @@ class RewardManager:
 
         #: TRL's ``log_metric`` for TRL-contract functions; drained into each :meth:`score` call's metrics
         self._metric_log = MetricLog()
+        #: where :meth:`score` gets TRL's ``trainer_state`` when not given one (the trainer sets it:
+        #: :func:`rlplug.reward_contract.attach_trainer`); None: not passed
+        self.trainer_state_fn: Callable[[], Any] | None = None
         for i, (_, name, _, kwargs) in enumerate(self.shaping):
             self._resolve(name, f"reward.shaping[{i}]", kwargs)
         if validation and not cfg.get("val_reward_model", False):  # verl's val_reward_fn: the rule reward alone
@@ -1060,7 +1063,7 @@ class RewardManager:
             completion_ids: the ``B`` responses' token ids, passed to TRL-contract functions as
                 ``completion_ids`` (:mod:`rlplug.reward_contract`); None: not passed.
             trainer_state: passed to TRL-contract functions as ``trainer_state``
-                (:func:`rlplug.reward_contract.trainer_state`); None: not passed.
+                (:func:`rlplug.reward_contract.trainer_state`); None: :attr:`trainer_state_fn`'s, if set.
 
         TRL-contract functions (``contract == "trl"``) may return ``None`` (or NaN) for a response: "does not
         apply". Such a value adds nothing to the score (TRL's ``nansum`` over the weighted functions) and is
@@ -1124,6 +1127,8 @@ class RewardManager:
         from .reward_contract import run_batched  # TRL-contract functions: one call per function and batch
 
         trl_labels = self._trl_labels(slots)
+        if trainer_state is None and trl_labels and self.trainer_state_fn is not None:
+            trainer_state = self.trainer_state_fn()
         self._metric_log.reserved = {f"reward/{k}" for k in _OWN_METRICS} | {
             f"reward/{lab}/{stat}" for lab in trl_labels.values() for stat in ("mean", "std")
         }

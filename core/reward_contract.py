@@ -32,7 +32,8 @@ What a TRL-contract function receives (:meth:`BatchedRewardFunction.score_batch`
   of one scoring call), as TRL's ``log_metric`` does.
 
 TRL's ``log_extra`` (a column of its completions table) and ``environments`` are not passed: rlplug has
-no completions table or environments. A function without ``**kwargs`` gets only the keywords it names.
+no completions table or environments. A function without ``**kwargs`` gets only the keywords it names. An
+``async def`` function is awaited (on an event loop of its own), as TRL awaits it.
 
 The reward manager (:meth:`rlplug.reward.RewardManager.score`) calls each TRL-contract function once
 per :meth:`~rlplug.reward.RewardManager.score` call with all its samples, in this process (not in the
@@ -67,6 +68,8 @@ __all__ = [
     "required_columns",
     "run_batched",
     "trainer_state",
+    "attach_trainer",
+    "trainer_state_of",
     "trl_ids",
     "trl_inputs",
 ]
@@ -154,19 +157,28 @@ def trl_ids(reward: Any, out: Any) -> dict[str, Any]:
 
 def trl_inputs(trainer: Any, out: Any) -> dict[str, Any]:
     """The keywords the trainer adds to :meth:`rlplug.reward.RewardManager.score` for TRL-contract functions:
-    ``completion_ids`` (``out.response_ids``, a :class:`rlplug.types.RolloutOutput`'s token ids, EOS included
-    when generated, as TRL's) and ``trainer_state`` (:func:`trainer_state` from the trainer's ``global_step``:
-    steps done before this batch, ``total_steps`` and ``loader.steps_per_epoch``; None when ``trainer`` lacks
-    them, e.g. a stand-in object in a test). ``{}`` unless ``trainer.reward`` uses a TRL-contract function
-    (:attr:`rlplug.reward.RewardManager.uses_trl`)."""
-    if not getattr(getattr(trainer, "reward", None), "uses_trl", False):
-        return {}
+    :func:`trl_ids` of ``trainer.reward`` (``trainer_state`` comes from :func:`attach_trainer`)."""
+    return trl_ids(getattr(trainer, "reward", None), out)
+
+
+def trainer_state_of(trainer: Any) -> Any:
+    """:func:`trainer_state` of ``trainer`` now: its ``global_step`` (optimizer steps done), ``total_steps`` and
+    epoch ``global_step / loader.steps_per_epoch``; None when ``trainer`` lacks them."""
     done, total = getattr(trainer, "global_step", None), getattr(trainer, "total_steps", None)
     per_epoch = getattr(getattr(trainer, "loader", None), "steps_per_epoch", None)
-    state = None
     if isinstance(done, int) and isinstance(total, int) and isinstance(per_epoch, int):
-        state = trainer_state(done, total, done / max(1, per_epoch))
-    return {"completion_ids": out.response_ids, "trainer_state": state}
+        return trainer_state(done, total, done / max(1, per_epoch))
+    return None
+
+
+def attach_trainer(trainer: Any) -> None:
+    """Give the trainer's reward managers (``trainer.reward``, ``trainer.val_reward``) the source of TRL's
+    ``trainer_state`` (:attr:`rlplug.reward.RewardManager.trainer_state_fn`): :func:`trainer_state_of` the
+    trainer at each scoring call, in training and validation."""
+    for name in ("reward", "val_reward"):
+        manager = getattr(trainer, name, None)
+        if manager is not None and hasattr(manager, "trainer_state_fn"):
+            manager.trainer_state_fn = lambda: trainer_state_of(trainer)
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
@@ -297,6 +309,8 @@ class BatchedRewardFunction(ScoresOneAsABatch):
         if log_metric is not None:
             call["log_metric"] = log_metric
         out = self.fn(**self._accepted(call))
+        if inspect.isawaitable(out):  # an async reward function (TRL 1.16 awaits those)
+            out = _run_coroutine(out)
         return _check_values(self.name, out, n)
 
     def _accepted(self, call: dict[str, Any]) -> dict[str, Any]:
@@ -334,6 +348,35 @@ class BatchedRewardFunction(ScoresOneAsABatch):
 
     def __repr__(self) -> str:
         return f"BatchedRewardFunction({self.name}, contract='trl')"
+
+
+def _run_coroutine(awaitable: Any) -> Any:
+    """The result of an async reward function's ``awaitable``: run on a new event loop, in this thread, or in a
+    helper thread when this one already runs a loop (a notebook)."""
+    import asyncio
+
+    async def wait() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(("ok", asyncio.run(wait())))
+        except BaseException as exc:  # handed to the caller's thread
+            box.append(("error", exc))
+
+    t = threading.Thread(target=run, name="rlplug-async-reward", daemon=True)
+    t.start()
+    t.join()
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
 
 
 def _prompt_of(row: Mapping[str, Any]) -> Any:

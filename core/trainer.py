@@ -82,7 +82,7 @@ from .metrics import (
 from .registry import Registry, get_registry
 from .report import log_validation_samples
 from .reward import RewardFailureGuard, components_tensor, scored_rows
-from .reward_contract import trl_inputs
+from .reward_contract import attach_trainer, trl_inputs
 from .reward_model import validation_reward
 from .reward_norm import ScoreNormalizer
 from .rollout_correction import apply_rollout_correction, bypasses_old_log_probs, use_rollout_log_probs_as_old
@@ -279,6 +279,7 @@ class Trainer:
         )
         self.reward = RewardManager(cfg.reward, registry=self.registry)
         self.val_reward = validation_reward(self.reward, cfg.reward)  # the rule reward unless reward.val_reward_model
+        attach_trainer(self)  # TRL-contract reward functions get trainer_state
         self.model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
         self.train_ds, self.val_ds = read_run_datasets(cfg, self.tokenizer, self.reward.check_data_sources)

@@ -158,6 +158,16 @@ def test_numbers_of_every_kind_and_log_metric():
             rm.score(_rows(["a"]), ["x"])
 
 
+def test_an_async_function_is_awaited():
+    async def judged(completions, **kwargs):
+        return [0.25 * len(c) for c in completions]
+
+    reg = _registry(judged=as_reward_function(judged))
+    with RewardManager({"default": "judged"}, registry=reg) as rm:
+        scores, _, _ = rm.score(_rows(["a", "b"]), ["xy", "xyzw"])
+    assert scores == [0.5, 1.0]  # 0.25 x 2 and 0.25 x 4 characters
+
+
 @pytest.mark.parametrize(
     "returned, message",
     [
@@ -222,6 +232,7 @@ def flat(data_source, solution_str, ground_truth, extra_info=None):
 
 def _overrides(tmp_path):
     run = [*TINY_CPU_RUN, "algorithm=grpo", "rollout.n=2", "trainer.total_training_steps=2", "data.shuffle=false"]
+    run += ["trainer.test_freq=2"]  # validation after step 2 (TINY_CPU_RUN has none)
     return run + ["actor.ppo_mini_batch_size=2", "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path}"]
 
 
@@ -238,11 +249,17 @@ def test_train_with_plain_decorated_and_verl_functions_and_weights(tmp_path):
     result = rlplug.train(
         _overrides(tmp_path),
         train_dataset=CHAT,
+        eval_dataset=CHAT,
         reward_funcs=[answer_reward, only_sums, flat],
         reward_weights=[2.0, 0.5, -1.0],
     )
-    assert result.status == "finished" and len(CALLS) == 2
+    assert result.status == "finished" and len(CALLS) == 3  # two training steps, validation after the second
     tok = AutoTokenizer.from_pretrained(result.final_model)
+    validation = CALLS.pop()
+    assert validation["step"] == (2, 2) and validation["answer"] == ["5", "3"]  # one greedy response per prompt
+    assert [tok.decode(i, skip_special_tokens=True) for i in validation["completion_ids"]] == [
+        c[0]["content"] for c in validation["completions"]
+    ]
     for step, call in enumerate(CALLS):
         # TRL's conversational format: message-list prompts, one assistant message per completion
         assert call["prompts"][0] == CHAT[0]["prompt"] and call["prompts"][2] == CHAT[1]["prompt"]
