@@ -340,7 +340,7 @@ def test_every_command_in_the_rewards_doc_composes():
         for line in block.replace("\\\n", " ").splitlines()  # join continued lines
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert len(commands) == 9
+    assert len(commands) == 10  # + the TRL-contract function from a file
     for argv in commands:
         assert argv[:2] == ["rlplug", "train"], argv
         compose(argv[2:])
