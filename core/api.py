@@ -202,7 +202,7 @@ def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, con
     """
     from .config import ConfigError
     from .registry import get_registry
-    from .reward_contract import RewardContractError, as_reward_function
+    from .reward_contract import RewardContractError, as_reward_function, callable_name
 
     registry = registry or get_registry()
     names: list[str] = []
@@ -214,7 +214,7 @@ def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, con
             obj = as_reward_function(fn, contract)
         except RewardContractError as exc:
             raise ConfigError(f"train(reward_funcs[{i}]): {exc}") from exc
-        name = str(getattr(obj, "name", None) or getattr(fn, "__name__", ""))
+        name = str(getattr(obj, "name", None) or callable_name(fn))
         if not name.isidentifier():
             name = f"reward_func_{i}"
         if name in names:  # two functions of one name (TRL allows it): each needs its own registry entry
@@ -239,11 +239,14 @@ def reward_weights_for(reward_weights: Any, names: Sequence[str]) -> list[float]
         rlplug.config.ConfigError: not a list of numbers, a non-finite number, or another length than ``names``.
     """
     import math
+    import numbers
 
     from .config import ConfigError
 
     if reward_weights is None:
         return [1.0] * len(names)
+    if hasattr(reward_weights, "tolist") and not isinstance(reward_weights, (str, bytes)):
+        reward_weights = reward_weights.tolist()  # a numpy array or a tensor
     if isinstance(reward_weights, (str, bytes, Mapping)) or not isinstance(reward_weights, Sequence):
         raise ConfigError(
             f"train(reward_weights={reward_weights!r:.60}): expected a list of numbers, one per reward function "
@@ -256,7 +259,7 @@ def reward_weights_for(reward_weights: Any, names: Sequence[str]) -> list[float]
         )
     out = []
     for name, w in zip(names, reward_weights):
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(float(w)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(float(w)):
             raise ConfigError(
                 f"train(reward_weights=...): the weight of reward function '{name}' is {w!r:.60}; expected a finite "
                 "number."

@@ -27,6 +27,10 @@ timeout of ``reward.timeout_s`` per response unless it is model-based); one with
 looked up by name in the plugin registry (kind ``reward_function``) and called with verl's
 contract ``fn(data_source, solution_str, ground_truth, extra_info, **reward.kwargs.<name>)``.
 
+A TRL-contract function (:mod:`rlplug.reward_contract`) may return ``None`` (or NaN) for a response: it does
+not apply there and adds nothing to the score (TRL's ``nansum``); a response every function skips is
+unscorable and treated as a failed one below (``reward/unscorable``; :meth:`RewardManager.score`).
+
 Failures: a call that raises, returns a non-finite value (NaN/inf), ``None`` or a dict without a
 finite ``"score"``, or runs longer than ``reward.timeout_s`` seconds, is a failure: logged once
 per distinct message (with the sample), counted in ``reward/failures`` (all of these) and

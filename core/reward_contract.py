@@ -181,6 +181,16 @@ def attach_trainer(trainer: Any) -> None:
             manager.trainer_state_fn = lambda: trainer_state_of(trainer)
 
 
+def callable_name(fn: Any) -> str:
+    """The name TRL gives a reward function: ``__name__``, through ``functools.partial`` wrappers; a callable
+    object's class name."""
+    import functools
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return str(getattr(fn, "__name__", type(fn).__name__))
+
+
 def _signature(fn: Any) -> inspect.Signature | None:
     try:
         return inspect.signature(fn)
@@ -234,7 +244,7 @@ class BatchedRewardFunction(ScoresOneAsABatch):
         if not callable(fn):
             raise RewardContractError(f"trl_reward() needs a function, got {type(fn).__name__} {fn!r:.60}.")
         self.fn = fn
-        self.name: str = str(name or getattr(fn, "__name__", type(fn).__name__))
+        self.name: str = str(name or callable_name(fn))
         # the function's names and docs, but no __wrapped__: inspect.signature must see verl's __call__
         for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
             if hasattr(fn, attr):
@@ -496,7 +506,7 @@ def as_reward_function(fn: Any, contract: str = "auto") -> Callable[..., Any]:
         return fn
     if not callable(fn):
         raise RewardContractError(f"a reward function must be callable, got {type(fn).__name__} {fn!r:.60}.")
-    name = getattr(fn, "__name__", type(fn).__name__)
+    name = callable_name(fn)
     if contract == "auto":
         contract = str(getattr(fn, "reward_contract", "auto"))
     sig = _signature(fn)

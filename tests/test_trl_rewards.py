@@ -51,6 +51,21 @@ def test_trl_forms_are_told_apart_from_verl():
         as_reward_function(lambda completions, /, **kw: [0.0], contract="trl")
 
 
+def test_partials_and_callable_objects_are_named_as_trl_names_them():
+    import functools
+
+    def scaled(completions, scale, **kwargs):
+        return [scale * len(c) for c in completions]
+
+    class Judge:
+        def __call__(self, prompts, completions, **kwargs):
+            return [0.0] * len(completions)
+
+    half = as_reward_function(functools.partial(scaled, scale=0.5))
+    assert half.name == "scaled" and half.score_batch(["d"], ["abcd"], [""], [{}]) == [2.0]  # 0.5 x 4 characters
+    assert as_reward_function(Judge()).name == "Judge"
+
+
 def _rows(answers, prompts=None):
     prompts = prompts or [f"q{i}" for i in range(len(answers))]
     return [
