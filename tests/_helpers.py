@@ -92,3 +92,64 @@ def reference_log_probs(
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]  # (T_resp, V)
     return torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+# ---------------------------------------------------------------------------- float tolerances
+# Two code paths that compute the same float32 quantity in a different order (another kernel,
+# micro-batch split, chunking, CPU kind) agree only up to rounding: the tolerances below come from
+# rlplug.testing.reduction_tolerance (the dtype, the length of the reductions, their magnitude),
+# not from one machine's observed difference. CONTRIBUTING.md ("Float tolerances") says when to
+# use which.
+
+#: vocabulary size of the tiny model (the SmolLM2 tokenizer's)
+TINY_VOCAB = 49152
+
+
+def tiny_chain_terms(seq_len: int, *, layers: int | None = None, vocab_size: int = 0, backward_tokens: int = 0) -> int:
+    """``n_terms`` for :func:`rlplug.testing.reduction_tolerance` of the tiny Llama model's float32
+    forward over ``seq_len`` tokens: the reduction lengths along its longest chain. Per layer:
+    the input RMSNorm (H), the q/k/v projections (H), the attention scores (head size), the
+    softmax's normaliser and the weighted sum of values (2 x ``seq_len``), the output projection
+    (H), the second RMSNorm (H), gate/up (H) and down (I) projections; then the final norm (H),
+    the head's dot product (H) and, with ``vocab_size``, the log-sum-exp over the vocabulary.
+    With ``backward_tokens`` (the tokens a weight gradient sums over) the backward retraces the
+    chain and each weight gradient adds that sum. ``layers`` defaults to the tiny config's."""
+    from rlplug.config import TinyModelConfig
+
+    cfg = TinyModelConfig()
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    head = h // cfg.num_attention_heads
+    n_layers = cfg.num_hidden_layers if layers is None else layers
+    forward = n_layers * (5 * h + head + 2 * seq_len + i) + 2 * h + vocab_size
+    return 2 * forward + backward_tokens if backward_tokens else forward
+
+
+def fp32_atol(n_terms: int, *refs: Any, floor: float = 0.0) -> float:
+    """``reduction_tolerance(float32, n_terms, scale)`` with ``scale`` the largest ``|value|`` of
+    ``refs`` (tensors or numbers), at least ``floor`` (1.0 for scalar metrics whose terms are O(1)
+    even when their mean is near 0)."""
+    from rlplug.testing import reduction_tolerance
+
+    scale = max([floor, *(float(torch.as_tensor(r).abs().max()) for r in refs)])
+    return reduction_tolerance(torch.float32, n_terms, scale)
+
+
+def assert_updates_close(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    start: dict[str, torch.Tensor],
+    n_terms: int,
+    what: str = "",
+) -> None:
+    """Parameters after the same update computed two ways (micro-batch split, token budget,
+    backend): each tensor's update ``want - start`` may differ by rounding of the gradient's
+    chain (``n_terms`` float32 terms) relative to the update's largest entry, plus one rounding of
+    the parameter itself. The optimizer must be Lipschitz in the gradient for this to hold (the
+    tests' AdamW has ``eps = 1``; with ``eps = 1e-8`` the first update is ``lr * sign(g)``)."""
+    from rlplug.testing import reduction_tolerance
+
+    for name, w in want.items():
+        tol = reduction_tolerance(torch.float32, n_terms, (w - start[name]).abs().max()) + reduction_tolerance(
+            torch.float32, 1, w.abs().max()
+        )
+        torch.testing.assert_close(got[name], w, rtol=0, atol=tol, msg=f"{what}{name}")

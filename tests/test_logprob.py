@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _helpers import fp32_atol
 
 from rlplug.logprob import (
     lm_head_of,
@@ -15,6 +16,7 @@ from rlplug.logprob import (
     token_stats_from_hidden,
     trim_padding_columns,
 )
+from rlplug.testing import reduction_tolerance
 
 
 def naive(hidden, weight, labels, temperature=1.0, bias=None):
@@ -22,6 +24,25 @@ def naive(hidden, weight, labels, temperature=1.0, bias=None):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+pytestmark = pytest.mark.numerics
+
+
+def head_terms(h: int, v: int, tokens: int = 0) -> int:
+    """float32 reduction lengths along the head's chain (``rlplug.testing.reduction_tolerance``):
+    the logits' dot product over the hidden size ``h``, then the log-sum-exp and the entropy's sum
+    over the vocabulary ``v``; with ``tokens`` the backward retraces the chain and the weight
+    gradient sums over the tokens."""
+    forward = h + 2 * v
+    return 2 * forward + tokens if tokens else forward
+
+
+def assert_fp32_close(got, ref, n_terms, *extra_scale, **kw):
+    """Two float32 evaluations of the same quantity in another operation order (chunks, fused
+    backward, another kernel): equal up to the rounding of ``n_terms`` terms at the magnitude of
+    ``ref`` (and of ``extra_scale``, e.g. the logits a log-prob is a difference of)."""
+    torch.testing.assert_close(got, ref, rtol=0, atol=fp32_atol(n_terms, ref, *extra_scale), **kw)
 
 
 def _inputs(n=37, h=16, v=50, seed=0):
@@ -73,16 +94,19 @@ def test_values_match_naive(chunk_size, temperature):
             lm_head_bias=None if b is None else b.float(),
         )
         ref_lp, ref_ent = naive(hidden, weight, labels, temperature, b)
-        torch.testing.assert_close(lp, ref_lp.float(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=1e-5)
+        logits = torch.nn.functional.linear(hidden, weight, b) / temperature
+        assert_fp32_close(lp, ref_lp.float(), head_terms(16, 50), logits)
+        assert_fp32_close(ent, ref_ent.float(), head_terms(16, 50), logits)
     lp2, none = log_probs_from_hidden(hidden.float(), weight.float(), labels, chunk_size=chunk_size)
     assert none is None
-    torch.testing.assert_close(lp2, naive(hidden, weight, labels)[0].float(), rtol=1e-5, atol=1e-5)
+    ref_lp2 = naive(hidden, weight, labels)[0].float()
+    assert_fp32_close(lp2, ref_lp2, head_terms(16, 50), torch.nn.functional.linear(hidden, weight))
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 37, 100])
 def test_gradients_match_naive(chunk_size):
-    # float64 so that chunked and naive agree to 1e-10: any difference is a bug, not rounding.
+    # float64 inputs, but both paths compute the logits' softmax in float32: they agree to float32
+    # rounding of the head's forward and backward over the 37 tokens.
     hidden, weight, labels = _inputs(seed=1)
     g = torch.Generator().manual_seed(2)
     w_lp = torch.randn(hidden.shape[0], generator=g, dtype=torch.float64)
@@ -101,8 +125,8 @@ def test_gradients_match_naive(chunk_size):
 
     gh, gw = grads(ours)
     rh, rw = grads(lambda h, w: naive(h, w, labels, 0.8))
-    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
+    assert_fp32_close(gh, rh, head_terms(16, 50, 37))
+    assert_fp32_close(gw, rw, head_terms(16, 50, 37))
 
 
 def test_no_vocab_sized_tensor_is_kept_for_the_backward():
@@ -170,6 +194,16 @@ def tiny_lm():
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_lm_terms(seq_len: int = 7, tokens: int = 0) -> int:
+    """float32 reduction lengths along ``tiny_lm``'s longest chain (as ``_helpers.tiny_chain_terms``
+    counts them): per layer the norm, q/k/v, attention scores (head size 8), softmax and weighted
+    sum (2 x ``seq_len``), output projection, second norm, gate/up (hidden 32) and down (64); then
+    the final norm, the head and the log-sum-exp over the 97-token vocabulary. With ``tokens``, the
+    backward retraces it and a weight gradient sums over the tokens."""
+    forward = 2 * (5 * 32 + 8 + 2 * seq_len + 64) + 2 * 32 + 97
+    return 2 * forward + tokens if tokens else forward
+
+
 def _prompt_response_batch(vocab=97):
     # 3 responses, left-padded prompts (P = 4), right-padded responses (T = 3)
     g = torch.Generator().manual_seed(3)
@@ -194,8 +228,8 @@ def test_response_log_probs_match_model_logits(tiny_lm):
     ref_ent = -(ref_logp.exp() * ref_logp).sum(-1)
     assert lp.shape == (3, 3) and ent.shape == (3, 3)
     real = batch["attention_mask"][:, 4:].bool()
-    torch.testing.assert_close(lp[real], ref_lp[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent[real], ref_ent[real], rtol=1e-5, atol=1e-5)
+    assert_fp32_close(lp[real], ref_lp[real], tiny_lm_terms(), logits)
+    assert_fp32_close(ent[real], ref_ent[real], tiny_lm_terms(), logits)
     # the one padding position (row 2's 3rd response token) is not computed: 0.0
     assert lp[2, 2] == 0.0 and ent[2, 2] == 0.0 and int((~real).sum()) == 1
 
@@ -214,8 +248,8 @@ def test_all_padding_columns_are_trimmed_and_outputs_unchanged(tiny_lm):
         lp, ent = response_log_probs(tiny_lm, batch, 3, with_entropy=True)
         lp_w, ent_w = response_log_probs(tiny_lm, wide, 4, with_entropy=True)
     assert lp_w.shape == (3, 4)
-    torch.testing.assert_close(lp_w[:, :3], lp, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ent_w[:, :3], ent, rtol=1e-5, atol=1e-6)
+    assert_fp32_close(lp_w[:, :3], lp, tiny_lm_terms(8), lp)  # the wide batch's attention sums over 8 columns
+    assert_fp32_close(ent_w[:, :3], ent, tiny_lm_terms(8), lp)
     assert torch.all(lp_w[:, 3] == 0) and torch.all(ent_w[:, 3] == 0)
     # without position_ids the model numbers positions by column: only trailing columns may go
     no_pos = {k: v for k, v in wide.items() if k != "position_ids"}
@@ -240,7 +274,7 @@ def test_response_log_probs_fallback_path(tiny_lm, monkeypatch):
     with torch.no_grad():
         slow, ent = response_log_probs(tiny_lm, batch, 3, with_entropy=True)
     real = batch["attention_mask"][:, 4:].bool()
-    torch.testing.assert_close(fast[real], slow[real], rtol=1e-5, atol=1e-5)
+    assert_fp32_close(fast[real], slow[real], tiny_lm_terms())
     assert ent.shape == (3, 3)
 
 
@@ -254,8 +288,10 @@ def test_response_log_probs_gradient_matches_full_logits(tiny_lm):
     logits = tiny_lm(**batch).logits.float()
     ref = torch.log_softmax(logits[:, 3:6], -1).gather(-1, batch["input_ids"][:, 4:7, None]).squeeze(-1)
     (ref * mask).sum().backward()
+    ref_grads = {n: p.grad for n, p in tiny_lm.named_parameters()}
     for n, p in tiny_lm.named_parameters():
-        torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+        # relative to the whole model's gradient: a parameter's gradient is a chain of the others'
+        assert_fp32_close(ours[n], p.grad, tiny_lm_terms(tokens=21), *ref_grads.values(), msg=n)
     tiny_lm.zero_grad()
 
 
@@ -301,7 +337,8 @@ def test_sum_pi_squared_matches_naive_and_leaves_log_probs_unchanged(chunk_size)
         hidden, weight, labels, temperature=0.6, chunk_size=chunk_size, with_entropy=True, extras=("sum_pi_squared",)
     )
     p = torch.softmax(torch.nn.functional.linear(hidden.double(), weight.double()) / 0.6, dim=-1)
-    torch.testing.assert_close(out["sum_pi_squared"].double(), (p * p).sum(-1), rtol=1e-5, atol=1e-6)
+    # float32 against a float64 reference: a dot product over the hidden size, softmax and sum over V
+    assert_fp32_close(out["sum_pi_squared"].double(), (p * p).sum(-1), head_terms(16, 50), 1.0)
     # the extra does not change what the two-output form computes, bit for bit
     lp, ent = log_probs_from_hidden(hidden, weight, labels, temperature=0.6, chunk_size=chunk_size, with_entropy=True)
     assert torch.equal(out["log_probs"], lp) and torch.equal(out["entropy"], ent)
@@ -325,7 +362,7 @@ def test_response_sum_pi_squared_matches_model_logits(tiny_lm, monkeypatch):
         lp, _ = response_log_probs(tiny_lm, batch, 3, temperature=0.9, chunk_size=4)
     assert set(out) == {"log_probs", "sum_pi_squared"} and out["sum_pi_squared"].shape == (3, 3)
     real = batch["attention_mask"][:, 4:].bool()
-    torch.testing.assert_close(out["sum_pi_squared"][real], (probs * probs).sum(-1)[real], rtol=1e-5, atol=1e-6)
+    assert_fp32_close(out["sum_pi_squared"][real], (probs * probs).sum(-1)[real], tiny_lm_terms(), 1.0)
     assert out["sum_pi_squared"][2, 2] == 0.0
     assert torch.equal(out["log_probs"], lp)
     # the full-logits fallback (as for a soft-capped head; the attribute is inert in Llama) agrees
@@ -333,7 +370,7 @@ def test_response_sum_pi_squared_matches_model_logits(tiny_lm, monkeypatch):
     assert lm_head_of(tiny_lm) is None
     with torch.no_grad():
         slow = response_token_stats(tiny_lm, batch, 3, temperature=0.9, extras=("sum_pi_squared",))
-    torch.testing.assert_close(slow["sum_pi_squared"], out["sum_pi_squared"], rtol=1e-5, atol=1e-6)
+    assert_fp32_close(slow["sum_pi_squared"], out["sum_pi_squared"], tiny_lm_terms(), 1.0)
     assert slow["sum_pi_squared"][2, 2] == 0.0
 
 
@@ -363,8 +400,9 @@ def test_fused_bias_gradient_and_bf16_autocast_match_the_naive_graph(chunk_size)
 
     ours = grads(fused, hidden, weight, bias)
     ref = grads(reference, hidden, weight, bias)
-    for a, r in zip(ours, ref):
-        torch.testing.assert_close(a.double(), r.double(), rtol=1e-5, atol=1e-6)
+    logits = torch.nn.functional.linear(hidden, weight, bias).abs().max() / 0.7
+    for a, r in zip(ours, ref):  # float64 inputs, softmax in float32 on both paths
+        assert_fp32_close(a.double(), r.double(), head_terms(8, 40, 23), logits)
 
     h32, w32, b32 = hidden.float(), weight.float(), bias.float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -372,7 +410,15 @@ def test_fused_bias_gradient_and_bf16_autocast_match_the_naive_graph(chunk_size)
         ref16 = grads(reference, h32, w32, b32)
     for a, r in zip(ours16, ref16):
         assert a.dtype == r.dtype == torch.float32  # gradients come back in the parameters' dtype
-        torch.testing.assert_close(a, r, rtol=0.05, atol=0.05)
+        # both round the logits and the gradients' matmul inputs to bfloat16 (accumulating in
+        # float32): they may differ by bf16 roundings at the magnitude of the logits or the result
+        tol = reduction_tolerance(
+            torch.bfloat16,
+            head_terms(8, 40, 23),
+            max(float(logits), float(r.abs().max())),
+            accumulate_dtype=torch.float32,
+        )
+        torch.testing.assert_close(a, r, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("use", ["log_probs", "entropy"])
@@ -391,5 +437,5 @@ def test_fused_gradient_of_one_output_alone_matches_naive(use):
 
     ours = grads(lambda h, w: log_probs_from_hidden(h, w, labels, temperature=1.3, chunk_size=7, with_entropy=True))
     ref = grads(lambda h, w: naive(h, w, labels, 1.3))
-    for a, r in zip(ours, ref):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
+    for a, r in zip(ours, ref):  # float64 inputs, softmax in float32 on both paths
+        assert_fp32_close(a, r, head_terms(8, 30, 19))
