@@ -610,15 +610,17 @@ class Schedule:
         rate gives 1.0 (a phase's rate is absolute, ``docs/schedules.md``). Call after the checkpoint's state
         is loaded (:meth:`load_state_dict`). Raises ``ValueError`` when an old rate is not > 0 or a new one < 0."""
         out: dict[str, float] = {}
-        old_cfg: DictConfig | None = None
+        old_phase: DictConfig | None = None
+        new_phase: DictConfig | None = None
         if self.phases and self._lr_phase is not None:
             old_cfg = _copy(self.run_cfg)
             for role, lr in saved_lrs.items():
                 old_cfg[role].optim.lr = float(lr)
             old_phase = compose_phases(old_cfg)[self._lr_phase].cfg
+            new_phase = self.phases[self._lr_phase].cfg
         for role, lr in saved_lrs.items():
-            if old_cfg is not None:
-                old, new = float(old_phase[role].optim.lr), float(self.phases[self._lr_phase].cfg[role].optim.lr)
+            if old_phase is not None and new_phase is not None:
+                old, new = float(old_phase[role].optim.lr), float(new_phase[role].optim.lr)
             else:
                 old, new = float(lr), float(self.run_cfg[role].optim.lr)
             if not (old > 0 and new >= 0):

@@ -414,3 +414,40 @@ def test_fsdp2_on_one_rank_applies_a_new_actor_lr_on_resume(tmp_path):
     _, metrics, _, _ = _train(fsdp2 + ["trainer.total_training_steps=4", "actor.optim.lr=5e-5"], run_dir)
     assert metrics[4]["actor/lr"] == pytest.approx(5e-5, rel=1e-12)  # bug: 1e-4
     assert metrics[4]["critic/lr"] == 1e-4
+
+
+@pytest.mark.slow  # two torchrun launches of 2 gloo ranks: about two minutes on the 2-core test machine
+@pytest.mark.timeout(900)
+def test_fsdp2_on_two_ranks_applies_a_new_actor_lr_on_resume(tmp_path):
+    """``torchrun --nproc_per_node=2 -m rlplug train trainer=fsdp2``: 2 steps, then the same command resumed
+    with actor.optim.lr=5e-5 for a third: every rank scales its optimizer shards' rates (constant schedule,
+    no alert: actor/lr = 5e-5 exactly), and the rank-0 log lists the change."""
+    import subprocess
+    import sys
+
+    from rlplug.metrics import read_metrics_jsonl
+
+    run_dir = tmp_path / "run"
+    common = [
+        "trainer=fsdp2",
+        "debug=tiny",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "actor.optim.lr=1e-4",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        cmd += ["-m", "rlplug", "train", *common, *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return proc
+
+    launch("trainer.total_training_steps=2")
+    proc = launch("trainer.total_training_steps=3", "actor.optim.lr=5e-5")
+    assert proc.stdout.count("  actor.optim.lr: 0.0001 -> 5e-05\n") == 1  # rank 0 prints it
+    lrs = {int(row["step"]): row["actor/lr"] for row in read_metrics_jsonl(run_dir / "metrics.jsonl")}
+    assert lrs[2] == 1e-4 and lrs[3] == pytest.approx(5e-5, rel=1e-12)
