@@ -158,12 +158,7 @@ def slow_reason(page: str, command: str) -> str | None:
 
 
 #: examples that fail today because of work in progress elsewhere: (page, a line of the example) -> reason
-XFAIL: dict[tuple[str, str], str] = {
-    ("docs/python_api.md", "def exact(prompts, completions, answer, **columns):"): (
-        "issue 31 item 4 (TRL's reward contract, core/api.py, in progress): exact(prompts, completions, answer, "
-        "**columns) is refused with 'cannot tell the contract'"
-    ),
-}
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -727,3 +722,48 @@ def test_logical_lines_join_continuations_and_skip_comments() -> None:
         """
     )
     assert logical_lines(text) == ["rlplug train a=1      b=2   # trailing", "rlplug plugins"]
+
+
+# ============================================================================ what the pages claim
+
+
+def _table_row(page: str, first_cell: str) -> str:
+    return next(ln for ln in (ROOT / page).read_text().splitlines() if ln.startswith(f"| {first_cell}"))
+
+
+def test_security_md_says_how_the_prometheus_host_is_read() -> None:
+    """An empty host serves on loopback; ``null`` is refused at config time (the page said it fell back)."""
+    from omegaconf import OmegaConf
+
+    from rlplug.config import ConfigError, compose
+    from rlplug.plugins.tracking.prometheus_tracker import PrometheusTracker
+
+    row = _table_row("docs/security.md", "the Prometheus endpoint")
+    with pytest.raises(ConfigError, match=r"trainer\.prometheus\.host"):
+        compose(["debug=tiny", "trainer.prometheus.host=null"])
+    assert "`null` is refused at config time" in row
+    cfg = compose(["debug=tiny", "trainer.prometheus.port=0", "trainer.prometheus.host=''"])
+    tracker = PrometheusTracker(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        assert tracker.host == "127.0.0.1" and tracker.url.startswith("http://127.0.0.1:")
+    finally:
+        tracker.close()
+    assert "is empty" in row and "`127.0.0.1` only" in row
+
+
+def test_verl_md_says_reward_models_work(artifacts) -> None:
+    """verl's reward-model keys, current and legacy, compose and turn the reward model on."""
+    from rlplug.config import compose
+    from rlplug.validate import validate_config
+
+    rm = _tiny_rm(artifacts)
+    for keys in (
+        ["reward.reward_model.enable=true", f"reward.reward_model.model_path={rm}"],
+        ["reward_model.enable=true", f"reward_model.model.path={rm}"],
+    ):
+        cfg = compose(["debug=tiny", *keys])
+        validate_config(cfg)
+        assert cfg.reward.reward_model.enable is True and cfg.reward.reward_model.model_path == str(rm)
+    text = " ".join((ROOT / "docs" / "verl.md").read_text().split())
+    assert "not built yet" not in text and "multi-turn tools, reward models" not in text
+    assert "`reward.reward_model.enable=false`" not in text  # not an inert value: the key is mapped
