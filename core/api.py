@@ -118,8 +118,9 @@ def dataset_to_parquet(dataset: Any, path: str | Path) -> Path:
     return _write_rows(_verl_rows(dataset), Path(path))
 
 
-def _verl_rows(dataset: Any) -> list[dict[str, Any]]:
-    """``dataset`` as a list of rows in verl's schema (:func:`dataset_to_parquet`); raises ``DatasetError``."""
+def _verl_rows(dataset: Any, what: str = "the dataset") -> list[dict[str, Any]]:
+    """``dataset`` as a list of rows in verl's schema (:func:`dataset_to_parquet`); raises ``DatasetError``
+    naming ``what`` (``train_dataset``, ``eval_dataset``)."""
     from .data import DatasetError
 
     if isinstance(dataset, Mapping) and all(isinstance(v, list) for v in dataset.values()):  # columns
@@ -131,13 +132,16 @@ def _verl_rows(dataset: Any) -> list[dict[str, Any]]:
         )
     examples = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
     if not examples:
-        raise DatasetError("train(): the dataset has no rows.")
+        raise DatasetError(
+            f"train(): {what} has no rows; give it at least one example with a 'prompt' (an eval_dataset may be "
+            "left out instead)."
+        )
     rows = []
     for i, ex in enumerate(examples):
         if not isinstance(ex, Mapping) or "prompt" not in ex:
             cols = sorted(ex) if isinstance(ex, Mapping) else type(ex).__name__
             raise DatasetError(
-                f"train(): dataset row {i} has no 'prompt' (columns: {cols}); TRL's convention is a 'prompt' column "
+                f"train(): {what} row {i} has no 'prompt' (columns: {cols}); TRL's convention is a 'prompt' column "
                 "holding a string or a list of {role, content} messages. Rename the column or add it."
             )
         prompt = ex["prompt"]
@@ -177,14 +181,14 @@ def dataset_file_name(rows: list[dict[str, Any]], stem: str) -> str:
     return f"{stem}-{hashlib.sha256(blob).hexdigest()[:16]}.parquet"
 
 
-def _data_files(data: Any, folder: Path, stem: str) -> list[str]:
+def _data_files(data: Any, folder: Path, stem: str, what: str = "the dataset") -> list[str]:
     """``data`` as ``data.*_files``: path(s) as given, else a dataset written to ``folder`` under its
     content-addressed name (:func:`dataset_file_name`; an existing file of that name already holds it)."""
     if isinstance(data, (str, os.PathLike)):
         return [str(data)]
     if isinstance(data, Sequence) and data and all(isinstance(x, (str, os.PathLike)) for x in data):
         return [str(x) for x in data]
-    rows = _verl_rows(data)
+    rows = _verl_rows(data, what)
     path = folder / dataset_file_name(rows, stem)
     return [str(path if path.is_file() else _write_rows(rows, path))]
 
@@ -373,7 +377,7 @@ def train(
         )
     with open_dict(cfg):
         if train_dataset is not None:
-            cfg.data.train_files = _data_files(train_dataset, run_dir / "datasets", "train")
+            cfg.data.train_files = _data_files(train_dataset, run_dir / "datasets", "train", "train_dataset")
             cfg.data.prompt_key = "prompt"
         if eval_dataset is not None:
             if not cfg.data.train_files:
@@ -381,7 +385,7 @@ def train(
                     "train(eval_dataset=...) needs train_dataset (or data.train_files): with data.task the "
                     "validation set is the task's prepared test split."
                 )
-            cfg.data.val_files = _data_files(eval_dataset, run_dir / "datasets", "eval")
+            cfg.data.val_files = _data_files(eval_dataset, run_dir / "datasets", "eval", "eval_dataset")
         if reward_funcs is not None:
             funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
             if not funcs:

@@ -216,8 +216,13 @@ def test_train_config_errors(tmp_path):
         rlplug.train([f"trainer.default_local_dir={tmp_path}"], eval_dataset=[{"prompt": "x"}])
     from rlplug.data import DatasetError
 
-    with pytest.raises(DatasetError, match="row 0 has no 'prompt'"):
+    with pytest.raises(DatasetError, match="train_dataset row 0 has no 'prompt'"):
         rlplug.train([f"trainer.default_local_dir={tmp_path}"], train_dataset=[{"question": "x"}])
+    # an empty in-memory dataset names which one it is, before any model is built
+    with pytest.raises(DatasetError, match="train\\(\\): eval_dataset has no rows"):
+        rlplug.train([f"trainer.default_local_dir={tmp_path}"], train_dataset=[{"prompt": "x"}], eval_dataset=[])
+    with pytest.raises(DatasetError, match="train\\(\\): train_dataset has no rows"):
+        rlplug.train([f"trainer.default_local_dir={tmp_path}"], train_dataset={"prompt": []})
 
 
 def test_train_writes_its_dataset_under_a_content_addressed_name_and_overwrites_nothing(tmp_path):
