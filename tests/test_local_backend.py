@@ -12,15 +12,27 @@ import math
 
 import pytest
 import torch
+from _helpers import TINY_VOCAB, assert_updates_close, fp32_atol, tiny_chain_terms
 from omegaconf import OmegaConf
 
 import rlplug
 from rlplug.batch import Batch
 from rlplug.config import RunConfig, TinyModelConfig
 from rlplug.plugins.training.local import LocalTrainingBackend, build_lr_lambda
+from rlplug.testing import reduction_tolerance
 
 B, P, T, N_SAMPLES = 8, 5, 6, 2
 PAD = 2
+
+#: float32 rounding chains (rlplug.testing.reduction_tolerance) of the tiny model over P + T
+#: tokens: the forward with the log-sum-exp over the vocabulary; the critic's forward; the forward
+#: and backward of an update, whose weight gradients sum over the batch's B x (P + T) tokens. Two
+#: micro-batchings (or a hand-written reference) run the same rows in other matmul shapes, so they
+#: agree to rounding only; a bug moves values by orders more.
+LOG_PROB_TERMS = tiny_chain_terms(P + T, vocab_size=TINY_VOCAB)
+VALUE_TERMS = tiny_chain_terms(P + T)
+UPDATE_TERMS = tiny_chain_terms(P + T, vocab_size=TINY_VOCAB, backward_tokens=B * (P + T))
+CRITIC_UPDATE_TERMS = tiny_chain_terms(P + T, backward_tokens=B * (P + T))
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +130,7 @@ def test_lr_schedule_hand_values():
 
 
 # --------------------------------------------------------------------------- inference
+@pytest.mark.numerics
 def test_compute_log_probs_match_full_logits_and_ref(model_path):
     backend = LocalTrainingBackend(
         make_cfg(**{"actor.micro_batch_size_per_device": 3}), model_path, use_critic=False, use_ref=True, total_steps=2
@@ -137,8 +150,10 @@ def test_compute_log_probs_match_full_logits_and_ref(model_path):
     ref_lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
     # micro-batches of 3 rows grouped by length, each trimmed to its own columns; padding -> 0.0
     real = batch["response_mask"].bool()
-    torch.testing.assert_close(out["log_probs"][real], ref_lp[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["entropy"][real], -(logp.exp() * logp).sum(-1)[real], rtol=1e-5, atol=1e-5)
+    # a log-prob is a difference of logits: rounding at the magnitude of both
+    atol = fp32_atol(LOG_PROB_TERMS, ref_lp[real], logits)
+    torch.testing.assert_close(out["log_probs"][real], ref_lp[real], rtol=0, atol=atol)
+    torch.testing.assert_close(out["entropy"][real], -(logp.exp() * logp).sum(-1)[real], rtol=0, atol=atol)
     assert torch.all(out["log_probs"][~real] == 0) and torch.all(out["entropy"][~real] == 0)
     # the reference model is the initial actor
     assert torch.equal(backend.compute_log_probs(batch, which="ref")["log_probs"], out["log_probs"])
@@ -147,6 +162,7 @@ def test_compute_log_probs_match_full_logits_and_ref(model_path):
     backend.close()
 
 
+@pytest.mark.numerics
 def test_compute_log_probs_sum_pi_squared_matches_full_logits(model_path):
     # extras=("sum_pi_squared",): per response token sum_v p_v^2 with p = softmax(logits / 0.8),
     # computed in the chunked pass; against the model's full (B, L, V) logits. Micro-batches of 3
@@ -166,8 +182,9 @@ def test_compute_log_probs_sum_pi_squared_matches_full_logits(model_path):
         )
     probs = torch.softmax(logits[:, P - 1 : P + T - 1].double(), -1)
     real = batch["response_mask"].bool()
+    # float32 against a float64 softmax: the model's chain, terms p_v^2 <= 1
     torch.testing.assert_close(
-        out["sum_pi_squared"][real].double(), (probs * probs).sum(-1)[real], rtol=1e-5, atol=1e-7
+        out["sum_pi_squared"][real].double(), (probs * probs).sum(-1)[real], rtol=0, atol=fp32_atol(LOG_PROB_TERMS, 1.0)
     )
     assert torch.all(out["sum_pi_squared"][~real] == 0)
     # the other outputs are what they are without the extra, bit for bit; "entropy" as an extra
@@ -254,12 +271,14 @@ def test_policy_loss_requires_reaches_the_loss_row_aligned(model_path):
 
 
 # --------------------------------------------------------------------------- micro-batch invariance
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_update_actor_micro_batch_invariance(model_path, mode):
     # The same mini-batches (4 responses) processed as one micro-batch, as 4 of 1, and as 3 + 1
     # must give the same parameters, losses and gradient norms (ALGORITHMS.md: micro-batching is
     # memory only). The loss includes the KL loss and an entropy bonus so all terms are covered.
     results = []
+    start = None
     for micro in (4, 1, 3):
         cfg = make_cfg(
             **{
@@ -272,6 +291,7 @@ def test_update_actor_micro_batch_invariance(model_path, mode):
             }
         )
         backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=2)
+        start = start or params(backend)  # every backend starts from the same tiny weights
         batch = prepared_batch(backend)
         metrics = backend.update_actor(batch)
         results.append((params(backend), metrics))
@@ -279,8 +299,7 @@ def test_update_actor_micro_batch_invariance(model_path, mode):
     (p_ref, m_ref) = results[0]
     assert m_ref["actor/pg_clipfrac"] > 0, "the test batch should exercise clipping"
     for p, m in results[1:]:
-        for name in p_ref:
-            torch.testing.assert_close(p[name], p_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert_updates_close(p, p_ref, start, UPDATE_TERMS)
         for key in (
             "actor/pg_loss",
             "actor/kl_loss",
@@ -288,15 +307,17 @@ def test_update_actor_micro_batch_invariance(model_path, mode):
             "actor/grad_norm",
             "actor/pg_clipfrac",
             "actor/ppo_kl",
-        ):
-            assert m[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-6), key
+        ):  # means over the tokens of O(1) terms
+            assert m[key] == pytest.approx(m_ref[key], rel=0, abs=fp32_atol(UPDATE_TERMS, m_ref[key], floor=1.0)), key
 
 
+@pytest.mark.numerics
 def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model_path):
     """One mini-batch, one epoch: an update without ``old_log_probs`` (its own detached log-probs)
     moves the weights exactly like one given the log-probs of a separate pass; the ratio is 1, so
     nothing is clipped. Off-policy (two mini-batches) it still refuses to guess them."""
     results = []
+    start = old = None
     for reuse in (False, True):
         cfg = make_cfg(
             **{
@@ -309,19 +330,20 @@ def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model
         )
         backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=2)
         assert "reuses_on_policy_log_probs" in backend.capabilities
+        start = start or params(backend)
         batch = make_batch(0)
         batch["ref_log_probs"] = backend.compute_log_probs(batch, which="ref")["log_probs"] + 0.1
         if not reuse:
-            batch["old_log_probs"] = backend.compute_log_probs(batch)["log_probs"]
+            batch["old_log_probs"] = old = backend.compute_log_probs(batch)["log_probs"]
         results.append((params(backend), backend.update_actor(batch)))
         backend.close()
     (p_two, m_two), (p_one, m_one) = results
-    for name in p_two:
-        torch.testing.assert_close(p_one[name], p_two[name], rtol=1e-5, atol=1e-7, msg=name)
+    # the separate pass's log-probs may differ from the update's forward by rounding only
+    assert_updates_close(p_one, p_two, start, UPDATE_TERMS)
     assert m_one["actor/ppo_kl"] == 0.0 and m_one["actor/pg_clipfrac"] == 0.0
-    assert abs(m_two["actor/ppo_kl"]) < 1e-6
+    assert abs(m_two["actor/ppo_kl"]) <= fp32_atol(LOG_PROB_TERMS, old)  # a mean of old - lp: rounding of the pass
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
-        assert m_one[key] == pytest.approx(m_two[key], rel=1e-5, abs=1e-7), key
+        assert m_one[key] == pytest.approx(m_two[key], rel=0, abs=fp32_atol(UPDATE_TERMS, m_two[key], floor=1.0)), key
 
     backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
     with pytest.raises(ValueError, match=r"missing \['old_log_probs'\]"):
@@ -329,13 +351,16 @@ def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(model
     backend.close()
 
 
+@pytest.mark.numerics
 def test_micro_batch_of_empty_responses_trains_like_one_big_micro_batch(model_path):
     """Two responses are empty (EOS-less, zero tokens); grouped by length they form a micro-batch
     of their own with nothing to score. The update still runs, and equals the one-micro-batch one."""
     results = []
+    start = None
     for micro in (8, 2):
         cfg = make_cfg(**{"actor.ppo_mini_batch_size": B // N_SAMPLES, "actor.micro_batch_size_per_device": micro})
         backend = LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=False, total_steps=1)
+        start = start or params(backend)
         batch = make_batch(0)
         for row in (2, 5):  # shortest prompts too, so the two rows sort first
             batch["attention_mask"][row, P:] = 0
@@ -351,8 +376,7 @@ def test_micro_batch_of_empty_responses_trains_like_one_big_micro_batch(model_pa
         assert metrics["actor/nonfinite_skipped"] == 0 and math.isfinite(metrics["actor/pg_loss"])
         results.append(params(backend))
         backend.close()
-    for name in results[0]:
-        torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_updates_close(results[1], results[0], start, UPDATE_TERMS)
 
 
 def test_metrics_are_means_over_mini_batches(model_path):
@@ -371,6 +395,7 @@ def test_metrics_are_means_over_mini_batches(model_path):
     assert all(torch.equal(before[k], v) for k, v in params(backend).items())
 
 
+@pytest.mark.numerics
 def test_truncated_importance_sampling_scales_the_policy_loss(model_path):
     # actor.rollout_is_threshold = 2: the objective hands the token weight min(exp(old - rollout), 2)
     # to the policy loss, which multiplies each token's surrogate loss by it. rollout = old + ln 2
@@ -381,18 +406,25 @@ def test_truncated_importance_sampling_scales_the_policy_loss(model_path):
     batch = prepared_batch(backend)
     with pytest.raises(ValueError, match="rollout.calculate_log_probs=true"):
         backend.update_actor(batch)
+    # each weight exp(old - rollout) is computed from log-probs of magnitude |old| + ln 4: the shift,
+    # the difference and exp round at that magnitude (relative error of the weight); the metric and
+    # the loss are means over a mini-batch's 4 x T tokens (per-token losses O(1))
+    log_scale = float(batch["old_log_probs"].abs().max()) + math.log(4.0)
+    rel = reduction_tolerance(torch.float32, 3, log_scale) + reduction_tolerance(torch.float32, 4 * T, 1.0)
     losses = {}
     for name, shift in (("one", 0.0), ("half", math.log(2.0)), ("capped", -math.log(4.0))):
         batch["rollout_log_probs"] = batch["old_log_probs"] + shift
         m = backend.update_actor(batch)
         losses[name] = m["actor/pg_loss"]
-        assert m["actor/rollout_is_weight"] == pytest.approx({"one": 1.0, "half": 0.5, "capped": 2.0}[name], rel=1e-5)
-    assert losses["half"] == pytest.approx(0.5 * losses["one"], rel=1e-5)
-    assert losses["capped"] == pytest.approx(2.0 * losses["one"], rel=1e-5)
+        assert m["actor/rollout_is_weight"] == pytest.approx({"one": 1.0, "half": 0.5, "capped": 2.0}[name], rel=rel)
+    per_token = max(1.0, abs(losses["one"]))
+    assert losses["half"] == pytest.approx(0.5 * losses["one"], rel=0, abs=0.5 * rel * per_token)
+    assert losses["capped"] == pytest.approx(2.0 * losses["one"], rel=0, abs=2.0 * rel * per_token)
     backend.close()
 
 
 # --------------------------------------------------------------------------- one step by hand
+@pytest.mark.numerics
 def test_one_step_against_hand_computed_adamw(model_path):
     # One mini-batch (ppo_mini_batch_size = 4 prompts = all 8 responses), one micro-batch, token-mean.
     # Loss = PPO clipped surrogate (clip 0.15) + 0.3 * low_var_kl(lp, ref) - 0.01 * entropy, grad clip
@@ -430,6 +462,7 @@ def test_one_step_against_hand_computed_adamw(model_path):
     from rlplug.models import load_causal_lm
 
     model = load_causal_lm(model_path)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
     logits = (
         model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
@@ -463,14 +496,18 @@ def test_one_step_against_hand_computed_adamw(model_path):
         expected[n] = p.detach() * (1 - step_lr * wd) - step_lr * m_hat / (v_hat.sqrt() + eps)
 
     metrics = backend.update_actor(batch)
-    assert metrics["actor/pg_loss"] == pytest.approx(float(pg_loss.detach()), rel=1e-5)
-    assert metrics["actor/kl_loss"] == pytest.approx(float(kl_loss.detach()), rel=1e-5)
-    assert metrics["actor/entropy"] == pytest.approx(float(ent.detach()), rel=1e-5)
-    assert metrics["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    # the backend's micro-batch against this full-batch reference: float32 rounding of the forward,
+    # then a mean over the B x T tokens, at the magnitude of the log-probs the terms are made of
+    loss_tol = fp32_atol(LOG_PROB_TERMS + B * T, lp.detach(), logits.detach(), floor=1.0)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(pg_loss.detach()), rel=0, abs=loss_tol)
+    assert metrics["actor/kl_loss"] == pytest.approx(float(kl_loss.detach()), rel=0, abs=loss_tol)
+    assert metrics["actor/entropy"] == pytest.approx(float(ent.detach()), rel=0, abs=loss_tol)
+    # the gradient's chain, then clip_grad_norm_'s float32 sum of squares over the largest tensor
+    norm_terms = UPDATE_TERMS + max(p.numel() for p in start.values())
+    assert metrics["actor/grad_norm"] == pytest.approx(float(norm), rel=0, abs=fp32_atol(norm_terms, norm))
     assert metrics["actor/lr"] == pytest.approx(step_lr)
     assert metrics["actor/nonfinite_skipped"] == 0.0
-    for n, p in backend.actor.model.named_parameters():
-        torch.testing.assert_close(p.detach(), expected[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert_updates_close(params(backend), expected, start, UPDATE_TERMS)
     backend.close()
 
 
@@ -528,16 +565,20 @@ def test_batch_not_divisible_by_mini_batch(model_path):
 
 
 # --------------------------------------------------------------------------- critic
+@pytest.mark.numerics
 def test_critic_values_and_update(model_path):
     results = []
+    start = None
     for micro in (4, 3):
         cfg = make_cfg(**{"critic.micro_batch_size_per_device": micro, "critic.optim.lr": 1e-2})
         backend = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
+        start = start or params(backend, "critic")
         batch = prepared_batch(backend)
         with torch.no_grad():
             full = backend.critic.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-        # value of response token j is read at position P - 1 + j
-        torch.testing.assert_close(batch["values"], full[:, P - 1 : P + T - 1] * batch["response_mask"])
+        # value of response token j is read at position P - 1 + j (micro-batches against the full batch)
+        want = full[:, P - 1 : P + T - 1] * batch["response_mask"]
+        torch.testing.assert_close(batch["values"], want, rtol=0, atol=fp32_atol(VALUE_TERMS, want))
         metrics = backend.update_critic(batch)
         assert set(metrics) == {
             "critic/vf_loss",
@@ -549,12 +590,12 @@ def test_critic_values_and_update(model_path):
         results.append((params(backend, "critic"), metrics))
         backend.close()
     (p0, m0), (p1, m1) = results
-    for name in p0:
-        torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert m1["critic/vf_loss"] == pytest.approx(m0["critic/vf_loss"], rel=1e-5)
-    assert m1["critic/grad_norm"] == pytest.approx(m0["critic/grad_norm"], rel=1e-4)
+    assert_updates_close(p1, p0, start, CRITIC_UPDATE_TERMS, what="critic ")
+    for key in ("critic/vf_loss", "critic/grad_norm"):  # means over the tokens of O(1) terms
+        assert m1[key] == pytest.approx(m0[key], rel=0, abs=fp32_atol(CRITIC_UPDATE_TERMS, m0[key], floor=1.0)), key
 
 
+@pytest.mark.numerics
 def test_critic_follows_actor_loss_scale_factor(model_path):
     # seq-mean-token-sum-norm divides each sequence's token sum by H: H = data.max_response_length (T)
     # by default, actor.loss_scale_factor when set (verl's critic defaults to the actor's factor), so
@@ -565,7 +606,8 @@ def test_critic_follows_actor_loss_scale_factor(model_path):
         backend = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
         losses.append(backend.update_critic(prepared_batch(backend))["critic/vf_loss"])
         backend.close()
-    assert losses[1] == pytest.approx(losses[0] / 4, rel=1e-5)
+    # the same forward and backward, only the final division differs: one rounding
+    assert losses[1] == pytest.approx(losses[0] / 4, rel=0, abs=reduction_tolerance(torch.float32, 1, losses[0] / 4))
 
 
 # --------------------------------------------------------------------------- weights, save/load, export
@@ -663,23 +705,26 @@ def test_saved_actor_is_what_rlplug_export_reads(model_path, tmp_path):
 
 
 # --------------------------------------------------------------------------- precision, checkpointing
+@pytest.mark.numerics
 def test_gradient_checkpointing_gives_the_same_update(model_path):
     # activation checkpointing recomputes the same forward: same parameters after an update
     results = []
+    start = None
     for ckpt in (False, True):
         cfg = make_cfg(**{"model.enable_gradient_checkpointing": ckpt, "actor.micro_batch_size_per_device": 2})
         backend = LocalTrainingBackend(cfg, model_path, use_critic=True, use_ref=False, total_steps=1)
         assert backend.actor.model.is_gradient_checkpointing == ckpt
+        start = start or (params(backend), params(backend, "critic"))
         batch = prepared_batch(backend)
         backend.update_critic(batch)
         backend.update_actor(batch)
         results.append((params(backend), params(backend, "critic")))
         backend.close()
-    for a, b in zip(results[0], results[1]):
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+    for a, b, begin, terms in zip(results[0], results[1], start, (UPDATE_TERMS, CRITIC_UPDATE_TERMS)):
+        assert_updates_close(b, a, begin, terms)
 
 
+@pytest.mark.numerics
 def test_bf16_autocast_keeps_fp32_master_weights(model_path):
     fp32 = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
     bf16 = LocalTrainingBackend(
