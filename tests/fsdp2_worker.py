@@ -165,7 +165,7 @@ def run_ckpt(job: dict, model_path: str) -> dict:
     res["m1"] = _update(backend, b1)
     backend.save(job["ckpt"])
     res["adam_saved"] = _adam_state(backend, "actor")
-    res["actor1"] = full_params(backend, "actor")
+    res["actor1"], res["critic1"] = full_params(backend, "actor"), full_params(backend, "critic")
     res["m2"] = _update(backend, b2)
     res["actor"], res["critic"] = full_params(backend, "actor"), full_params(backend, "critic")
     backend.close()
