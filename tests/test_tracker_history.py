@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -67,6 +68,9 @@ def _two_attempts(make, run_dir: Path, close_first: bool = False):
         first.log_metrics({KEY: FIRST[step]}, step)
     if close_first:
         first.close("KILLED")
+    # W&B names an offline attempt's folder by the second it started (offline-run-<YYYYmmdd_HHMMSS>-<id>):
+    # a real attempt lasts longer than a second, these two would not, so start the second in a later one
+    time.sleep(1.05 - time.time() % 1)
     second = make()
     second.log_metrics(VAL, 2)
     for step, value in SECOND.items():
