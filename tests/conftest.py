@@ -36,9 +36,22 @@ def ref_model(model_path):
 
 def pytest_configure(config) -> None:
     """Under pytest-xdist (``-n 2``) each worker computes on one thread: two workers with the
-    default of one thread per core would oversubscribe the cores (each slows the other several-fold)."""
+    default of one thread per core would oversubscribe the cores (each slows the other several-fold).
+
+    Under ``ATEN_CPU_CAPABILITY`` (CI's second pass of the numerics tests, CONTRIBUTING.md "Float
+    tolerances") torch.compile's kernels are cached in a folder of their own: inductor's on-disk
+    cache does not key on that setting, and kernels vectorised in a native pass then failed to
+    compile under ``=default`` ("'at::vec' has not been declared", torch 2.13.0), in the compiled
+    decoder layers and in vLLM's engine alike. Child processes (torchrun ranks, engines) inherit it."""
     import os
 
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import getpass
+        import tempfile
+
+        folder = f"torchinductor_{getpass.getuser()}_aten_{capability}"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), folder)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
