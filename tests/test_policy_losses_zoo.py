@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from _helpers import fp32_atol
 from omegaconf import OmegaConf
 
 import rlplug
@@ -27,6 +28,27 @@ LN = math.log
 NEW_LOSSES = ("gspo", "sapo", "gpg", "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl")
 #: rlplug's defaults and the one hyperparameter without a default (verl's dro_beta: null)
 CFG = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05, "dro_beta": 0.5}
+
+pytestmark = pytest.mark.numerics
+
+#: elementwise float32 operations per token in a loss's chain (log-ratio, exp, clamp, products,
+#: gate); with the mean over the valid tokens they make the n_terms of reduction_tolerance
+OPS = 6
+
+
+def _magnitude(old, new, adv, mask, weights=None) -> float:
+    """The largest magnitude along a loss's chain on the valid tokens: the inputs and the per-token
+    terms A r w and A log_prob w."""
+    ratio = torch.exp((new - old) * mask)
+    w = torch.ones_like(mask) if weights is None else weights
+    return max(float((t * mask).abs().max()) for t in (old, new, adv, adv * ratio * w, adv * new * w))
+
+
+def _tol(old, new, adv, mask, weights=None, extra: float = 0.0) -> float:
+    """float32 tolerance (rlplug.testing.reduction_tolerance) of a loss or its gradient against a
+    hand value or another evaluation order: the valid tokens plus OPS terms, at the chain's largest
+    magnitude (:func:`_magnitude`, or ``extra``: a gate's or truncation's factor)."""
+    return fp32_atol(int(mask.sum()) + OPS, _magnitude(old, new, adv, mask, weights), extra)
 
 
 def _run(name, old, new, adv, mask, *, mode="token-mean", config=None, weights=None, mrl=None):
@@ -62,10 +84,12 @@ def test_gspo_hand_values_and_one_gradient_per_sequence():
     adv = torch.tensor([[1.0, 1.0, 7.0], [1.0, 7.0, 7.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     loss, m, g = _run("gspo", old, new, adv, mask, mode="seq-mean-token-mean")
-    assert loss.item() == pytest.approx(-(math.sqrt(0.9) + 1.2) / 2, abs=1e-6)
+    tol = _tol(old, new, adv, mask)
+    assert loss.item() == pytest.approx(-(math.sqrt(0.9) + 1.2) / 2, abs=tol)
     assert m["pg_clipfrac"] == pytest.approx(1 / 3) and m["pg_clipfrac_lower"] == 0.0
-    assert m["ppo_kl"] == pytest.approx(-(LN(1.5) + LN(0.6) + LN(2.0)) / 3, abs=1e-6)
-    assert torch.allclose(g, torch.tensor([[-math.sqrt(0.9) / 4] * 2 + [0.0], [0.0] * 3]), atol=1e-6)
+    assert m["ppo_kl"] == pytest.approx(-(LN(1.5) + LN(0.6) + LN(2.0)) / 3, abs=tol)
+    expected = torch.tensor([[-math.sqrt(0.9) / 4] * 2 + [0.0], [0.0] * 3])
+    torch.testing.assert_close(g, expected, rtol=0, atol=tol)
 
 
 def test_gspo_is_vanilla_for_single_token_sequences():
@@ -75,7 +99,9 @@ def test_gspo_is_vanilla_for_single_token_sequences():
     adv, mask = torch.randn(5, 1, generator=g), torch.ones(5, 1)
     a = _run("gspo", old, new, adv, mask, mode="seq-mean-token-mean")
     b = _run("vanilla", old, new, adv, mask, mode="seq-mean-token-mean")
-    assert torch.allclose(a[0], b[0], atol=1e-6) and torch.allclose(a[2], b[2], atol=1e-6)
+    tol = _tol(old, new, adv, mask)  # two formulas of the same numbers
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=tol)
+    torch.testing.assert_close(a[2], b[2], rtol=0, atol=tol)
 
 
 # --------------------------------------------------------------------------- sapo
@@ -90,14 +116,15 @@ def test_sapo_hand_values_and_the_policy_gradient_at_ratio_one():
     adv = torch.tensor([[1.0, -1.0]])
     mask = torch.ones(1, 2)
     sig = 1 / (1 + math.exp(-1.05))
+    tol = _tol(old, new, adv, mask, extra=4 * 2)  # the gate 4 / tau times r = 2
     loss, m, g = _run("sapo", old, new, adv, mask, mode="token-sum")
-    assert loss.item() == pytest.approx(-2.0 + sig * 4 / 1.05, abs=1e-6)
-    assert torch.allclose(g, torch.tensor([[-1.0, sig * (1 - sig) * 4 * 2]]), atol=1e-6)
+    assert loss.item() == pytest.approx(-2.0 + sig * 4 / 1.05, abs=tol)
+    torch.testing.assert_close(g, torch.tensor([[-1.0, sig * (1 - sig) * 4 * 2]]), rtol=0, atol=tol)
     assert m["pg_clipfrac"] == 0.0 and m["pg_clipfrac_lower"] == 0.0
     # tau_pos 2 for the first token: f(1) = 0.5 * 4 / 2 = 1 -> loss -1 (the gradient at r = 1 stays -1)
     loss, _, g = _run("sapo", old, new, adv, mask, mode="token-sum", config={**CFG, "tau_pos": 2.0})
-    assert loss.item() == pytest.approx(-1.0 + sig * 4 / 1.05, abs=1e-6)
-    assert g[0, 0].item() == pytest.approx(-1.0, abs=1e-6)
+    assert loss.item() == pytest.approx(-1.0 + sig * 4 / 1.05, abs=tol)
+    assert g[0, 0].item() == pytest.approx(-1.0, abs=tol)
 
 
 # --------------------------------------------------------------------------- gpg
@@ -130,16 +157,17 @@ def test_geo_mean_hand_values_and_gradient():
     # gradient of seq 0: -exp(0.15) / 2 tokens / 2 sequences on the unclipped token, 0 on the clipped
     # one; seq 1's only token is clipped: 0. pg_clipfrac 1/3 (A > 0), pg_clipfrac_lower 1/3 (A < 0)
     loss, m, g = _run("geo_mean", GM_OLD, GM_NEW, GM_ADV, GM_MASK, mode="seq-mean-token-mean")
-    assert loss.item() == pytest.approx((-math.exp(0.15) + math.exp(-0.2)) / 2, abs=1e-6)
-    assert torch.allclose(g, torch.tensor([[-math.exp(0.15) / 4, 0.0], [0.0, 0.0]]), atol=1e-6)
+    tol = _tol(GM_OLD, GM_NEW, GM_ADV, GM_MASK)
+    assert loss.item() == pytest.approx((-math.exp(0.15) + math.exp(-0.2)) / 2, abs=tol)
+    torch.testing.assert_close(g, torch.tensor([[-math.exp(0.15) / 4, 0.0], [0.0, 0.0]]), rtol=0, atol=tol)
     assert m["pg_clipfrac"] == pytest.approx(1 / 3) and m["pg_clipfrac_lower"] == pytest.approx(1 / 3)
     # a wide clip (0.6): nothing clipped, loss_0 = -exp(0.3), and the gradient is the same on both
     # tokens of seq 0 (-exp(0.3) / 4) although their ratios differ
     loss, m, g = _run(
         "geo_mean", GM_OLD, GM_NEW, GM_ADV, GM_MASK, mode="seq-mean-token-mean", config={"clip_ratio": 0.6}
     )
-    assert loss.item() == pytest.approx((-math.exp(0.3) + math.exp(-0.5)) / 2, abs=1e-6)
-    assert g[0, 0].item() == pytest.approx(g[0, 1].item()) == pytest.approx(-math.exp(0.3) / 4, abs=1e-6)
+    assert loss.item() == pytest.approx((-math.exp(0.3) + math.exp(-0.5)) / 2, abs=tol)
+    assert g[0, 0].item() == pytest.approx(g[0, 1].item(), abs=tol) == pytest.approx(-math.exp(0.3) / 4, abs=tol)
     assert m["pg_clipfrac"] == 0.0
 
 
@@ -147,17 +175,20 @@ def test_geo_mean_weights_are_the_geometric_mean_per_sequence():
     # weights (0.25, 1.0) on seq 0 -> sqrt(0.25 * 1) = 0.5; seq 1 -> 2 (its padding weight is ignored)
     w = torch.tensor([[0.25, 1.0], [2.0, 0.0]])
     loss, _, _ = _run("geo_mean", GM_OLD, GM_NEW, GM_ADV, GM_MASK, mode="seq-mean-token-mean", weights=w)
-    assert loss.item() == pytest.approx((-0.5 * math.exp(0.15) + 2 * math.exp(-0.2)) / 2, abs=1e-6)
+    tol = _tol(GM_OLD, GM_NEW, GM_ADV, GM_MASK, weights=w)
+    assert loss.item() == pytest.approx((-0.5 * math.exp(0.15) + 2 * math.exp(-0.2)) / 2, abs=tol)
 
 
 # --------------------------------------------------------------------------- dro
 def test_dro_hand_values():
     # beta 0.5, log_prob -1, old -1.2 (log-ratio 0.2), A = 1:
     # loss = -(A log_prob - 0.5 beta 0.2^2) = -(-1 - 0.01) = 1.01; gradient -(A - beta * 0.2) = -0.9
-    loss, m, g = _run("dro", torch.tensor([[-1.2]]), torch.tensor([[-1.0]]), torch.ones(1, 1), torch.ones(1, 1))
-    assert loss.item() == pytest.approx(1.01, abs=1e-6)
-    assert g.item() == pytest.approx(-0.9, abs=1e-6)
-    assert m["ppo_kl"] == pytest.approx(-0.2, abs=1e-6)
+    old, new, one = torch.tensor([[-1.2]]), torch.tensor([[-1.0]]), torch.ones(1, 1)
+    loss, m, g = _run("dro", old, new, one, one)
+    tol = _tol(old, new, one, one)
+    assert loss.item() == pytest.approx(1.01, abs=tol)
+    assert g.item() == pytest.approx(-0.9, abs=tol)
+    assert m["ppo_kl"] == pytest.approx(-0.2, abs=tol)
 
 
 # --------------------------------------------------------------------------- cispo
@@ -170,19 +201,14 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
     new = torch.tensor([[LN(0.6), LN(0.5)]])
     adv = torch.tensor([[1.0, -2.0]])
     loss, m, g = _run("cispo", old, new, adv, torch.ones(1, 2))
-    assert loss.item() == pytest.approx((-1.2 * LN(0.6) + 2 * LN(0.5)) / 2, abs=1e-6)
-    assert torch.allclose(g, torch.tensor([[-0.6, 1.0]]), atol=1e-6)
+    tol = _tol(old, new, adv, torch.ones(1, 2))
+    assert loss.item() == pytest.approx((-1.2 * LN(0.6) + 2 * LN(0.5)) / 2, abs=tol)
+    torch.testing.assert_close(g, torch.tensor([[-0.6, 1.0]]), rtol=0, atol=tol)
     assert m["pg_clipfrac"] == pytest.approx(0.5)
     # the cispo preset's clip_ratio_low 10: no lower bound (r = 0.1 stays 0.1)
-    loss, m, _ = _run(
-        "cispo",
-        torch.tensor([[LN(0.5)]]),
-        torch.tensor([[LN(0.05)]]),
-        torch.ones(1, 1),
-        torch.ones(1, 1),
-        config={"clip_ratio_low": 10.0, "clip_ratio_high": 0.2},
-    )
-    assert loss.item() == pytest.approx(-0.1 * LN(0.05), rel=1e-5) and m["pg_clipfrac"] == 0.0
+    old, new, one = torch.tensor([[LN(0.5)]]), torch.tensor([[LN(0.05)]]), torch.ones(1, 1)
+    loss, m, _ = _run("cispo", old, new, one, one, config={"clip_ratio_low": 10.0, "clip_ratio_high": 0.2})
+    assert loss.item() == pytest.approx(-0.1 * LN(0.05), abs=_tol(old, new, one, one)) and m["pg_clipfrac"] == 0.0
 
 
 # --------------------------------------------------------------------------- dppo
@@ -202,16 +228,18 @@ DP_ADV = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
 
 def test_dppo_tv_hand_values():
     loss, m, g = _run("dppo_tv", DP_OLD, DP_NEW, DP_ADV, torch.ones(1, 4), mode="token-sum")
-    assert loss.item() == pytest.approx(-1.25 * LN(0.5) + 3 * LN(0.5), abs=1e-5)
-    assert torch.allclose(g, torch.tensor([[-1.25, 0.0, 0.0, 3.0]]), atol=1e-5)
+    tol = _tol(DP_OLD, DP_NEW, DP_ADV, torch.ones(1, 4))
+    assert loss.item() == pytest.approx(-1.25 * LN(0.5) + 3 * LN(0.5), abs=tol)
+    torch.testing.assert_close(g, torch.tensor([[-1.25, 0.0, 0.0, 3.0]]), rtol=0, atol=tol)
     assert m["pg_clipfrac"] == pytest.approx(0.5) and m["pg_clipfrac_lower"] == pytest.approx(0.25)
 
 
 def test_dppo_kl_hand_values():
     assert 0.4 * LN(0.4 / 0.7) + 0.6 * LN(0.6 / 0.3) == pytest.approx(0.192042, abs=1e-6)
     loss, m, g = _run("dppo_kl", DP_OLD, DP_NEW, DP_ADV, torch.ones(1, 4), mode="token-sum")
-    assert loss.item() == pytest.approx(-1.25 * LN(0.5) - 1.75 * LN(0.7) + 3 * LN(0.5), abs=1e-5)
-    assert torch.allclose(g, torch.tensor([[-1.25, -1.75, 0.0, 3.0]]), atol=1e-5)
+    tol = _tol(DP_OLD, DP_NEW, DP_ADV, torch.ones(1, 4))
+    assert loss.item() == pytest.approx(-1.25 * LN(0.5) - 1.75 * LN(0.7) + 3 * LN(0.5), abs=tol)
+    torch.testing.assert_close(g, torch.tensor([[-1.25, -1.75, 0.0, 3.0]]), rtol=0, atol=tol)
     assert m["pg_clipfrac"] == pytest.approx(0.25) and m["pg_clipfrac_lower"] == pytest.approx(0.25)
 
 
@@ -252,8 +280,10 @@ def test_micro_batches_with_the_global_normalizer_add_up(name, mode, weighted):
         )
         part.backward()
         total, grads[rows] = total + part.detach(), lp.grad
-    assert torch.allclose(total, loss, atol=1e-6), (total, loss)
-    assert torch.allclose(grads, grad, atol=1e-6)
+    # the parts' sum against the whole: another summation order
+    tol = _tol(old, new, adv, mask, weights)
+    torch.testing.assert_close(total, loss, rtol=0, atol=tol)
+    torch.testing.assert_close(grads, grad, rtol=0, atol=tol)
     assert bool(torch.isfinite(grad).all()) and bool((grad[mask == 0] == 0).all())
 
 
@@ -265,8 +295,9 @@ def test_padding_values_change_nothing_and_single_tokens_are_finite(name):
     garbage = [torch.where(pad, torch.full_like(t, v), t) for t, v in ((old, -1e4), (new, 30.0), (adv, 1e6))]
     w_garbage = torch.where(pad, torch.full_like(w, 1e9), w)
     noisy = _run(name, *garbage, mask, mode="seq-mean-token-mean", weights=w_garbage)
-    assert torch.allclose(base[0], noisy[0], atol=1e-6)
-    assert torch.allclose(base[2], noisy[2], atol=1e-6)
+    tol = _tol(old, new, adv, mask, w)
+    torch.testing.assert_close(base[0], noisy[0], rtol=0, atol=tol)
+    torch.testing.assert_close(base[2], noisy[2], rtol=0, atol=tol)
     assert base[1] == noisy[1]
     # one token per sequence, far-apart log-probs
     one = _run(
@@ -285,10 +316,12 @@ def test_unit_weights_change_nothing_and_weights_scale_the_token_losses(name):
     old, new, adv, mask, w = _batch(3)
     plain = _run(name, old, new, adv, mask, mode="token-mean")
     ones = _run(name, old, new, adv, mask, mode="token-mean", weights=torch.ones_like(mask))
-    assert torch.allclose(plain[0], ones[0], atol=1e-6) and torch.allclose(plain[2], ones[2], atol=1e-6)
+    tol = _tol(old, new, adv, mask)
+    torch.testing.assert_close(plain[0], ones[0], rtol=0, atol=tol)
+    torch.testing.assert_close(plain[2], ones[2], rtol=0, atol=tol)
     if name != "geo_mean":  # per token: w * loss_t, so a constant weight c scales the loss by c
         half = _run(name, old, new, adv, mask, mode="token-mean", weights=torch.full_like(mask, 0.5))
-        assert half[0].item() == pytest.approx(0.5 * plain[0].item(), abs=1e-6)
+        assert half[0].item() == pytest.approx(0.5 * plain[0].item(), abs=tol)
 
 
 @pytest.mark.parametrize("name", NEW_LOSSES)
@@ -360,9 +393,12 @@ def test_loss_scale_factor_in_every_term_of_the_objective(name):
             kl_penalty=kl,
         )
     (l_none, p_none), (l_four, p_four) = out[None], out[4]
-    assert l_four.item() == pytest.approx(25 * l_none.item(), rel=1e-5)
+    # the same token sums divided by 4 or by 100 (not a power of two: rounded), then summed over the
+    # 6 sequences and into the objective: a few terms at a sequence's magnitude (T tokens / 4)
+    tol = fp32_atol(len(mask) + 3, _magnitude(old, new, adv, mask) * mask.shape[1] / 4)
+    assert l_four.item() == pytest.approx(25 * l_none.item(), abs=tol)
     for key in ("pg_loss", "entropy", "kl_loss"):
-        assert p_four[key] == pytest.approx(25 * p_none[key], rel=1e-5)
+        assert p_four[key] == pytest.approx(25 * p_none[key], abs=tol)
 
 
 # --------------------------------------------------------------------------- presets
