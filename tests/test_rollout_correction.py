@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from _helpers import TINY_CPU_RUN, fit, run_config
+from _helpers import TINY_CPU_RUN, TINY_VOCAB, fit, fp32_atol, run_config, tiny_chain_terms
 from omegaconf import OmegaConf
 
 import rlplug
@@ -31,10 +31,17 @@ from rlplug.rollout_correction import (
     rollout_rejection_mask,
     use_rollout_log_probs_as_old,
 )
+from rlplug.testing import reduction_tolerance
 from rlplug.validate import plan_batch, validate_config
 
 LN = math.log
 RC = "algorithm.rollout_correction"
+
+pytestmark = pytest.mark.numerics
+
+#: elementwise float32 operations per token (log, difference, exp, clamp, products): with the tokens a
+#: metric sums over, the n_terms of rlplug.testing.reduction_tolerance for the hand values below
+OPS = 5
 
 
 def _lr(*rows: list[float]) -> torch.Tensor:
@@ -55,22 +62,30 @@ def test_token_is_weights_truncate_at_the_threshold():
     w, m = rollout_is_weights(RATIOS, MASK, "token", 2.0)
     assert torch.equal(w, torch.tensor([[2.0, 0.5, 2.0, 0.0], [2.0, 2.0, 0.0, 0.0]]))
     assert not w.requires_grad
+    # float32: exp of the logs and a mean over 5 tokens, at the raw weights' magnitude (8); the
+    # truncated weights' metrics at theirs (<= 2, squared for the std and the ESS: 4)
+    raw_tol, tol = fp32_atol(5 + OPS, 8.0), fp32_atol(5 + OPS, 2.0**2)
     # before truncation: mean (2 + .5 + 3 + 8 + 2) / 5 = 3.1, max 8, min .5; after: mean 8.5 / 5 = 1.7
-    assert m["rollout_is_raw_mean"] == pytest.approx(3.1)
-    assert m["rollout_is_raw_max"] == pytest.approx(8.0) and m["rollout_is_raw_min"] == pytest.approx(0.5)
-    assert m["rollout_is_mean"] == pytest.approx(1.7)
-    assert m["rollout_is_max"] == pytest.approx(2.0) and m["rollout_is_min"] == pytest.approx(0.5)
+    assert m["rollout_is_raw_mean"] == pytest.approx(3.1, abs=raw_tol)
+    assert m["rollout_is_raw_max"] == pytest.approx(8.0, abs=raw_tol) and m["rollout_is_raw_min"] == pytest.approx(
+        0.5, abs=tol
+    )
+    assert m["rollout_is_mean"] == pytest.approx(1.7, abs=tol)
+    assert m["rollout_is_max"] == pytest.approx(2.0, abs=tol) and m["rollout_is_min"] == pytest.approx(0.5, abs=tol)
     # truncated: 3 and 8 of 5 tokens are above 2; none below 1/2 (0.5 is not below)
     assert m["rollout_is_ratio_fraction_high"] == pytest.approx(0.4)
     assert m["rollout_is_ratio_fraction_low"] == 0.0
     # std of (2, .5, 2, 2, 2): mean 1.7, E[w^2] = (4 * 4 + .25) / 5 = 3.25 -> sqrt(3.25 - 2.89) = 0.6
-    assert m["rollout_is_std"] == pytest.approx(0.6, rel=1e-5)
+    # (the std is the square root of a difference of squares: their rounding over 2 x 0.6)
+    assert m["rollout_is_std"] == pytest.approx(0.6, abs=tol / (2 * 0.6))
     # ESS = 1 / E[(w / 1.7)^2] = 1.7^2 / 3.25
-    assert m["rollout_is_eff_sample_size"] == pytest.approx(1.7**2 / 3.25, rel=1e-5)
+    assert m["rollout_is_eff_sample_size"] == pytest.approx(1.7**2 / 3.25, abs=tol)
     # per response: means 4.5 / 3 = 1.5 and 2; raw means 5.5 / 3 and 5 -> both above 2? 1.83 no, 5 yes
-    assert m["rollout_is_seq_mean"] == pytest.approx(1.75)
-    assert m["rollout_is_seq_max"] == pytest.approx(2.0) and m["rollout_is_seq_min"] == pytest.approx(1.5)
-    assert m["rollout_is_seq_max_deviation"] == pytest.approx(1.0)
+    assert m["rollout_is_seq_mean"] == pytest.approx(1.75, abs=tol)
+    assert m["rollout_is_seq_max"] == pytest.approx(2.0, abs=tol) and m["rollout_is_seq_min"] == pytest.approx(
+        1.5, abs=tol
+    )
+    assert m["rollout_is_seq_max_deviation"] == pytest.approx(1.0, abs=tol)
     assert m["rollout_is_seq_fraction_high"] == pytest.approx(0.5)
 
 
@@ -79,16 +94,21 @@ def test_sequence_is_is_the_geometric_mean_over_valid_tokens_never_exp_of_the_su
     # response 2: exp(mean(ln 8, ln 2)) = sqrt(16) = 4 (exp(sum) would be 16, capped at 5)
     w, m = rollout_is_weights(RATIOS, MASK, "sequence", 5.0)
     g = 3.0 ** (1.0 / 3.0)
-    assert torch.allclose(w, torch.tensor([[g, g, g, 0.0], [4.0, 4.0, 0.0, 0.0]]), rtol=1e-6)
-    assert m["rollout_is_max"] == pytest.approx(4.0, rel=1e-6) and m["rollout_is_min"] == pytest.approx(g, rel=1e-6)
+    # float32: a mean of 3 logs (|ln 8| at most), exp: the weight's relative error is the log-mean's
+    # absolute one (plus exp's rounding), at the weight's magnitude (4)
+    tol = 4.0 * fp32_atol(3 + OPS, LN(8.0))
+    torch.testing.assert_close(w, torch.tensor([[g, g, g, 0.0], [4.0, 4.0, 0.0, 0.0]]), rtol=0, atol=tol)
+    assert m["rollout_is_max"] == pytest.approx(4.0, abs=tol) and m["rollout_is_min"] == pytest.approx(g, abs=tol)
     # a cap of 2 truncates response 2 only: fraction of responses above = 1/2
     w2, m2 = rollout_is_weights(RATIOS, MASK, "sequence", 2.0)
-    assert torch.allclose(w2[1, :2], torch.tensor([2.0, 2.0])) and torch.allclose(w2[0, :3], torch.full((3,), g))
+    torch.testing.assert_close(w2[1, :2], torch.tensor([2.0, 2.0]), rtol=0, atol=0)  # the cap itself
+    torch.testing.assert_close(w2[0, :3], torch.full((3,), g), rtol=0, atol=tol)
     assert m2["rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
     # a long response with a small per-token drift keeps a sane weight: 200 tokens of ratio 1.05
     long = torch.full((1, 200), LN(1.05))
     w3, _ = rollout_is_weights(long, torch.ones(1, 200), "sequence", 2.0)
-    assert torch.allclose(w3, torch.full((1, 200), 1.05))  # exp(sum) = 1.05 ** 200 = 17292
+    # exp(sum) = 1.05 ** 200 = 17292; the mean of 200 logs (rounded ln 1.05 each), then exp
+    torch.testing.assert_close(w3, torch.full((1, 200), 1.05), rtol=0, atol=1.05 * fp32_atol(200 + OPS, LN(1.05)))
 
 
 def test_icepop_threshold_zeroes_weights_outside_the_bounds():
@@ -103,14 +123,17 @@ def test_icepop_threshold_zeroes_weights_outside_the_bounds():
 def test_batch_normalisation_divides_by_the_batch_mean():
     # token level: truncated weights (2, .5, 2, 2, 2) have mean 1.7 -> w / 1.7, mean 1 over valid tokens
     w, m = rollout_is_weights(RATIOS, MASK, "token", 2.0, batch_normalize=True)
-    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 2.0, 0.0], [2.0, 2.0, 0.0, 0.0]]) / 1.7)
-    assert m["rollout_is_batch_norm_factor"] == pytest.approx(1.7)
-    assert m["rollout_is_mean"] == pytest.approx(1.7)  # the metrics are from before the normalisation
+    tol = fp32_atol(5 + OPS, 8.0)  # a mean over 5 tokens of weights from logs, then a division
+    want = torch.tensor([[2.0, 0.5, 2.0, 0.0], [2.0, 2.0, 0.0, 0.0]]) / 1.7
+    torch.testing.assert_close(w, want, rtol=0, atol=tol)
+    assert m["rollout_is_batch_norm_factor"] == pytest.approx(1.7, abs=tol)
+    assert m["rollout_is_mean"] == pytest.approx(1.7, abs=tol)  # the metrics are from before the normalisation
     # sequence level: the mean over responses of (3 ** (1/3), 4) = 2.7211
     ws, ms = rollout_is_weights(RATIOS, MASK, "sequence", 5.0, batch_normalize=True)
     factor = (3.0 ** (1.0 / 3.0) + 4.0) / 2
-    assert ms["rollout_is_batch_norm_factor"] == pytest.approx(factor, rel=1e-6)
-    assert ws[1, 0].item() == pytest.approx(4.0 / factor, rel=1e-6)
+    tol = 4.0 * fp32_atol(3 + 2 + OPS, LN(8.0))  # the sequence weights' rounding, a mean of 2, a division
+    assert ms["rollout_is_batch_norm_factor"] == pytest.approx(factor, abs=tol)
+    assert ws[1, 0].item() == pytest.approx(4.0 / factor, abs=tol)
 
 
 # ============================================================================ rejection
@@ -166,9 +189,10 @@ def test_rejection_metrics():
     assert m["rollout_rs_token_k1_masked_fraction"] == pytest.approx(0.4)
     assert m["rollout_rs_masked_fraction"] == pytest.approx(0.4)
     assert m["rollout_rs_seq_masked_fraction"] == pytest.approx(1.0)
-    # k1 = -l: max -ln .5 = ln 2, min -ln 8
-    assert m["rollout_rs_token_k1_max"] == pytest.approx(LN(2.0), rel=1e-6)
-    assert m["rollout_rs_token_k1_min"] == pytest.approx(-LN(8.0), rel=1e-6)
+    # k1 = -l: max -ln .5 = ln 2, min -ln 8 (one float32 log each)
+    tol = fp32_atol(1, LN(8.0))
+    assert m["rollout_rs_token_k1_max"] == pytest.approx(LN(2.0), abs=tol)
+    assert m["rollout_rs_token_k1_min"] == pytest.approx(-LN(8.0), abs=tol)
 
 
 # ============================================================================ all together, metrics
@@ -181,18 +205,20 @@ def test_compute_rollout_correction_prefixes_metrics_and_measures_the_mismatch()
     s = parse_rollout_correction({"rollout_is": "token", "rollout_is_threshold": 1.5})
     w, kept, m = compute_rollout_correction(old, rollout, mask, s)
     # l = (0.5, -0.5): w = (min(e^.5, 1.5), e^-.5) = (1.5, 0.6065); no rejection configured
-    assert torch.allclose(w, torch.tensor([[1.5, math.exp(-0.5)]]))
+    # float32: 2 tokens of a few elementwise operations on log-probs of magnitude 2, exps up to e^1.5
+    tol = fp32_atol(2 + OPS, math.exp(1.5))
+    torch.testing.assert_close(w, torch.tensor([[1.5, math.exp(-0.5)]]), rtol=0, atol=tol)
     assert torch.equal(kept, mask)
     assert all(k.startswith("rollout_corr/") for k in m)
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(0.5)  # e^.5 = 1.65 > 1.5
-    assert m["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-7)  # mean of -l
+    assert m["rollout_corr/kl"] == pytest.approx(0.0, abs=tol)  # mean of -l
     k3 = ((math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5)) / 2
-    assert m["rollout_corr/k3_kl"] == pytest.approx(k3, rel=1e-5)
-    assert m["rollout_corr/training_ppl"] == pytest.approx(math.exp(1.5), rel=1e-6)
-    assert m["rollout_corr/rollout_ppl"] == pytest.approx(math.exp(1.5), rel=1e-6)
-    assert m["rollout_corr/chi2_token"] == pytest.approx((math.e + math.exp(-1)) / 2 - 1, rel=1e-5)
-    assert m["rollout_corr/chi2_seq"] == pytest.approx(0.0, abs=1e-6)  # sum l = 0
-    assert offpolicy_metrics(old, rollout, mask)["log_ppl_diff"] == pytest.approx(0.0, abs=1e-7)
+    assert m["rollout_corr/k3_kl"] == pytest.approx(k3, abs=tol)
+    assert m["rollout_corr/training_ppl"] == pytest.approx(math.exp(1.5), abs=tol)
+    assert m["rollout_corr/rollout_ppl"] == pytest.approx(math.exp(1.5), abs=tol)
+    assert m["rollout_corr/chi2_token"] == pytest.approx((math.e + math.exp(-1)) / 2 - 1, abs=tol)
+    assert m["rollout_corr/chi2_seq"] == pytest.approx(0.0, abs=tol)  # sum l = 0
+    assert offpolicy_metrics(old, rollout, mask)["log_ppl_diff"] == pytest.approx(0.0, abs=tol)
 
 
 def _batch(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> Batch:
@@ -205,11 +231,13 @@ def test_apply_rollout_correction_puts_weights_and_the_rejection_on_the_batch():
     rollout = torch.log(torch.tensor([[0.1, 0.3, 0.3]]))  # ratios 2, 1, 3
     batch = _batch(old, rollout, torch.ones(1, 3))
     metrics = apply_rollout_correction(batch, cfg)
-    assert torch.allclose(batch["rollout_is_weights"], torch.tensor([[2.0, 1.0, 2.0]]))  # cap 2.0 (verl's default)
+    # cap 2.0 (verl's default); the ratio 1 from logs of 0.3 (float32 difference and exp)
+    want = torch.tensor([[2.0, 1.0, 2.0]])
+    torch.testing.assert_close(batch["rollout_is_weights"], want, rtol=0, atol=fp32_atol(OPS, LN(0.1)))
     assert batch["rollout_is_weights"].dtype == torch.float32
     assert torch.equal(batch["response_mask"], torch.tensor([[1.0, 1.0, 0.0]]))  # ratio 3 > 2.5 rejected
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 3)
-    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(5 / 3, rel=1e-6)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(5 / 3, abs=fp32_atol(3 + OPS, 2.0))
     # off: only the mismatch metrics, the batch untouched
     plain = _batch(old, rollout, torch.ones(1, 3))
     m = apply_rollout_correction(plain, compose([]))
@@ -398,6 +426,13 @@ def test_bypass_reinforce_weights_the_policy_gradient(model_path):
     plain = _cfg(**{"actor.policy_loss": "gpg", "actor.optim.lr": 0.0})
     batch = _with_log_probs(plain, model_path, base)
     ref, _ = _update(plain, model_path, Batch(dict(batch.tensors)))
+    # the weight exp(log_probs - rollout) takes the update's log-probs against the separate pass's
+    # (rounding of the tiny model's chain, at the log-probs' magnitude) and the shift ln 2 (rounded at
+    # that magnitude): its relative error. The loss is a mean of -A log_prob w over the tokens.
+    old = batch["old_log_probs"]
+    rel = fp32_atol(tiny_chain_terms(P + T, vocab_size=TINY_VOCAB), old)
+    rel += reduction_tolerance(torch.float32, 3, float(old.abs().max()) + LN(2.0))
+    terms = float((batch["advantages"] * old).abs().max())
     for cap, factor in ((2.0, 0.5), (0.25, 0.25)):
         cfg = _cfg(
             **{
@@ -413,8 +448,9 @@ def test_bypass_reinforce_weights_the_policy_gradient(model_path):
         b["rollout_log_probs"] = batch["old_log_probs"] + LN(2.0)
         use_rollout_log_probs_as_old(b, cfg)
         m, _ = _update(cfg, model_path, b)
-        assert m["actor/pg_loss"] == pytest.approx(factor * ref["actor/pg_loss"], rel=1e-4)
-        assert m["actor/rollout_corr/rollout_is_mean"] == pytest.approx(factor, rel=1e-4)
+        pg_tol = factor * (rel * terms + fp32_atol(B * T, terms))
+        assert m["actor/pg_loss"] == pytest.approx(factor * ref["actor/pg_loss"], abs=pg_tol)
+        assert m["actor/rollout_corr/rollout_is_mean"] == pytest.approx(factor, rel=rel + fp32_atol(B * T, 1.0))
         assert m["actor/pg_clipfrac"] == 0.0
 
 
@@ -453,21 +489,38 @@ def _run(tmp_path, *extra: str) -> list[dict[str, float]]:
     pm = get_registry().pm
     pm.register(seen)
     calls: list[str] = []
+    magnitudes: list[float] = []
     original = Trainer._old_log_probs
+    as_old = rlplug.trainer.use_rollout_log_probs_as_old
 
     def counting(self, batch, metrics):
         calls.append("old")
         return original(self, batch, metrics)
 
+    def recording(batch, cfg):  # called every step: the engine's log-probs' magnitude
+        magnitudes.append(float(batch["rollout_log_probs"].abs().max()))
+        return as_old(batch, cfg)
+
     try:
         Trainer._old_log_probs = counting  # type: ignore[method-assign]
+        rlplug.trainer.use_rollout_log_probs_as_old = recording
         assert fit(cfg) == "finished"
     finally:
         Trainer._old_log_probs = original  # type: ignore[method-assign]
+        rlplug.trainer.use_rollout_log_probs_as_old = as_old
         pm.unregister(seen)
     for m in seen.steps:
         m["_old_log_prob_passes"] = float(len(calls))
+        m["_max_abs_log_prob"] = max(magnitudes)
     return seen.steps
+
+
+def _engine_vs_trainer_tol(m: dict[str, float]) -> float:
+    """The engine's and the trainer's log-probs of the same fp32 model differ by rounding of the
+    1-layer tiny model's chain (at most 128 + 8 tokens, log-sum-exp over the vocabulary) at the
+    log-probs' magnitude; an IS weight exp(difference) ~ 1 differs from 1 by as much."""
+    terms = tiny_chain_terms(128 + 8, layers=1, vocab_size=TINY_VOCAB)
+    return fp32_atol(terms, m["_max_abs_log_prob"])
 
 
 def test_tiny_run_with_rollout_correction(tmp_path):
@@ -484,7 +537,7 @@ def test_tiny_run_with_rollout_correction(tmp_path):
             assert math.isfinite(m[f"rollout_corr/{key}"]), key
         assert 0.0 < m["actor/rollout_is_weight"] <= 2.0
         # the HF engine and the trainer score the same fp32 model: weights are ~1, nothing rejected
-        assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=_engine_vs_trainer_tol(m))
         assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0
 
 
@@ -500,7 +553,7 @@ def test_tiny_run_in_bypass_mode_skips_the_old_log_prob_pass(tmp_path):
     assert len(steps) == 2 and steps[-1]["_old_log_prob_passes"] == 0.0
     for m in steps:
         assert math.isfinite(m["actor/pg_loss"]) and "timing_s/old_log_prob" not in m
-        assert m["actor/rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert m["actor/rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=_engine_vs_trainer_tol(m))
         assert "rollout_corr/training_ppl" not in m  # the trainer-side correction is off in bypass mode
 
 
