@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from _helpers import fp32_atol
 
 import rlplug
 from rlplug.losses import agg_loss, agg_normalizer, masked_mean, value_loss
@@ -18,6 +19,13 @@ from rlplug.objective import actor_input_fields, actor_objective, critic_objecti
 from rlplug.types import MissingInputError, PolicyLoss
 
 LN = math.log
+
+pytestmark = pytest.mark.numerics
+
+#: elementwise float32 operations per token (log-ratio, exp, clamp, products, the KL): with the
+#: valid tokens a mean sums over, the n_terms of rlplug.testing.reduction_tolerance below. Exact
+#: sums of small binary fractions keep pytest.approx's default.
+OPS = 6
 
 # The four valid tokens of tests/test_policy_loss.py (old log-prob 0, so ratio = exp(new)) and two
 # padding tokens (garbage):
@@ -61,15 +69,16 @@ def test_actor_objective_hand_values_with_kl_and_entropy():
         normalizer=4.0,
         kl_penalty=kl,
     )
-    assert loss.item() == pytest.approx(0.1, abs=1e-6)
-    assert parts["pg_loss"] == pytest.approx(0.15, abs=1e-6)
-    assert parts["entropy"] == pytest.approx(2.5, abs=1e-6)
-    assert parts["kl_loss"] == pytest.approx(0.5, abs=1e-6)
+    tol = fp32_atol(4 + OPS, ENT * MASK, 1.5)  # 4 tokens; entropies up to 4, ratios up to 1.5
+    assert loss.item() == pytest.approx(0.1, abs=tol)
+    assert parts["pg_loss"] == pytest.approx(0.15, abs=tol)
+    assert parts["entropy"] == pytest.approx(2.5, abs=tol)
+    assert parts["kl_loss"] == pytest.approx(0.5, abs=tol)
     # masked means (the loop weights them by the micro-batch's token share): clipfrac 2/4,
     # ppo_kl = mean(old - new) = -(2 ln 1.5 + 2 ln 0.5) / 4
     assert parts["mean:pg_clipfrac"] == pytest.approx(0.5)
     assert parts["mean:pg_clipfrac_lower"] == 0.0
-    assert parts["mean:ppo_kl"] == pytest.approx(-0.5 * LN(0.75), abs=1e-6)
+    assert parts["mean:ppo_kl"] == pytest.approx(-0.5 * LN(0.75), abs=tol)
     assert "mean:rollout_is_weight" not in parts
     assert set(parts) == {"pg_loss", "entropy", "kl_loss", "mean:pg_clipfrac", "mean:pg_clipfrac_lower", "mean:ppo_kl"}
     assert all(type(v) is float for v in parts.values())
@@ -89,9 +98,10 @@ def test_actor_objective_gradient_and_half_normalizer():
         loss_agg_mode="token-mean",
         normalizer=8.0,
     )
-    assert loss.item() == pytest.approx(0.075, abs=1e-6) and "entropy" not in parts
+    # 4 tokens of ratios up to 1.5 over 8; each gradient entry its own token's few operations
+    assert loss.item() == pytest.approx(0.075, abs=fp32_atol(4 + OPS, 1.5 / 8)) and "entropy" not in parts
     loss.backward()
-    assert new.grad[0, 1].item() == pytest.approx(-0.0625, abs=1e-7)
+    assert new.grad[0, 1].item() == pytest.approx(-0.0625, abs=fp32_atol(OPS, 0.5 / 8))
     assert new.grad[0, 0].item() == 0.0 and new.grad[0, 2].item() == 0.0 and new.grad[1, 2].item() == 0.0
 
 
@@ -252,10 +262,14 @@ def test_tis_in_the_loss_equals_the_old_advantage_scaling(name):
         ref_new = new0.clone().requires_grad_(True)
         ref_loss, ref_m = loss_obj(old, ref_new, adv * w, mask, config=cfg, loss_agg_mode=mode, normalizer=norm)
         ref_loss.backward()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6, abs=1e-7)
-        torch.testing.assert_close(new.grad, ref_new.grad, rtol=1e-5, atol=1e-7)
+        # the same per-token terms in another order of products (w A r vs A w r): the mean over
+        # the tokens at the magnitude of the inputs and of the terms
+        terms = adv * w * torch.exp(new0 - old) * mask
+        tol = fp32_atol(mask.numel() + OPS, terms, old * mask, new0 * mask)
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=tol)
+        torch.testing.assert_close(new.grad, ref_new.grad, rtol=0, atol=tol)
         for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-            assert parts["mean:" + key] == pytest.approx(ref_m[key], abs=1e-7), key
+            assert parts["mean:" + key] == pytest.approx(ref_m[key], abs=tol), key
         assert ref_m["pg_clipfrac"] > 0
 
 
@@ -265,7 +279,7 @@ def test_vanilla_and_dual_clip_weights_hand_values():
     loss, m = _vanilla()(
         OLD, NEW, ADV, MASK, config=None, loss_agg_mode="token-mean", normalizer=4.0, rollout_is_weights=w
     )
-    assert loss.item() == pytest.approx(-0.0875, abs=1e-6)
+    assert loss.item() == pytest.approx(-0.0875, abs=fp32_atol(4 + OPS, 2.0 * 1.5))  # w A r up to 3
     assert m["pg_clipfrac"] == pytest.approx(0.5)  # the metrics use the unweighted terms
     # dual clip (c = 3): per-token losses 3 (capped), -1.2, 2 (tests/test_policy_loss.py), weights
     # 0.5, 2, 1: (1.5 - 2.4 + 2) / 3
@@ -282,7 +296,7 @@ def test_vanilla_and_dual_clip_weights_hand_values():
         normalizer=3.0,
         rollout_is_weights=torch.tensor([[0.5, 2.0, 1.0, 9.0]]),
     )
-    assert loss.item() == pytest.approx(1.1 / 3, abs=1e-6)
+    assert loss.item() == pytest.approx(1.1 / 3, abs=fp32_atol(3 + OPS, 2.0 * 5.0))  # w and r up to 2 and 5
     assert m["pg_clipfrac_lower"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="rollout_is_weights has shape"):
         _vanilla()(
