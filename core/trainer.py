@@ -373,7 +373,11 @@ class Trainer:
                     "run instead (trainer.resume_mode=disable trainer.overwrite=true, or another directory)."
                 )
         reg = self.registry.registration("training_backend", str(cfg.trainer.backend))
-        lacking = [c.__qualname__ for c in built_classes(reg.obj, reg.extra) if "scale_lr" not in getattr(c, "capabilities", ())]
+        lacking = [
+            c.__qualname__
+            for c in built_classes(reg.obj, reg.extra)
+            if "scale_lr" not in getattr(c, "capabilities", ())
+        ]
         if lacking:
             keys = ", ".join(f"{k} {describe_change(o, n)}" for k, o, n in changed)
             raise ConfigError(
