@@ -264,7 +264,7 @@ class Registry:
 
         Raises :class:`UnknownPluginError` (no such name), :class:`PluginConflictError` (two
         distributions registered it), :class:`PluginLoadError` (its plugin failed to load),
-        :class:`rlplug.contracts.PluginContractError` (it does not implement the kind's Protocol:
+        :class:`rlplug.registry.PluginContractError` (it does not implement the kind's Protocol:
         the message names the missing or misnamed members and the distribution) or
         :class:`UnknownKindError`.
         """

@@ -5,7 +5,7 @@ Always a server (``rollout.mode`` is not consulted): the backend starts SGLang o
 for several servers, :mod:`rlplug.replicas`), keeps it alive and ends it with the run; retries,
 restarts and process handling are those of :class:`rlplug.serving.ServerRollout`.
 
-SGLang's native API as documented (``docs/basic_usage/sampling_params.md``,
+SGLang's native API as documented (SGLang's ``docs/basic_usage/sampling_params.md``,
 ``io_struct.py::GenerateReqInput``, ``http_server.py``):
 
 * Launch: ``python -m sglang.launch_server --model-path <model> --host <h> --port <p> --dtype
