@@ -51,7 +51,7 @@ reported by name and resume falls back to the previous verified one (:func:`veri
 :func:`resume_checkpoint`); a second run on a live run's directory is refused before any model
 loads (:func:`open_run_dir`, :mod:`rlplug.run_lock`).
 
-Testing aid: :func:`_fault_point` marks the places where the kill tests
+Testing aid: :func:`_fault_point` (:func:`rlplug.faults.fault_point`) marks the places where the kill tests
 (``tests/test_kill_resume.py``) stop the process, or where the fault tests
 (``tests/test_checkpoint_faults.py``) raise an ``OSError`` such as ``ENOSPC``; it does nothing
 unless the environment variable ``RLPLUG_TEST_KILL_AT`` is set.
@@ -71,14 +71,15 @@ import pickle
 import random
 import re
 import shutil
-import signal
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .faults import FAULT_ENV, fault_counts, fault_point  # noqa: F401 - FAULT_ENV: its old home
+from .file_modes import _umask, apply_umask  # noqa: F401 - their old home (rlplug.file_modes)
 
 log = logging.getLogger(__name__)
 
@@ -135,39 +136,15 @@ _CORRUPT_DIR = re.compile(r"^global_step_(\d+)\.corrupt-")
 
 # ============================================================================ testing aid
 
-#: ``label:n[:SIGNAL|ERRNO][,...]``, e.g. ``ckpt_renamed:2``, ``update_actor:1:SIGTERM`` or ``ckpt_backend:2:ENOSPC``
-FAULT_ENV = "RLPLUG_TEST_KILL_AT"
-_fault_counts: dict[str, int] = {}
+#: this module's count of each fault label reached (the same dict as :data:`rlplug.faults.fault_counts`;
+#: the tests reset it here)
+_fault_counts: dict[str, int] = fault_counts
 
 
 def _fault_point(label: str) -> None:
-    """Testing aid: send a signal to this process, or raise an ``OSError``, at the ``n``-th time
-    ``label`` is reached.
-
-    With ``RLPLUG_TEST_KILL_AT=<label>:<n>[:<SIGNAL>|<ERRNO>]`` (comma-separated for several), the
-    ``n``-th call with ``label`` (counted per process, 1-based) prints a line naming the point
-    to stderr and sends ``SIGNAL`` (default ``SIGKILL``; e.g. ``SIGTERM`` to test the graceful
-    stop) to the current process, or, for an ``errno`` name (``ENOSPC``, ``EDQUOT``, ``EIO``),
-    raises ``OSError(errno.<ERRNO>, ...)`` there, as a failing write would (the disk-full tests).
-    Used by the crash tests to stop a run at exact places (during rollout, between checkpoint
-    rename and the ``latest`` pointer, ...). When the variable is unset the cost is one environment
-    lookup. The labels are listed in ``tests/test_kill_resume.py``.
-    """
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    count = _fault_counts[label] = _fault_counts.get(label, 0) + 1
-    for item in spec.split(","):
-        parts = item.strip().split(":")
-        if parts[0] != label or count != (int(parts[1]) if len(parts) > 1 and parts[1] else 1):
-            continue
-        signame = parts[2] if len(parts) > 2 else "SIGKILL"
-        print(f"{FAULT_ENV}: {signame} at {label}:{count}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        if signame.startswith("E") and hasattr(errno, signame):
-            code = getattr(errno, signame)
-            raise OSError(code, f"{os.strerror(code)} ({FAULT_ENV} at {label}:{count})")
-        os.kill(os.getpid(), getattr(signal, signame))
+    """:func:`rlplug.faults.fault_point` (the crash tests' hook) under its old name, counting in
+    :data:`_fault_counts` (so tests that replace that dict or this function keep working)."""
+    fault_point(label, counts=_fault_counts)
 
 
 # ============================================================================ files
@@ -193,35 +170,6 @@ def _fsync_tree(root: Path) -> None:
         for name in filenames:
             _fsync(os.path.join(dirpath, name))
         _fsync(Path(dirpath))
-
-
-def _umask() -> int:
-    """The process umask: from ``/proc/self/status`` on Linux, else set (to a stricter one) and restored."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o077)  # os.umask can only be read by setting it: stricter, never looser, meanwhile
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(root: str | Path, pattern: str = "*.safetensors") -> None:
-    """Give the files under ``root`` (recursively) whose names match ``pattern`` the mode a plain
-    ``open()`` gives them: ``0o666 & ~umask`` (``0o644``, readable by everyone, under the usual umask
-    ``022``; ``0o640`` under ``027``), so an inference server running as another user can read a model.
-
-    safetensors' writer (``save_file``, which ``save_pretrained`` uses) writes through a temporary
-    file renamed into place, created ``0o600`` whatever the umask. Folders made with ``mkdir`` and
-    files written with ``open()`` already follow the umask and are left as they are, as are files of
-    other names. The exports (the final model, ``rlplug export``) and the checkpoints call this.
-    """
-    mode = 0o666 & ~_umask()
-    for path in Path(root).rglob(pattern):
-        if path.is_file() and not path.is_symlink():
-            path.chmod(mode)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -1652,6 +1600,14 @@ class RunStart:
     resume_from: Path | None = None
     set_aside: bool = False
     select: Callable[[], Path | None] | None = None
+
+    @property
+    def resume_step(self) -> int | None:
+        """The global step of :attr:`resume_from` (0: a fresh start); None while this process waits for rank
+        0's choice (:attr:`select` is set: a rank other than 0 of a torchrun job, before :meth:`begin`)."""
+        if self.resume_from is None:
+            return None if self.select is not None else 0
+        return checkpoint_step(self.resume_from) or 0
 
     def begin(self, is_main: bool = True, coordinator: Any = None) -> Path | None:
         """Move the earlier run aside when planned (by the main process only: ``is_main``; the others

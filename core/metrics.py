@@ -36,6 +36,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .run_context import RunContext, takes_run_context
+
 if TYPE_CHECKING:
     import torch
 
@@ -63,6 +65,7 @@ __all__ = [
     "read_metrics_jsonl",
     "ProgressBar",
     "tracker_names",
+    "run_context_for",
 ]
 
 
@@ -694,9 +697,26 @@ def source_tags() -> dict[str, str]:
     return dict(_source_tags())
 
 
-def build_tracker(factory: Any, cfg: Any, *, resume_step: int) -> Any:
-    """Build one tracker: ``factory(cfg, resume_step=resume_step)`` when the factory takes a
-    ``resume_step`` keyword (or ``**kwargs``), else ``factory(cfg)``.
+def run_context_for(config: Any, *, run_dir: str | Path | None = None, resume_step: int | None = None) -> RunContext:
+    """The :class:`rlplug.run_context.RunContext` of the run ``config`` describes, for a plugin built outside
+    ``rlplug train`` (a test, a notebook; a run hands its plugins its own): ``run_dir`` (default
+    :func:`rlplug.trainer.run_dir_for` of ``config``) and ``resume_step`` when given, else the step a run
+    there would resume after, read from its checkpoints (:func:`rlplug.checkpoint.tracker_resume_step`: 0
+    for a fresh start or a ``config`` without a ``trainer`` section). Raises ``AttributeError`` when
+    ``run_dir`` is not given and ``config`` has no ``trainer`` section."""
+    from .checkpoint import tracker_resume_step
+    from .trainer import run_dir_for
+
+    directory = Path(run_dir) if run_dir is not None else Path(run_dir_for(config))
+    return RunContext(directory, tracker_resume_step(config, directory, resume_step))
+
+
+def build_tracker(factory: Any, cfg: Any, *, resume_step: int, run: RunContext | None = None) -> Any:
+    """Build one tracker: ``factory(cfg, run=run)`` when the factory declares a ``run`` parameter
+    (:func:`rlplug.run_context.takes_run_context`; ``run`` defaults to :func:`run_context_for` ``(cfg,
+    resume_step=resume_step)``), else, as before the run context existed, ``factory(cfg,
+    resume_step=resume_step)`` when it takes a ``resume_step`` keyword (or ``**kwargs``; a
+    ``DeprecationWarning`` says to declare ``run`` instead), else ``factory(cfg)``.
 
     ``resume_step`` is the global step the trainer actually resumed from (0: a fresh start), as
     :meth:`Trackers.open` gets it from the trainer; after a fallback from a corrupt latest checkpoint
@@ -705,12 +725,23 @@ def build_tracker(factory: Any, cfg: Any, *, resume_step: int) -> Any:
     ``purge_step`` and the MLflow/W&B ``resume_step`` tags.
     """
     import inspect
+    import warnings
 
+    if takes_run_context(factory):
+        return factory(cfg, run=run if run is not None else run_context_for(cfg, resume_step=resume_step))
     try:
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return factory(cfg)
     if any(p.name == "resume_step" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        if any(p.name == "resume_step" for p in params):
+            warnings.warn(
+                f"The tracker factory {getattr(factory, '__qualname__', factory)!r} takes 'resume_step': declare a "
+                "keyword parameter 'run' instead, which gets an rlplug.plugin.RunContext (run_dir, resume_step). "
+                "Factories taking 'resume_step' are built this way for one more release.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         return factory(cfg, resume_step=int(resume_step))
     return factory(cfg)
 
@@ -744,9 +775,10 @@ class Trackers:
         from .trainer import run_dir_for
 
         try:
-            self.metrics_log = MetricsLog(run_dir_for(cfg), step)
+            run = RunContext(run_dir_for(cfg), int(step))  # what each tracker is told (build_tracker)
+            self.metrics_log = MetricsLog(run.run_dir, step)
             for name in tracker_names(cfg.trainer):
-                self.items.append(build_tracker(registry.get("tracker", name), cfg, resume_step=step))
+                self.items.append(build_tracker(registry.get("tracker", name), cfg, resume_step=step, run=run))
         except BaseException:
             self.close("failed")
             raise

@@ -86,6 +86,7 @@ from .reward_contract import attach_trainer, trl_inputs
 from .reward_model import validation_reward
 from .reward_norm import ScoreNormalizer
 from .rollout_correction import apply_rollout_correction, bypasses_old_log_probs, use_rollout_log_probs_as_old
+from .run_context import RunContext, takes_run_context
 from .schedule import Schedule, value_targets
 from .types import RolloutOutput, SamplingParams
 from .validate import BatchPlan, plan_batch
@@ -300,8 +301,10 @@ class Trainer:
 
         # ---- models and engines
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
+        self.run_context = RunContext(self.run_dir, self.start.resume_step)  # what the backend is told
+        run = {"run": self.run_context} if takes_run_context(backend_factory) else {}  # rlplug.run_context
         self.backend = backend_factory(
-            cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref, total_steps=self.total_steps
+            cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref, total_steps=self.total_steps, **run
         )
         self.skip_old_log_prob = skips_old_log_probs(cfg, self.plan, self.backend.capabilities)
         # A multi-process backend (trainer=fsdp2 under torchrun) runs this trainer on every process. The

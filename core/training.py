@@ -68,6 +68,7 @@ from .logprob import response_token_stats, trim_padding_columns
 from .losses import agg_normalizer, seq_norm_length
 from .objective import CRITIC_INPUT_FIELDS, SEQUENCE_FIELDS, actor_objective, critic_objective
 from .precision import resolve_dtype
+from .run_context import RunContext
 from .token_budget import pack_rows, row_lengths, token_budgets
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES, MiniBatchContext
 
@@ -473,6 +474,8 @@ class TrainingBackendBase:
         use_ref: build the reference model (frozen copy of the initial actor) for KL terms.
         total_steps: planned training steps; with ``ppo_epochs`` and the mini-batches per step it
             fixes the length of the learning-rate schedule (in optimizer steps).
+        run: the :class:`rlplug.run_context.RunContext` the trainer builds the backend with (run directory,
+            step of the checkpoint it resumes from), kept as :attr:`run`; None outside a run (tests, scripts).
 
     Class attributes:
         backend_name: the name in messages (``"local"``, ``"fsdp2"``).
@@ -490,6 +493,7 @@ class TrainingBackendBase:
             ``trainer.alerts`` rules may watch, :func:`rlplug.alerts.declared_metrics`).
 
     Attributes:
+        run: the ``run`` argument (:class:`rlplug.run_context.RunContext` or None).
         consecutive_bad_steps: optimizer steps skipped in a row because of a non-finite loss or
             gradient norm (the larger of the actor's and the critic's count); reset by a good step.
         actor, critic: :class:`Role` (``critic`` ``None`` without ``use_critic``); ``ref``: the
@@ -514,10 +518,20 @@ class TrainingBackendBase:
         *(f"critic/{k}" for k in ("vf_loss", "vf_clipfrac", "grad_norm", "lr", "nonfinite_skipped")),
     )
 
-    def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        model_path: str,
+        *,
+        use_critic: bool,
+        use_ref: bool,
+        total_steps: int,
+        run: RunContext | None = None,
+    ) -> None:
         from .lora import LORA_CAPABILITY, apply_lora, check_target_modules, lora_settings
         from .models import load_causal_lm, load_value_model, resolve_critic_model_path
 
+        self.run = run
         self.config = config
         self.model_path = str(model_path)
         self.use_critic = bool(use_critic)

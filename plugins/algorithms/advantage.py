@@ -50,10 +50,7 @@ from typing import Any
 
 import torch
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.losses import masked_whiten
-from rlplug.types import AdvantageEstimator
+from rlplug.plugin import AdvantageEstimator, config_get, hookimpl, masked_whiten
 
 __all__ = [
     "gae_advantage",
@@ -582,7 +579,7 @@ def tir_optimal_token_baseline_advantage(
     return torch.where(valid, advantages, torch.zeros((), dtype=torch.float32, device=valid.device)), returns
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_advantage_estimators(register):
     register(
         "gae",

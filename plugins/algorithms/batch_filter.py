@@ -32,9 +32,7 @@ from typing import Any
 
 import torch
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.types import BatchFilter, MissingInputError
+from rlplug.plugin import BatchFilter, MissingInputError, config_get, hookimpl
 
 __all__ = ["filter_groups", "metric_values"]
 
@@ -114,7 +112,7 @@ def _validate(config: Any) -> None:
         )
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_batch_filters(register):
     register(
         "filter_groups",

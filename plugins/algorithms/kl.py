@@ -28,8 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-import rlplug
-from rlplug.types import KLPenalty
+from rlplug.plugin import KLPenalty, hookimpl
 
 __all__ = ["kl_penalty", "KL_NAMES", "BASE_KL_NAMES"]
 
@@ -106,7 +105,7 @@ def _make(name: str) -> Callable[..., torch.Tensor]:
     return fn
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_kl_penalties(register):
     for base, (_, desc) in _BASE.items():
         register(base, KLPenalty(_make(base), description=desc))

@@ -79,10 +79,19 @@ from typing import Any
 
 import torch
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.losses import agg_loss, masked_mean, seq_norm_length
-from rlplug.types import MiniBatchContext, PolicyLoss
+from rlplug.plugin import (
+    MiniBatchContext,
+    PolicyLoss,
+    agg_loss,
+    compute_rollout_correction,
+    config_get,
+    hookimpl,
+    masked_mean,
+    offpolicy_metrics,
+    parse_rollout_correction,
+    seq_norm_length,
+    with_threshold_alias,
+)
 
 __all__ = [
     "bypass_mode_policy_loss",
@@ -914,8 +923,6 @@ def _bypass_settings(config: Any) -> Any:
     defaults when it is absent or unresolvable (a bare ``ActorConfig``)."""
     from omegaconf import OmegaConf
 
-    from rlplug.rollout_correction import parse_rollout_correction, with_threshold_alias
-
     if OmegaConf.is_config(config):
         node = OmegaConf.select(config, "rollout_correction", default=None, throw_on_resolution_failure=False)
     else:
@@ -970,8 +977,6 @@ def bypass_mode_policy_loss(
     ``compute_policy_loss_bypass_mode`` (``core_algos.py``). Raises ``ValueError`` for mismatched shapes
     or a bad ``rollout_correction`` section.
     """
-    from rlplug.rollout_correction import compute_rollout_correction, offpolicy_metrics
-
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
     settings = _bypass_settings(config)
     validate_bypass_mode(config)
@@ -1007,7 +1012,7 @@ def bypass_mode_policy_loss(
     return loss, metrics
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_policy_losses(register):
     register(
         "vanilla",

@@ -60,8 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import rlplug
-from rlplug.reward_contract import BatchedRewardFunction
+from rlplug.plugin import BatchedRewardFunction, ServerProcess, free_port, hookimpl
 
 __all__ = [
     "DEFAULT_TEMPLATE",
@@ -362,8 +361,6 @@ class _Client:
             raise
 
     def _start_server(self) -> str:
-        from rlplug.serving import ServerProcess, free_port
-
         s, host = self.settings, "127.0.0.1"
         port = free_port(host)
         cmd = server_command(s, host, port)
@@ -629,6 +626,6 @@ class JudgeReward(BatchedRewardFunction):
 judge = JudgeReward()
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_reward_functions(register: Any) -> None:
     register("judge", judge)

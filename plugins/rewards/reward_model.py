@@ -7,11 +7,10 @@ third-party package would (``docs/reward_models.md``).
 
 from __future__ import annotations
 
-import rlplug
-from rlplug.reward_model import RM_NAME, RewardModelFunction
+from rlplug.plugin import RM_NAME, RewardModelFunction, hookimpl
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_reward_functions(register):
     """Register ``reward_model`` (selected by ``reward.reward_model.enable`` or a ``reward.shaping`` entry)."""
     register(RM_NAME, RewardModelFunction())

@@ -26,7 +26,7 @@ import threading
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 
-import rlplug
+from rlplug.plugin import hookimpl
 
 __all__ = [
     "gsm8k",
@@ -361,7 +361,7 @@ def format_reward(
     return 1.0 if pos >= 0 and solution_str[pos + 4 :].strip() else 0.0
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_reward_functions(register):
     register("gsm8k", gsm8k)
     register("math_verify", math_verify)

@@ -24,11 +24,18 @@ from typing import Any
 
 import torch
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.precision import resolve_dtype
-from rlplug.rollout_utils import eos_ids, parse_dtype, strip_wrapper_prefixes, validate_prompts
-from rlplug.types import RolloutOutput, SamplingParams
+from rlplug.plugin import (
+    RolloutOutput,
+    SamplingParams,
+    config_get,
+    eos_ids,
+    hookimpl,
+    load_causal_lm,
+    parse_dtype,
+    resolve_dtype,
+    strip_wrapper_prefixes,
+    validate_prompts,
+)
 
 __all__ = ["HFRollout", "create_hf_rollout"]
 
@@ -72,8 +79,6 @@ class HFRollout:
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         from transformers import GenerationConfig
-
-        from rlplug.models import load_causal_lm
 
         self.micro_batch_size = int(config_get(config, "rollout.micro_batch_size", 64))
         if self.micro_batch_size < 1:
@@ -283,6 +288,6 @@ def create_hf_rollout(config: Any, model_path: str, tokenizer: Any) -> HFRollout
     return HFRollout(config, model_path, tokenizer)
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_rollout_backends(register: Any) -> None:
     register("hf", create_hf_rollout, builds=HFRollout)

@@ -36,10 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.serving import Retryable, ServerError, ServerRollout, server_urls
-from rlplug.types import SamplingParams
+from rlplug.plugin import Retryable, SamplingParams, ServerError, ServerRollout, config_get, hookimpl, server_urls
 
 __all__ = ["SGLangRollout", "create_sglang_rollout"]
 
@@ -152,6 +149,6 @@ def create_sglang_rollout(config: Any, model_path: str, tokenizer: Any) -> SGLan
     return SGLangRollout(config, model_path, tokenizer)
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_rollout_backends(register: Any) -> None:
     register("sglang", create_sglang_rollout, builds=SGLangRollout)

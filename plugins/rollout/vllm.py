@@ -78,20 +78,27 @@ from typing import Any
 
 import torch
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.precision import resolve_dtype
-from rlplug.rollout_utils import (
+from rlplug.plugin import (
     DTYPE_NAMES,
     TORCH_DTYPES,
+    Retryable,
+    RolloutOutput,
+    SamplingParams,
+    ServerError,
+    ServerRollout,
     checked_weights,
     checkpoint_shapes,
+    config_get,
     eos_ids,
+    heap_mib,
+    hookimpl,
+    malloc_trim,
+    resolve_dtype,
+    rss_bytes,
+    server_urls,
     shm_dir,
     validate_prompts,
 )
-from rlplug.serving import Retryable, ServerError, ServerRollout, server_urls
-from rlplug.types import RolloutOutput, SamplingParams
 
 __all__ = ["VLLMRollout", "create_vllm_rollout", "EngineChild", "EngineDied", "EngineError", "CPU_ATTENTION_HEAD_SIZES"]
 
@@ -454,7 +461,7 @@ def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
     return VLLMRollout(config, model_path, tokenizer)
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_rollout_backends(register: Any) -> None:
     register("vllm", create_vllm_rollout, builds=(VLLMRollout, VLLMServerRollout))
 
@@ -963,15 +970,11 @@ def _child_trim() -> None:
     memory) and each batch its own buffers; without the trim glibc keeps those pages mapped and the
     child's resident size creeps up step after step (``benchmarks/bench_engine_memory.py``)."""
     if os.environ.get("RLPLUG_MALLOC_TRIM", "1") != "0":
-        from rlplug.host_memory import malloc_trim
-
         malloc_trim()
 
 
 def _child_memory() -> dict[str, float | bool]:
     """The ``memory`` command: this child's resident size and C heap in MiB (:mod:`rlplug.host_memory`)."""
-    from rlplug.host_memory import heap_mib, rss_bytes
-
     used, free = heap_mib()
     return {
         "rss_mib": rss_bytes() / 2**20,

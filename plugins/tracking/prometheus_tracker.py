@@ -14,7 +14,7 @@ unaware of it.
 
 * one gauge per metric the run has logged, holding its latest value (a validation metric keeps the value
   of the last validation), named by :func:`prometheus_name`: ``rlplug_`` + the verl name mapped with
-  :func:`rlplug.metrics.tracker_name` to Prometheus' characters ``[a-zA-Z0-9_:]`` (``actor/pg_loss`` ->
+  :func:`rlplug.plugin.tracker_name` to Prometheus' characters ``[a-zA-Z0-9_:]`` (``actor/pg_loss`` ->
   ``rlplug_actor_pg_loss``, ``val-core/gsm8k/acc/mean@8`` -> ``rlplug_val_core_gsm8k_acc_mean_at_8``);
   its help text is the verl name. Among them, when the run logs them: ``rlplug_perf_gen_tokens_per_s``
   (rollout tokens/s), ``rlplug_actor_ppo_kl`` / ``rlplug_actor_kl_loss`` (KL), ``rlplug_actor_grad_norm``,
@@ -35,10 +35,10 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import rlplug
-from rlplug.config import ConfigError, config_get
-from rlplug.metrics import metric_value as _number
-from rlplug.metrics import tracker_name
+from rlplug.plugin import ConfigError, config_get, hookimpl, tracker_name
+from rlplug.plugin import (
+    metric_value as _number,
+)
 
 __all__ = ["PrometheusTracker", "prometheus_name", "PROMETHEUS_NAME_CHARS", "PREFIX"]
 
@@ -51,7 +51,7 @@ PREFIX = "rlplug_"
 
 
 def prometheus_name(name: str) -> str:
-    """The Prometheus gauge name of the metric ``name``: :data:`PREFIX` + :func:`rlplug.metrics.tracker_name`
+    """The Prometheus gauge name of the metric ``name``: :data:`PREFIX` + :func:`rlplug.plugin.tracker_name`
     with :data:`PROMETHEUS_NAME_CHARS` and no length limit, so ``@`` becomes ``_at_`` and every other
     character outside ``[A-Za-z0-9_:]`` ``_``. Example: ``val-core/gsm8k/acc/mean@8`` ->
     ``rlplug_val_core_gsm8k_acc_mean_at_8``; the result always matches ``[a-zA-Z_:][a-zA-Z0-9_:]*``."""
@@ -179,6 +179,6 @@ class PrometheusTracker:
         self._thread.join(timeout=5)
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_trackers(register):
     register("prometheus", PrometheusTracker)

@@ -8,7 +8,7 @@ compare runs). Any TensorBoard reads the files, and so does
 
 What it writes:
 
-* every step's metrics as scalars at ``global_step=step``, named with :func:`rlplug.metrics.tracker_name`
+* every step's metrics as scalars at ``global_step=step``, named with :func:`rlplug.plugin.tracker_name`
   (the mapping every tracker shares: ``val-core/x/acc/mean@8`` -> ``val-core/x/acc/mean_at_8``, the name
   MLflow and W&B show too);
 * the resolved config as the text ``config`` (a YAML block), and the tables (validation samples, training
@@ -27,12 +27,10 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import rlplug
-from rlplug.metrics import metric_value as _number
-from rlplug.metrics import tracker_name
+from rlplug.plugin import RunContext, hookimpl, run_context_for, tracker_name
+from rlplug.plugin import metric_value as _number
 
 __all__ = ["TensorBoardTracker", "table_markdown"]
 
@@ -71,9 +69,11 @@ def table_markdown(rows: list[dict]) -> str:
 class TensorBoardTracker:
     """Writes TensorBoard event files to ``<run_dir>/tensorboard`` (see the module docstring).
 
-    ``factory(config, resume_step=None)``: ``config`` is the resolved run config (the run directory is
-    :func:`rlplug.trainer.run_dir_for`'s); ``resume_step`` the step the trainer resumed from (0: fresh;
-    None: read from the run directory). Attributes: ``log_dir`` (Path), ``writer`` (the
+    ``factory(config, resume_step=None, *, run=None)``: ``config`` is the resolved run config; ``run`` the
+    :class:`rlplug.plugin.RunContext` a run builds it with (its run directory, and the step the trainer
+    resumed from, 0: fresh). Without ``run`` (a tracker built outside a run) both come from
+    :func:`rlplug.plugin.run_context_for` of ``config``, with ``resume_step`` (deprecated) as the step when
+    given. Attributes: ``log_dir`` (Path), ``writer`` (the
     ``SummaryWriter``, None until the first step is logged), ``resume_step`` (the checkpoint's step the run
     resumes after, 0 for a fresh start) and ``purge_step`` (the writer's: ``resume_step + 1`` on a resume,
     else the first step logged).
@@ -81,15 +81,13 @@ class TensorBoardTracker:
     Raises ``ImportError`` naming the pip package when ``tensorboard`` is not installed.
     """
 
-    def __init__(self, config: Any, resume_step: int | None = None) -> None:
-        from rlplug.trainer import run_dir_for
-
+    def __init__(self, config: Any, resume_step: int | None = None, *, run: RunContext | None = None) -> None:
         self._summary = _import("torch.utils.tensorboard", "tensorboard")
-        self.log_dir = Path(run_dir_for(config)).resolve() / "tensorboard"
+        if run is None:  # built outside a run: the run directory and resume step a run of config would have
+            run = run_context_for(config, resume_step=resume_step)
+        self.log_dir = run.run_dir.resolve() / "tensorboard"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        from rlplug.checkpoint import tracker_resume_step  # lazy: torch
-
-        self.resume_step = tracker_resume_step(config, self.log_dir.parent, resume_step) if config is not None else 0
+        self.resume_step = int(run.resume_step or 0)
         self.writer: Any = None
         self.purge_step: int | None = None
         self.closed = False
@@ -144,6 +142,6 @@ class TensorBoardTracker:
         self.closed = True
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_trackers(register):
     register("tensorboard", TensorBoardTracker)

@@ -5,8 +5,8 @@ own entry point; every run also writes ``<run_dir>/metrics.jsonl``, :class:`rlpl
 
 Selected by the list ``trainer.logger`` (default ``[console, mlflow]``). Each registered object
 is a factory ``factory(config) -> tracker`` taking the whole resolved run config (a factory that also
-takes a ``resume_step`` keyword gets the step the trainer resumed from, 0 for a fresh start:
-:func:`rlplug.metrics.build_tracker`); a tracker has
+declares a ``run`` keyword gets the run's :class:`rlplug.plugin.RunContext`: the run directory and the step
+the trainer resumed from, 0 for a fresh start); a tracker has
 
 * ``log_params(params: dict) -> None``: run settings (nested dicts are flattened with ``.``);
 * ``log_metrics(metrics: dict[str, float], step: int) -> None``: one step's metrics, named
@@ -40,7 +40,7 @@ same clean history for every metric (:func:`rlplug.metrics.read_metrics_jsonl`).
 
 What a run holds in MLflow: the flattened config as params (and the artifact ``config.yaml``);
 the tags ``rlplug.version``, ``rlplug.git_commit`` and ``rlplug.git_dirty`` (the git keys only
-when rlplug runs from a git checkout, :func:`rlplug.metrics.source_tags`); every step's metrics;
+when rlplug runs from a git checkout, :func:`rlplug.plugin.source_tags`); every step's metrics;
 the tables ``tables/val_generations/step_<N>.json`` (validation samples) and, with
 ``trainer.log_train_generations``, ``tables/train_generations/step_<N>.json`` (training rollouts
 with score and advantage), both readable with ``mlflow.load_table``; and for a finished run the
@@ -48,7 +48,7 @@ param ``final_model_path`` and the artifact ``final_model.json``, a pointer to t
 (path, step, files and sizes; the weights are not copied).
 
 Names: MLflow restricts keys to letters, digits, ``_ - . / :`` and space, 250 characters. Every
-tracker that restricts names maps them with the one function :func:`rlplug.metrics.tracker_name`
+tracker that restricts names maps them with the one function :func:`rlplug.plugin.tracker_name`
 (``console`` prints them unchanged): ``@`` becomes ``_at_`` (``val-core/x/acc/mean@8`` is logged as
 ``val-core/x/acc/mean_at_8``), other characters ``_``. Parameter values longer than 6000
 characters are truncated (the full config is also logged as the artifact ``config.yaml``).
@@ -67,9 +67,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.metrics import TRACKER_NAME_CHARS, source_tags, tracker_name
+from rlplug.plugin import (
+    TRACKER_NAME_CHARS,
+    RunContext,
+    config_get,
+    hookimpl,
+    run_context_for,
+    source_tags,
+    tracker_name,
+)
 
 __all__ = [
     "ConsoleTracker",
@@ -106,19 +112,18 @@ ATTEMPT_METRIC = "trainer/attempt"
 
 
 def run_dir(config: Any) -> Path:
-    """The run directory: ``trainer.default_local_dir``, else the trainer's default for the project.
-
-    Delegates to :func:`rlplug.trainer.run_dir_for` so trackers and checkpoints share one folder
-    (``<default>/<trainer.project_name>/<trainer.experiment_name>``). The folder is not created.
+    """The run directory of ``config`` for a tracker built outside a run: ``trainer.default_local_dir``, else
+    :func:`rlplug.plugin.run_context_for`'s (the trainer's folder, ``<default>/<trainer.project_name>/
+    <trainer.experiment_name>``), else, for a config the trainer cannot read (a plain mapping),
+    ``checkpoints/<trainer.project_name>/<trainer.experiment_name>``. The folder is not created. A tracker
+    built by a run uses the run context's ``run_dir`` instead.
     """
     local = config_get(config, "trainer.default_local_dir")
     if local:
         return Path(str(local)).expanduser()
     try:
-        from rlplug.trainer import run_dir_for
-
-        return Path(run_dir_for(config))
-    except Exception:  # the trainer could not be imported, or config is a plain mapping
+        return run_context_for(config, resume_step=0).run_dir  # resume_step given: the folder is not read
+    except Exception:  # config is a plain mapping, or has no trainer section
         return (
             Path("checkpoints")
             / str(config_get(config, "trainer.project_name", "rlplug"))
@@ -172,7 +177,7 @@ MLFLOW_NAME_CHARS = TRACKER_NAME_CHARS
 
 
 def sanitize_name(name: str) -> str:
-    """Make ``name`` a valid MLflow metric/param key: :func:`rlplug.metrics.tracker_name` with MLflow's
+    """Make ``name`` a valid MLflow metric/param key: :func:`rlplug.plugin.tracker_name` with MLflow's
     characters (letters, digits, ``_ - . / :`` and space) and its 250-character limit.
 
     ``@`` becomes ``_at_``, any other character ``_``; empty, ``.`` and ``..`` path segments (which
@@ -330,10 +335,13 @@ def _quiet_mlflow() -> None:
 class MlflowTracker:
     """Logs params, metrics, tables and artifacts to MLflow (see the module docstring for the store).
 
-    ``factory(config, tracking_uri=None, resume_step=None)``: ``config`` is the resolved run config; ``tracking_uri``
-    overrides ``MLFLOW_TRACKING_URI`` and the local default; ``resume_step`` is the step the trainer resumed
-    from (0: a fresh start, a new MLflow run; None: read from the run directory). On construction it opens (or
-    continues) the run and logs the flattened config as params plus ``config.yaml``.
+    ``factory(config, tracking_uri=None, resume_step=None, *, run=None)``: ``config`` is the resolved run config;
+    ``tracking_uri`` overrides ``MLFLOW_TRACKING_URI`` and the local default; ``run`` the
+    :class:`rlplug.plugin.RunContext` a run builds it with: its ``run_dir`` holds the store and its
+    ``resume_step`` is the step the trainer resumed from (0: a fresh start, a new MLflow run). Without ``run``
+    (a tracker built outside a run) the run directory is :func:`run_dir`'s and the step ``resume_step``
+    (deprecated; None: whether a run there would resume is read from the run directory). On construction it
+    opens (or continues) the run and logs the flattened config as params plus ``config.yaml``.
 
     Attributes: ``run_id``, ``tracking_uri``, ``experiment_id``, ``run_dir`` (Path),
     ``resumed`` (True when an earlier run was continued), ``client`` (``MlflowClient``).
@@ -341,11 +349,19 @@ class MlflowTracker:
     Raises ``mlflow.exceptions.MlflowException`` when the store cannot be opened.
     """
 
-    def __init__(self, config: Any, tracking_uri: str | None = None, resume_step: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        tracking_uri: str | None = None,
+        resume_step: int | None = None,
+        *,
+        run: RunContext | None = None,
+    ) -> None:
         _quiet_mlflow()
         from mlflow.tracking import MlflowClient
 
-        self.run_dir = run_dir(config).resolve()
+        self.run_dir = (run.run_dir if run is not None else run_dir(config)).resolve()
+        given = run.resume_step if run is not None else resume_step
         self.run_dir.mkdir(parents=True, exist_ok=True)
         env_uri = os.environ.get("MLFLOW_TRACKING_URI")
         self.tracking_uri = tracking_uri or env_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
@@ -360,7 +376,7 @@ class MlflowTracker:
         self._warned: set[str] = set()
         self._tables: dict[str, dict] = {}
         self._previous_attempt = 0
-        resuming = resume_step > 0 if resume_step is not None else _will_resume(config, self.run_dir)
+        resuming = given > 0 if given is not None else _will_resume(config, self.run_dir)
         run_id = self._continue_run() if resuming else None
         if run_id is None:
             run = self.client.create_run(
@@ -371,9 +387,9 @@ class MlflowTracker:
         self.run_id: str = run_id
         #: this attempt's number: 1 for a fresh run, one more than the continued run's last attempt
         self.attempt = self._previous_attempt + 1
-        from rlplug.checkpoint import tracker_resume_step  # lazy: torch
-
-        step = tracker_resume_step(config, self.run_dir, resume_step) if self.resumed else 0
+        if self.resumed and given is None:  # built outside a run: the step a run there resumes after
+            given = run_context_for(config, run_dir=self.run_dir).resume_step
+        step = int(given or 0) if self.resumed else 0
         self.set_tags({ATTEMPT_TAG: str(self.attempt), f"{ATTEMPT_TAG}.{self.attempt}.resume_step": str(step)})
         self._log_source_tags()
         (self.run_dir / _RUN_FILE).write_text(
@@ -426,7 +442,7 @@ class MlflowTracker:
         return run.info.run_id
 
     def _log_source_tags(self) -> None:
-        """Tag the run with :func:`rlplug.metrics.source_tags` (``rlplug.version``, ``rlplug.git_commit``,
+        """Tag the run with :func:`rlplug.plugin.source_tags` (``rlplug.version``, ``rlplug.git_commit``,
         ``rlplug.git_dirty``); a resumed run gets the tags of the code that continues it."""
         from mlflow.entities import RunTag
 
@@ -629,7 +645,7 @@ def clean_history_of_run_dir(directory: str | os.PathLike, key: str) -> list[tup
 # ============================================================================ registration
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_trackers(register):
     register("console", ConsoleTracker)
     register("mlflow", MlflowTracker)

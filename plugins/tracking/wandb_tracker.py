@@ -9,7 +9,7 @@ variables (``WANDB_ENTITY``, ``WANDB_BASE_URL`` ...) work as usual. The project 
 ``trainer.project_name``, the run name ``trainer.experiment_name``, the run config the resolved config.
 
 What it logs: every step's metrics with ``step=`` the global step, named with
-:func:`rlplug.metrics.tracker_name` (the mapping every tracker shares: ``val-core/x/acc/mean@8`` ->
+:func:`rlplug.plugin.tracker_name` (the mapping every tracker shares: ``val-core/x/acc/mean@8`` ->
 ``val-core/x/acc/mean_at_8``, as in MLflow and TensorBoard); tables as ``wandb.Table`` under
 ``tables/<name>`` (``tables/val_generations``, one per step); artifacts as W&B artifacts of type ``file``
 (copied when logged); the optional tags (``trainer.alerts`` warnings) as summary values.
@@ -38,10 +38,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import rlplug
-from rlplug.config import config_get
-from rlplug.metrics import metric_value as _number
-from rlplug.metrics import tracker_name
+from rlplug.plugin import RunContext, config_get, hookimpl, run_context_for, tracker_name
+from rlplug.plugin import metric_value as _number
 
 __all__ = ["WandbTracker", "table_key", "ATTEMPT_METRIC", "history_records", "clean_history"]
 
@@ -81,8 +79,11 @@ def table_key(name: str) -> str:
 class WandbTracker:
     """Logs to a W&B run (offline by default; see the module docstring).
 
-    ``factory(config, resume_step=None)``: ``config`` is the resolved run config; ``resume_step`` the step
-    the trainer resumed from (0: fresh; None: read from the run directory). Attributes: ``run`` (the ``wandb`` run),
+    ``factory(config, resume_step=None, *, run=None)``: ``config`` is the resolved run config; ``run`` the
+    :class:`rlplug.plugin.RunContext` a run builds it with (its run directory, and the step the trainer
+    resumed from, 0: fresh). Without ``run`` (a tracker built outside a run) both come from
+    :func:`rlplug.plugin.run_context_for` of ``config``, with ``resume_step`` (deprecated) as the step when
+    given. Attributes: ``run`` (the ``wandb`` run),
     ``run_id``, ``run_dir`` (Path), ``mode`` (``offline`` unless ``WANDB_MODE`` says otherwise),
     ``resumed`` (True when the run id of an earlier attempt was reused) and ``attempt`` (1 for a fresh run,
     one more than the earlier attempt's on a resume).
@@ -90,20 +91,18 @@ class WandbTracker:
     Raises ``ImportError`` naming the pip package when ``wandb`` is not installed.
     """
 
-    def __init__(self, config: Any, resume_step: int | None = None) -> None:
-        from rlplug.trainer import run_dir_for
-
+    def __init__(self, config: Any, resume_step: int | None = None, *, run: RunContext | None = None) -> None:
         wandb = _import_wandb()
         self._wandb = wandb
-        self.run_dir = Path(run_dir_for(config)).resolve()
+        if run is None:  # built outside a run: the run directory and resume step a run of config would have
+            run = run_context_for(config, resume_step=resume_step)
+        self.run_dir = run.run_dir.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.mode = os.environ.get("WANDB_MODE") or "offline"
         self.closed = False
         run_id, self.resumed, self.attempt = None, False, 1
         stored = self.run_dir / _RUN_FILE
-        from rlplug.checkpoint import tracker_resume_step  # lazy: torch
-
-        step = tracker_resume_step(config, self.run_dir, resume_step)
+        step = int(run.resume_step or 0)
         if stored.is_file() and step > 0:
             try:
                 record = json.loads(stored.read_text())
@@ -144,7 +143,7 @@ class WandbTracker:
             self.run.config.update({str(k): _scalar(v) for k, v in params.items()}, allow_val_change=True)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        """The numeric metrics at ``step`` (names mapped with :func:`rlplug.metrics.tracker_name`), and
+        """The numeric metrics at ``step`` (names mapped with :func:`rlplug.plugin.tracker_name`), and
         ``trainer/attempt`` (:attr:`attempt`) in the same row."""
         if self.closed:
             return
@@ -282,6 +281,6 @@ def _nonfinite(text: str) -> float | None:
     return float(text) if text in ("NaN", "Infinity", "-Infinity", "nan", "inf", "-inf") else None
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_trackers(register):
     register("wandb", WandbTracker)

@@ -82,13 +82,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import rlplug
-from rlplug.batch import Batch
-from rlplug.config import config_get
-from rlplug.logprob import response_token_stats
-from rlplug.precision import resolve_dtype
-from rlplug.token_budget import token_budgets
-from rlplug.training import STATE_FILE, Role, TorchDistributedCoordinator, TrainingBackendBase, resolve_device
+from rlplug.plugin import (
+    STATE_FILE,
+    Batch,
+    Role,
+    RunContext,
+    TorchDistributedCoordinator,
+    TrainingBackendBase,
+    apply_umask,
+    config_get,
+    fault_point,
+    hookimpl,
+    resolve_device,
+    resolve_dtype,
+    response_token_stats,
+    token_budgets,
+)
 
 __all__ = ["FSDP2TrainingBackend"]
 
@@ -219,7 +228,16 @@ class FSDP2TrainingBackend(TrainingBackendBase):
     #: no LoRA: adapters are not sharded here (rlplug.lora.check_lora_config refuses it at config time)
     capabilities = TrainingBackendBase.capabilities - {"lora"}
 
-    def __init__(self, config: Any, model_path: str, *, use_critic: bool, use_ref: bool, total_steps: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        model_path: str,
+        *,
+        use_critic: bool,
+        use_ref: bool,
+        total_steps: int,
+        run: RunContext | None = None,
+    ) -> None:
         self._owns_group = False
         self._store_dir: str | None = None
         kwargs = dict(_KWARGS)
@@ -262,7 +280,9 @@ class FSDP2TrainingBackend(TrainingBackendBase):
                         f"does not split over {self.world_size} ranks. Choose {name}.ppo_mini_batch_size x rollout.n "
                         "as a multiple of the number of ranks."
                     )
-            super().__init__(config, model_path, use_critic=use_critic, use_ref=use_ref, total_steps=total_steps)
+            super().__init__(
+                config, model_path, use_critic=use_critic, use_ref=use_ref, total_steps=total_steps, run=run
+            )
         except BaseException:
             self._destroy_group()
             raise
@@ -580,8 +600,6 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        from rlplug.checkpoint import _fault_point
-
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         optim_saved: dict[str, bool] = {}
@@ -608,7 +626,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
             try:
                 for name, sd in schedulers.items():
                     torch.save(sd, out / name / "scheduler.pt")
-                _fault_point("fsdp2_full_weights")  # testing aid: a write failing on rank 0 only
+                fault_point("fsdp2_full_weights")  # testing aid: a write failing on rank 0 only
                 save_file(actor_state, str(out / "actor" / "model.safetensors"), metadata={"format": "pt"})
                 meta = {
                     r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
@@ -701,8 +719,6 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         others only take part in the gathers. Collective."""
         from transformers import AutoModelForCausalLM
 
-        from rlplug.checkpoint import apply_umask
-
         out = Path(directory)
         state = self._full_actor_state_on_main()
         if self.is_main_process:
@@ -733,6 +749,6 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         self._destroy_group()
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_training_backends(register: Callable[..., None]) -> None:
     register("fsdp2", FSDP2TrainingBackend)

@@ -23,9 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import rlplug
-from rlplug.coordinator import SINGLE_PROCESS
-from rlplug.training import TrainingBackendBase, build_lr_lambda
+from rlplug.plugin import SINGLE_PROCESS, TrainingBackendBase, build_lr_lambda, hookimpl
 
 __all__ = ["LocalTrainingBackend", "build_lr_lambda"]
 
@@ -45,6 +43,6 @@ class LocalTrainingBackend(TrainingBackendBase):
     coordinator = SINGLE_PROCESS
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_training_backends(register: Callable[..., None]) -> None:
     register("local", LocalTrainingBackend)

@@ -13,7 +13,7 @@ Use them from a config once the package is installed::
 
 from __future__ import annotations
 
-import rlplug
+from rlplug.plugin import hookimpl
 
 from .advantage import median_baseline, median_baseline_advantage
 from .rewards import exact_match
@@ -22,11 +22,11 @@ __version__ = "0.1.0"
 __all__ = ["exact_match", "median_baseline", "median_baseline_advantage"]
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_reward_functions(register):
     register("exact_match", exact_match)
 
 
-@rlplug.hookimpl
+@hookimpl
 def register_advantage_estimators(register):
     register("median_baseline", median_baseline)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rlplug import AdvantageEstimator
+from rlplug.plugin import AdvantageEstimator
 
 
 def median_baseline_advantage(

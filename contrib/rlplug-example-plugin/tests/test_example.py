@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-import rlplug
 import rlplug_example
+from rlplug.plugin import MissingInputError, check_advantage_estimator, check_reward_function, get_plugin
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def test_registers_both_names(registry):
     assert registry.names("reward_function") == ["exact_match"]
     assert registry.names("advantage_estimator") == ["median_baseline"]
     # the process-wide lookup sees the fixture's registry
-    assert rlplug.get_plugin("reward_function", "exact_match") is rlplug_example.exact_match
+    assert get_plugin("reward_function", "exact_match") is rlplug_example.exact_match
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_registers_both_names(registry):
     ],
 )
 def test_exact_match(registry, response, truth, kwargs, expected):
-    fn = rlplug.get_plugin("reward_function", "exact_match")
+    fn = get_plugin("reward_function", "exact_match")
     assert fn("basic_arithmetic", response, truth, None, **kwargs) == expected
 
 
@@ -49,7 +49,7 @@ def test_median_baseline_hand_values(registry, assert_advantage_contract):
     rewards = torch.zeros(8, 3)
     rewards[torch.arange(8), last] = scores
     data = {"token_level_rewards": rewards, "response_mask": mask, "index": torch.tensor([0] * 4 + [1] * 4)}
-    est = rlplug.get_plugin("advantage_estimator", "median_baseline")
+    est = get_plugin("advantage_estimator", "median_baseline")
     adv, ret = assert_advantage_contract(est, data)
     expected = torch.tensor([-0.5, -0.5, 0.5, 0.5, -1.0, 0.0, 0.0, 4.0])
     torch.testing.assert_close(adv, expected[:, None] * mask)
@@ -57,7 +57,7 @@ def test_median_baseline_hand_values(registry, assert_advantage_contract):
 
 
 def test_median_baseline_contract_on_random_batches(registry, make_batch, assert_advantage_contract):
-    est = rlplug.get_plugin("advantage_estimator", "median_baseline")
+    est = get_plugin("advantage_estimator", "median_baseline")
     assert est.group_based and est.requires == ("index",)
     for seed in range(3):
         data = make_batch(batch_size=12, response_length=5, group_size=4, seed=seed, scores="normal")
@@ -69,10 +69,10 @@ def test_median_baseline_contract_on_random_batches(registry, make_batch, assert
 
 
 def test_median_baseline_needs_groups(registry, make_batch):
-    est = rlplug.get_plugin("advantage_estimator", "median_baseline")
+    est = get_plugin("advantage_estimator", "median_baseline")
     data = make_batch()
     del data["index"]
-    with pytest.raises(rlplug.MissingInputError, match="index"):
+    with pytest.raises(MissingInputError, match="index"):
         est(data, None)
 
 
@@ -80,8 +80,6 @@ def test_conformance_kits(registry):
     # the checks every plugin of these kinds must pass (the same kits rlplug runs on its own plugins):
     # the Protocol the registry checks at resolve time, then shapes, dtypes, zeros on padding and
     # degenerate inputs (single token, all-equal rewards, empty responses); rewards must pickle
-    from rlplug.testing import check_advantage_estimator, check_reward_function
-
     check_advantage_estimator("median_baseline")
     check_reward_function(
         "exact_match",

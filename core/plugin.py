@@ -1,0 +1,295 @@
+"""The public plugin API: everything a plugin imports from rlplug, in one place.
+
+A plugin (a packaged one under ``rlplug.plugins``, ``contrib/rlplug-example-plugin`` or a
+third-party package) imports rlplug names from this module only::
+
+    from rlplug.plugin import AdvantageEstimator, hookimpl, masked_whiten
+
+    @hookimpl
+    def register_advantage_estimators(register):
+        register("my_adv", AdvantageEstimator(fn=my_advantage, requires=("index",), group_based=True))
+
+What is here is supported: a name keeps its meaning, and a change to it is announced with a
+``DeprecationWarning`` one release ahead. The modules these names are defined in are the engine's
+own layout, which changes (``tests/test_plugin_api.py`` checks that the packaged plugins and the
+example plugin import nothing else). The groups, by what a plugin author uses them for:
+
+**Registration** (every plugin): :func:`hookimpl` marks the ``register_<kind>s(register)`` hook
+functions (``CONTRIBUTING.md``, "Writing a plugin"); :func:`get_plugin` and :func:`plugin_names`
+look registered plugins up (e.g. in a plugin's tests).
+
+**Contracts** (one per plugin kind, :mod:`rlplug.types`): the wrapper types a plugin registers
+(:class:`AdvantageEstimator`, :class:`PolicyLoss`, :class:`KLPenalty`, :class:`BatchFilter`), the
+runtime-checkable Protocols the registry checks each kind against (``*Protocol``,
+:class:`RewardFunction`, :class:`RolloutBackend`, :class:`TrainingBackend`, :class:`Tracker`,
+:class:`Coordinator`) and the types they exchange (:class:`SamplingParams`,
+:class:`RolloutOutput`, :class:`MiniBatchContext`, :class:`MissingInputError`, the field and
+capability tables). :class:`Batch` and :class:`Fields` are the batch a training backend and an
+advantage estimator receive.
+
+**The run** (trackers, training backends): :class:`RunContext`, the run directory and the step a
+resumed run starts after, which the engine passes to a factory that declares a ``run`` keyword
+(:mod:`rlplug.run_context`); :func:`run_context_for` builds the same for a plugin built outside
+``rlplug train`` (a test, a notebook).
+
+**Algorithm math** (advantage estimators, policy losses, KL penalties, batch filters): the masked
+statistics and the loss aggregation (:func:`masked_mean`, :func:`masked_whiten`, :func:`agg_loss`
+with its ``normalizer``, :func:`seq_norm_length` ...), the PPO objectives a training backend runs
+(:func:`actor_objective`, :func:`critic_objective`) and the rollout-correction helpers a policy
+loss applies (:func:`parse_rollout_correction`, :func:`compute_rollout_correction`,
+:func:`rollout_is_weights`, :func:`offpolicy_metrics` ...).
+
+**Rewards** (reward functions): :class:`BatchedRewardFunction` and :func:`trl_reward` (TRL's batched
+contract), :class:`RewardModelFunction` (the library's reward-model scorer, registered as
+:data:`RM_NAME`).
+
+**Rollout backends**: :class:`ServerRollout` (the base of HTTP-server engines, with
+:class:`ServerProcess`, :class:`ServerError`, :class:`Retryable`, :func:`server_urls`,
+:func:`free_port`), the prompt, EOS and weight-transfer helpers of :mod:`rlplug.rollout_utils`
+(:func:`validate_prompts`, :func:`eos_ids`, :func:`checked_weights` ...), :func:`resolve_dtype`,
+:func:`load_causal_lm` and the host-memory probes (:func:`rss_bytes`, :func:`heap_mib`,
+:func:`malloc_trim`).
+
+**Training backends**: :class:`TrainingBackendBase` (the single-process backend to subclass), its
+:class:`Role`, the coordinators (:data:`SINGLE_PROCESS`, :class:`TorchDistributedCoordinator`),
+:data:`STATE_FILE`, :func:`resolve_device`, :func:`build_lr_lambda`, :func:`token_budgets`,
+:func:`response_token_stats`; :func:`apply_umask` for model files a backend writes itself.
+
+**Trackers**: :func:`tracker_name`, the one mapping of metric names to the characters a tracker
+accepts (:data:`TRACKER_NAME_CHARS`), :func:`metric_value` (a logged value as a float) and
+:func:`source_tags` (the rlplug version and git commit to record with a run).
+
+**Configuration**: :func:`config_get` (a dotted key of a config section, with a default) and
+:class:`ConfigError` (what a plugin raises for a bad setting).
+
+**Testing** (a plugin's own tests): the conformance kit of each kind (:func:`check_advantage_estimator`
+... :func:`check_tracker`, :func:`check_protocol`), the helpers of :mod:`rlplug.testing`
+(:func:`make_batch`, :func:`assert_advantage_contract`, :func:`algorithm_config`,
+:func:`reduction_tolerance`; imported when first used, as they need pytest) and
+:func:`fault_point`, where the crash tests stop or fail a process (``RLPLUG_TEST_KILL_AT``,
+:data:`FAULT_ENV`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .batch import Batch, Fields
+from .config import ConfigError, config_get
+from .conformance import (
+    check_advantage_estimator,
+    check_batch_filter,
+    check_kl_penalty,
+    check_policy_loss,
+    check_protocol,
+    check_reward_function,
+    check_rollout_backend,
+    check_tracker,
+    check_training_backend,
+)
+from .coordinator import SINGLE_PROCESS, SingleProcessCoordinator
+from .faults import FAULT_ENV, fault_point
+from .file_modes import apply_umask
+from .hookspecs import hookimpl
+from .host_memory import heap_mib, keep_freed_memory, malloc_trim, rss_bytes
+from .logprob import response_token_stats
+from .losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    agg_normalizer,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    seq_norm_length,
+)
+from .metrics import TRACKER_NAME_CHARS, metric_value, run_context_for, source_tags, tracker_name
+from .models import load_causal_lm
+from .objective import actor_objective, critic_objective
+from .precision import resolve_dtype
+from .registry import get_plugin, plugin_names
+from .reward_contract import BatchedRewardFunction, trl_reward
+from .reward_model import RM_NAME, RewardModelFunction
+from .rollout_correction import (
+    RolloutCorrectionSettings,
+    compute_rollout_correction,
+    offpolicy_metrics,
+    parse_rollout_correction,
+    rollout_is_weights,
+    with_threshold_alias,
+)
+from .rollout_utils import (
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    checked_weights,
+    checkpoint_shapes,
+    eos_ids,
+    parse_dtype,
+    shm_dir,
+    strip_wrapper_prefixes,
+    validate_prompts,
+)
+from .run_context import RunContext
+from .serving import Retryable, ServerError, ServerProcess, ServerRollout, free_port, server_urls
+from .token_budget import token_budgets
+from .training import (
+    STATE_FILE,
+    Role,
+    TorchDistributedCoordinator,
+    TrainingBackendBase,
+    build_lr_lambda,
+    resolve_device,
+)
+from .types import (
+    BATCH_FIELD_PRODUCERS,
+    PER_TOKEN_QUANTITIES,
+    TRAINING_CAPABILITIES,
+    AdvantageEstimator,
+    AdvantageEstimatorProtocol,
+    BatchFilter,
+    BatchFilterProtocol,
+    Coordinator,
+    KLPenalty,
+    KLPenaltyProtocol,
+    MiniBatchContext,
+    MissingInputError,
+    PolicyLoss,
+    PolicyLossProtocol,
+    RewardFunction,
+    RolloutBackend,
+    RolloutOutput,
+    SamplingParams,
+    Tracker,
+    TrainingBackend,
+)
+
+if TYPE_CHECKING:  # imported when first used (module __getattr__): rlplug.testing imports pytest
+    from .testing import algorithm_config, assert_advantage_contract, make_batch, reduction_tolerance
+
+__all__ = [
+    # registration
+    "hookimpl",
+    "get_plugin",
+    "plugin_names",
+    # contracts
+    "AdvantageEstimator",
+    "AdvantageEstimatorProtocol",
+    "PolicyLoss",
+    "PolicyLossProtocol",
+    "MiniBatchContext",
+    "KLPenalty",
+    "KLPenaltyProtocol",
+    "BatchFilter",
+    "BatchFilterProtocol",
+    "MissingInputError",
+    "RewardFunction",
+    "RolloutBackend",
+    "SamplingParams",
+    "RolloutOutput",
+    "TrainingBackend",
+    "Coordinator",
+    "Tracker",
+    "BATCH_FIELD_PRODUCERS",
+    "PER_TOKEN_QUANTITIES",
+    "TRAINING_CAPABILITIES",
+    "Batch",
+    "Fields",
+    # the run
+    "RunContext",
+    "run_context_for",
+    # algorithm math
+    "LOSS_AGG_MODES",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "agg_loss",
+    "agg_normalizer",
+    "seq_norm_length",
+    "actor_objective",
+    "critic_objective",
+    "RolloutCorrectionSettings",
+    "parse_rollout_correction",
+    "with_threshold_alias",
+    "compute_rollout_correction",
+    "rollout_is_weights",
+    "offpolicy_metrics",
+    # rewards
+    "BatchedRewardFunction",
+    "trl_reward",
+    "RewardModelFunction",
+    "RM_NAME",
+    # rollout backends
+    "ServerRollout",
+    "ServerProcess",
+    "ServerError",
+    "Retryable",
+    "server_urls",
+    "free_port",
+    "DTYPE_NAMES",
+    "TORCH_DTYPES",
+    "parse_dtype",
+    "strip_wrapper_prefixes",
+    "validate_prompts",
+    "eos_ids",
+    "checkpoint_shapes",
+    "checked_weights",
+    "shm_dir",
+    "resolve_dtype",
+    "load_causal_lm",
+    "rss_bytes",
+    "heap_mib",
+    "malloc_trim",
+    "keep_freed_memory",
+    # training backends
+    "TrainingBackendBase",
+    "Role",
+    "SingleProcessCoordinator",
+    "SINGLE_PROCESS",
+    "TorchDistributedCoordinator",
+    "STATE_FILE",
+    "resolve_device",
+    "build_lr_lambda",
+    "token_budgets",
+    "response_token_stats",
+    "apply_umask",
+    # trackers
+    "tracker_name",
+    "TRACKER_NAME_CHARS",
+    "metric_value",
+    "source_tags",
+    # configuration
+    "config_get",
+    "ConfigError",
+    # testing
+    "check_protocol",
+    "check_advantage_estimator",
+    "check_policy_loss",
+    "check_kl_penalty",
+    "check_batch_filter",
+    "check_reward_function",
+    "check_rollout_backend",
+    "check_training_backend",
+    "check_tracker",
+    "make_batch",
+    "assert_advantage_contract",
+    "algorithm_config",
+    "reduction_tolerance",
+    "fault_point",
+    "FAULT_ENV",
+]
+
+#: the names of :mod:`rlplug.testing` offered here, imported on first use (that module imports pytest)
+_TESTING = frozenset({"make_batch", "assert_advantage_contract", "algorithm_config", "reduction_tolerance"})
+
+
+def __getattr__(name: str) -> Any:
+    """The :mod:`rlplug.testing` helpers (:data:`_TESTING`), imported when first asked for; raises
+    ``AttributeError`` for any other missing name."""
+    if name in _TESTING:
+        from . import testing
+
+        value = getattr(testing, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rlplug.plugin' has no attribute {name!r}")
