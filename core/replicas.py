@@ -24,7 +24,7 @@ is a single code path.
     (``rollout.server_timeout_s``) as a single external server is.
 
   When no replica is live and none is restarting, every waiting request fails with a
-  :class:`rlplug.serving.ServerError` listing each replica and why it is down.
+  :class:`ServerError` listing each replica and why it is down.
 * **Weights** (:meth:`ReplicaSet.push`) are loaded into every live replica in parallel from the
   one folder the backend wrote (``rollout.weights_dir``, on a filesystem every server can read);
   a replica that comes back loads the latest folder before it takes requests.
@@ -45,12 +45,17 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Replica", "ReplicaSet", "LIVE", "RESTARTING", "DEAD"]
+__all__ = ["Replica", "ReplicaSet", "ServerError", "LIVE", "RESTARTING", "DEAD"]
 
 log = logging.getLogger("rlplug.serving")
 
 #: states of a :class:`Replica`
 LIVE, RESTARTING, DEAD = "live", "restarting", "dead"
+
+
+class ServerError(RuntimeError):
+    """The rollout server failed: did not start, rejected a request, or kept failing after retries.
+    (Re-exported by :mod:`rlplug.serving` and :mod:`rlplug.plugin`: the same class.)"""
 
 
 class Replica:
@@ -138,9 +143,7 @@ class ReplicaSet:
             }
 
     def down_error(self) -> Exception:
-        """The :class:`rlplug.serving.ServerError` raised when no replica is left (each one's reason)."""
-        from .serving import ServerError
-
+        """The :class:`ServerError` raised when no replica is left (each one's reason)."""
         lines = "\n".join(f"  replica {r.index} ({r.url}): {r.reason or r.state}" for r in self.replicas)
         return ServerError(
             f"No {self.engine} server is left to generate: all {len(self.replicas)} replica(s) "
@@ -151,9 +154,8 @@ class ReplicaSet:
     def start_all(self, pool: Executor) -> None:
         """Start every started replica (in parallel) and wait for every external one to be healthy.
 
-        Raises the first startup error (:class:`rlplug.serving.ServerError` naming the replica); the
+        Raises the first startup error (:class:`ServerError` naming the replica); the
         caller stops whatever did start."""
-        from .serving import ServerError
 
         def up(r: Replica) -> None:
             if not r.external:
@@ -185,7 +187,7 @@ class ReplicaSet:
         """The live replica with the fewest requests in flight (then the fewest sent, then the lowest index),
         counted as busy until :meth:`release`. Blocks while replicas restart and none is live.
 
-        Raises :class:`rlplug.serving.ServerError` (:meth:`down_error`) when no replica is live or
+        Raises :class:`ServerError` (:meth:`down_error`) when no replica is live or
         restarting, ``RuntimeError`` once the backend is closed."""
         with self.cond:
             while True:
@@ -281,8 +283,6 @@ class ReplicaSet:
 
     def _revive(self, replica: Replica, generation: int) -> None:
         """Bring ``replica`` back (restart it, or wait for an external one), load the latest weights, rejoin."""
-        from .serving import ServerError
-
         try:
             if not replica.external:
                 if replica.server is not None:

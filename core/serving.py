@@ -90,7 +90,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import config_get
-from .replicas import LIVE, Replica, ReplicaSet
+from .replicas import LIVE, Replica, ReplicaSet, ServerError  # ServerError: re-exported, defined there
 from .types import RolloutOutput, SamplingParams
 
 __all__ = [
@@ -106,10 +106,6 @@ log = logging.getLogger("rlplug.serving")
 
 #: files of the model folder linked into each pushed weights folder (config, tokenizer, ...)
 _META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
-
-
-class ServerError(RuntimeError):
-    """The rollout server failed: did not start, rejected a request, or kept failing after retries."""
 
 
 class Retryable(Exception):
