@@ -8,6 +8,7 @@
 * :func:`load_tokenizer`, :func:`load_causal_lm` -- thin wrappers over ``transformers``.
 * :class:`ValueModel`, :func:`load_value_model`, :func:`save_value_model` -- the critic: the
   causal LM's backbone plus a scalar head.
+* :func:`unique_state` -- a state dict without tied aliases, as Hugging Face checkpoints hold it.
 
 SmolLM2 note: ``eos == pad == <|im_end|>`` (id 2), so a response mask must never be built
 from ``input_ids != pad_token_id``; use the response lengths.
@@ -45,6 +46,7 @@ __all__ = [
     "ValueModel",
     "load_value_model",
     "save_value_model",
+    "unique_state",
 ]
 
 #: folder name of the converted default model under ``<cache>/models/``
@@ -67,6 +69,20 @@ class ModelPreparationError(RuntimeError):
 
 
 # ============================================================================ helpers
+
+
+def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without aliases of an earlier entry (tied embeddings keep the first
+    name, ``model.embed_tokens.weight``, as in Hugging Face checkpoints); detached, no copies."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...], str]] = set()
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), str(tensor.dtype))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach()
+    return out
 
 
 def _models_root(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -64,8 +64,10 @@ import torch
 from .batch import Batch
 from .config import config_get, default_cache_dir
 from .coordinator import SINGLE_PROCESS
+from .file_modes import apply_umask
 from .logprob import response_token_stats, trim_padding_columns
 from .losses import agg_normalizer, seq_norm_length
+from .models import unique_state  # also re-exported: its home before rlplug.models
 from .objective import CRITIC_INPUT_FIELDS, SEQUENCE_FIELDS, actor_objective, critic_objective
 from .precision import resolve_dtype
 from .run_context import RunContext
@@ -160,20 +162,6 @@ def build_lr_lambda(
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return lr_lambda
-
-
-def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` without aliases of an earlier entry (tied embeddings keep the first
-    name, ``model.embed_tokens.weight``, as in Hugging Face checkpoints); detached, no copies."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...], str]] = set()
-    for name, tensor in model.state_dict(keep_vars=False).items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), str(tensor.dtype))
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor.detach()
-    return out
 
 
 def use_rlplug_compile_cache() -> str:
@@ -1413,9 +1401,7 @@ class TrainingBackendBase:
     def export_hf(self, directory: str | Path, tokenizer: Any = None) -> Path:
         """Write the actor as a normal Hugging Face folder (``save_pretrained``, safetensors, plus
         the tokenizer when given) that ``AutoModelForCausalLM.from_pretrained`` and vLLM load; the
-        weights get the mode the umask gives (:func:`rlplug.checkpoint.apply_umask`)."""
-        from .checkpoint import apply_umask
-
+        weights get the mode the umask gives (:func:`rlplug.file_modes.apply_umask`)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         model: Any = self.actor.model
