@@ -9,7 +9,7 @@ One function per kind, for rlplug's own plugins and third-party ones alike::
 
 Each kit first checks the object against its kind's Protocol (:mod:`rlplug.contracts`, the same
 check the registry runs when the plugin is selected), then calls it on small seeded inputs
-(:func:`rlplug.testing.make_batch`) and on degenerate ones: a single response token, all-equal
+(:func:`make_batch`) and on degenerate ones: a single response token, all-equal
 rewards, empty responses (rows whose ``response_mask`` is all 0). It asserts shapes and dtypes,
 finiteness, exact zeros on padding, that inputs are not modified in place, and per kind:
 
@@ -29,11 +29,17 @@ import copy
 import math
 import pickle
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .contracts import CONTRACTS, built_classes, check_object
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 __all__ = [
+    "REWARD_COMPONENT_NAMES",
+    "make_batch",
+    "algorithm_config",
     "check_protocol",
     "check_advantage_estimator",
     "check_policy_loss",
@@ -46,6 +52,129 @@ __all__ = [
 ]
 
 LOSS_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+# ============================================================================ batches
+
+
+#: Column names of :func:`make_batch`'s ``reward_components``.
+REWARD_COMPONENT_NAMES = ("acc", "format")
+
+
+def make_batch(
+    batch_size: int = 8,
+    response_length: int = 6,
+    *,
+    group_size: int = 4,
+    seed: int = 0,
+    min_length: int = 1,
+    full_length_rows: int = 1,
+    scores: str = "binary",
+    kl_scale: float = 0.05,
+) -> dict[str, torch.Tensor]:
+    """Small random tensors with the trainer's names, as a ``dict[str, Tensor]``.
+
+    With ``B = batch_size`` and ``T = response_length``:
+
+    =======================  =============  ==================================================
+    key                      shape, dtype   content
+    =======================  =============  ==================================================
+    ``response_mask``        (B, T) float   1.0 on a prefix of each row (ragged lengths drawn
+                                            uniformly in ``[min_length, T]``; the first
+                                            ``full_length_rows`` rows have length ``T``)
+    ``response_lengths``     (B,) int64     the number of 1.0 in each mask row
+    ``index``                (B,) int64     ``i // group_size``: consecutive rows form groups
+    ``token_level_scores``   (B, T) float   the row's score on its last valid token, 0 elsewhere
+    ``token_level_rewards``  (B, T) float   equal to ``token_level_scores`` (no KL in reward)
+    ``scores``               (B,) float     the per-row score (``binary``: 0/1; ``normal``: N(0,1))
+    ``values``               (B, T) float   N(0, 1) critic values, 0 on padding
+    ``old_log_probs``        (B, T) float   log-probs in nats, ``-Exp(1)``, 0 on padding
+    ``log_probs``            (B, T) float   ``old_log_probs + kl_scale * N(0, 1)``, 0 on padding
+    ``ref_log_probs``        (B, T) float   ``old_log_probs + kl_scale * N(0, 1)``, 0 on padding
+    ``advantages``           (B, T) float   N(0, 1), 0 on padding
+    ``returns``              (B, T) float   N(0, 1), 0 on padding
+    ``reward_baselines``     (B,) float     a baseline score per row (same distribution as scores)
+    ``entropy``              (B, T) float   token entropies in nats, ``Exp(1)``, 0 on padding
+    ``sum_pi_squared``       (B, T) float   sum of squared token probabilities, in (0, 1], 0 on
+                                            padding
+    ``reward_components``    (B, 2) float   named reward parts (``REWARD_COMPONENT_NAMES``:
+                                            ``acc`` = the score, ``format`` in {0, 1})
+    =======================  =============  ==================================================
+
+    All floats are ``float32`` on CPU. The same arguments give the same tensors (a private
+    ``torch.Generator`` seeded with ``seed``; global RNG state is untouched).
+
+    Raises ``ValueError`` for non-positive sizes, ``batch_size`` not a multiple of
+    ``group_size``, ``min_length`` outside ``[1, T]`` or an unknown ``scores`` kind.
+    """
+    import torch
+
+    B, T = int(batch_size), int(response_length)
+    if B <= 0 or T <= 0:
+        raise ValueError(f"make_batch: batch_size and response_length must be positive, got B={B}, T={T}.")
+    if group_size <= 0 or B % group_size:
+        raise ValueError(
+            f"make_batch: batch_size={B} must be a positive multiple of group_size={group_size} "
+            "(each prompt has group_size responses)."
+        )
+    if not 1 <= min_length <= T:
+        raise ValueError(f"make_batch: min_length={min_length} must be in [1, response_length={T}].")
+    if scores not in ("binary", "normal"):
+        raise ValueError(f"make_batch: scores={scores!r}; use 'binary' (0/1) or 'normal' (N(0,1)).")
+
+    g = torch.Generator().manual_seed(int(seed))
+    lengths = torch.randint(min_length, T + 1, (B,), generator=g)
+    lengths[: max(0, min(full_length_rows, B))] = T
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32)  # (B, T)
+
+    def draw_scores() -> torch.Tensor:
+        if scores == "binary":
+            return torch.randint(0, 2, (B,), generator=g).to(torch.float32)
+        return torch.randn(B, generator=g)
+
+    row_scores = draw_scores()
+    token_scores = torch.zeros(B, T)
+    token_scores[torch.arange(B), lengths - 1] = row_scores
+
+    def masked_normal() -> torch.Tensor:
+        return torch.randn(B, T, generator=g) * mask
+
+    old_log_probs = torch.where(mask > 0, -torch.empty(B, T).exponential_(1.0, generator=g), torch.zeros(()))
+    return {
+        "response_mask": mask,
+        "response_lengths": lengths.to(torch.int64),
+        "index": torch.arange(B, dtype=torch.int64) // group_size,
+        "token_level_scores": token_scores,
+        "token_level_rewards": token_scores.clone(),
+        "scores": row_scores,
+        "values": masked_normal(),
+        "old_log_probs": old_log_probs,
+        "log_probs": old_log_probs + kl_scale * masked_normal(),
+        "ref_log_probs": old_log_probs + kl_scale * masked_normal(),
+        "advantages": masked_normal(),
+        "returns": masked_normal(),
+        "reward_baselines": draw_scores(),
+        # drawn after the fields above, so adding them left those values unchanged
+        "entropy": torch.where(mask > 0, torch.empty(B, T).exponential_(1.0, generator=g), torch.zeros(())),
+        "sum_pi_squared": torch.rand(B, T, generator=g).clamp(min=1e-3) * mask,
+        "reward_components": torch.stack([row_scores, torch.randint(0, 2, (B,), generator=g).to(torch.float32)], dim=1),
+    }
+
+
+def algorithm_config(**overrides: Any) -> Any:
+    """The ``algorithm`` config section with rlplug's defaults, as an OmegaConf ``DictConfig``.
+
+    Keyword arguments override fields (``algorithm_config(gamma=0.99, lam=0.95)``); an unknown
+    field raises ``omegaconf.errors.ConfigAttributeError`` / ``ConfigKeyError`` naming it.
+    """
+    from omegaconf import OmegaConf
+
+    from .config import AlgorithmConfig
+
+    cfg = OmegaConf.structured(AlgorithmConfig)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
 
 
 # ============================================================================ protocol
@@ -168,14 +297,13 @@ def _check_pair(result: Any, mask: Any, what: str) -> None:
 def check_advantage_estimator(estimator: Any, config: Any = None, *, group_size: int = 4) -> None:
     """Run the advantage-estimator kit on ``estimator`` (the registered object, or its name).
 
-    ``config``: the ``algorithm`` section (default :func:`rlplug.testing.algorithm_config`). The
-    inputs hold every field of :func:`rlplug.testing.make_batch` (so any ``requires`` of the
+    ``config``: the ``algorithm`` section (default :func:`algorithm_config`). The
+    inputs hold every field of :func:`make_batch` (so any ``requires`` of the
     trainer's standard fields is met). Checks on a random batch, a single token, all-equal
     rewards and empty responses: the Protocol, the ``(advantages, returns)`` pair, ``(B, T)``
     float32, finite, 0.0 on padding, inputs unchanged; and that the same inputs give the same
     outputs (no hidden global RNG use).
     """
-    from .testing import algorithm_config, make_batch
 
     estimator = _resolve("advantage_estimator", estimator)
     check_protocol("advantage_estimator", estimator)
@@ -286,7 +414,6 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
 
     from .config import ActorConfig
     from .losses import LOSS_AGG_MODES, agg_normalizer
-    from .testing import make_batch
 
     loss = _resolve("policy_loss", loss)
     check_protocol("policy_loss", loss)
@@ -418,8 +545,8 @@ def check_kl_penalty(penalty: Any) -> None:
 def check_batch_filter(batch_filter: Any, config: Any = None, *, group_size: int = 4) -> None:
     """Run the batch-filter kit on ``batch_filter`` (the registered object, or its name).
 
-    ``config``: the ``algorithm`` section (default :func:`rlplug.testing.algorithm_config` with
-    ``filter_groups.metric=score``). The inputs are :func:`rlplug.testing.make_batch` batches with
+    ``config``: the ``algorithm`` section (default :func:`algorithm_config` with
+    ``filter_groups.metric=score``). The inputs are :func:`make_batch` batches with
     the fields a filter receives (``index``, ``response_mask``, ``token_level_scores``,
     ``token_level_rewards``, ``reward_components`` with the columns ``acc``, ``format``,
     ``reward_failed``), on a random batch, a single token, all-equal rewards and empty responses.
@@ -429,7 +556,6 @@ def check_batch_filter(batch_filter: Any, config: Any = None, *, group_size: int
     import torch
 
     from .batch import Fields
-    from .testing import REWARD_COMPONENT_NAMES, algorithm_config, make_batch
 
     batch_filter = _resolve("batch_filter", batch_filter)
     check_protocol("batch_filter", batch_filter)
