@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from rlplug import checkpoint
-from rlplug.checkpoint import COMPLETE, LATEST, CheckpointManager, atomic_write_text, export_checkpoint
+from rlplug.checkpoint import COMPLETE, LATEST, CheckpointManager, atomic_write_text
+from rlplug.export import export_checkpoint
 
 FILES = ("backend/actor/model.safetensors", "backend/actor/optimizer.pt", "trainer_state.json", "rng_state.pt")
 

@@ -230,7 +230,7 @@ def test_export_dtype_fp32_changes_only_the_config_dtype(source, trained, tmp_pa
 
 
 def test_checkpoint_records_the_source_and_refuses_a_damaged_copy(source, trained, tmp_path, capsys):
-    from rlplug.checkpoint import export_checkpoint
+    from rlplug.export import export_checkpoint
 
     run_dir, _ = trained
     meta = run_dir / "global_step_1" / "hf_meta"
@@ -255,7 +255,7 @@ def test_checkpoint_records_the_source_and_refuses_a_damaged_copy(source, traine
 
 def test_checkpoint_without_a_manifest_still_exports_with_a_warning(trained, tmp_path, caplog):
     # a checkpoint written before source.json: what hf_meta holds is exported, and the loss is said
-    from rlplug.checkpoint import export_checkpoint
+    from rlplug.export import export_checkpoint
 
     run_dir, _ = trained
     ckpt = tmp_path / "global_step_1"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from _helpers import TINY_CPU_RUN, run_config
 
-from rlplug.checkpoint import CheckpointManager, export_checkpoint
+from rlplug.checkpoint import CheckpointManager
+from rlplug.export import export_checkpoint
 
 
 def _mode(path: Path) -> int:

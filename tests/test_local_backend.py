@@ -675,13 +675,13 @@ def test_export_hf_loads_with_identical_logits(model_path, tmp_path):
 
 
 def test_saved_actor_is_what_rlplug_export_reads(model_path, tmp_path):
-    # rlplug.checkpoint.export_checkpoint rebuilds the HF model from backend/actor/model.safetensors
+    # rlplug.export.export_checkpoint rebuilds the HF model from backend/actor/model.safetensors
     # plus hf_meta/ (config + tokenizer); the result must reproduce the trained actor exactly.
     import shutil
 
     from transformers import AutoModelForCausalLM
 
-    from rlplug.checkpoint import export_checkpoint
+    from rlplug.export import export_checkpoint
     from rlplug.models import load_tokenizer
 
     backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
