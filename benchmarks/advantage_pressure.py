@@ -79,7 +79,7 @@ def pressures(features: dict[str, torch.Tensor], rewards: torch.Tensor) -> dict[
 
 def sample_responses(args: argparse.Namespace, extra: list[str]) -> tuple[list[dict], dict]:
     """Generate ``args.n`` responses to ``args.prompts`` training prompts; one feature dict per response."""
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.data import read_dataset
     from rlplug.data_prepare import prepared_data_files
     from rlplug.evaluate import _model_path

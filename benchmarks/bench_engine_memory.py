@@ -32,7 +32,7 @@ import numpy as np
 def _variant(name: str, args: argparse.Namespace, overrides: list[str]) -> dict:
     from safetensors.torch import load_file
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.data import read_dataset
     from rlplug.data_prepare import prepare_dataset
     from rlplug.models import load_tokenizer, resolve_model_path

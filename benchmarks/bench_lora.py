@@ -60,7 +60,7 @@ def _variant(args: argparse.Namespace) -> dict:
     import torch
 
     import rlplug
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.registry import get_registry
     from rlplug.trainer import Trainer
     from rlplug.validate import validate_config

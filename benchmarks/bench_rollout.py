@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rlplug import get_plugin
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.models import default_model_dir, load_causal_lm, load_tokenizer
     from rlplug.types import SamplingParams
 

@@ -122,7 +122,7 @@ def worker(overrides: list[str], steps: int, out: str) -> int:
     # OpenMP waiting as the rlplug CLI leaves it: libgomp's default, as in the engine child
     from omegaconf import OmegaConf
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.trainer import Trainer
     from rlplug.validate import validate_config
 

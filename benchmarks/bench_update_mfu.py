@@ -150,7 +150,7 @@ def worker(overrides: list[str], reps: int, responses: str, out: str, profile: b
     import transformers
     from omegaconf import OmegaConf
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.models import resolve_model_path
     from rlplug.registry import get_plugin
     from rlplug.validate import validate_config

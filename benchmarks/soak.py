@@ -55,7 +55,7 @@ import numpy as np
 import psutil
 
 import rlplug
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.host_memory import heap_mib, malloc_trim
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer

@@ -15,7 +15,7 @@
 :func:`train` takes the config as Hydra override strings (``["algorithm=grpo", "rollout.n=4"]``, verl's
 key names too), as a dict / ``DictConfig`` of values merged onto the default config (``{"rollout": {"n":
 4}}``; a dict may hold ``"overrides"``: a list of override strings composed first, for config groups such
-as ``debug=tiny``), or as a config composed with :func:`rlplug.config.compose`.
+as ``debug=tiny``), or as a config composed with :func:`rlplug.compose.compose`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def build_config(config_or_overrides: Any = None) -> Any:
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from .config import ConfigError, compose
+    from .compose import compose
+    from .config import ConfigError
 
     if config_or_overrides is None:
         config_or_overrides = []

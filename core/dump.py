@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .run_paths import DUMP_DIR  # the folder of the dumps under the run directory
+
 __all__ = [
     "DUMP_DIR",
     "DUMP_VERSION",
@@ -74,8 +76,6 @@ __all__ = [
     "replay",
 ]
 
-#: the folder of the dumps under the run directory
-DUMP_DIR = "rollouts"
 #: bumped when the layout changes; :func:`read_dump` refuses newer files
 DUMP_VERSION = 1
 #: batch tensors not dumped: the prompt side is rebuilt from prompt_ids / response_ids
@@ -487,10 +487,9 @@ def _replay_one(dump: RolloutDump, overrides: Sequence[str], registry: Any) -> R
     import torch
 
     from .batch import Batch, estimate_on_rows
-    from .losses import compute_token_level_scores
+    from .losses import compute_token_level_scores, value_targets
     from .reward import RewardManager, components_tensor, scored_rows
     from .reward_norm import ScoreNormalizer
-    from .schedule import value_targets
 
     cfg = replay_config(dump.config, overrides)
     name = str(cfg.algorithm.adv_estimator)

@@ -1,5 +1,6 @@
 """Pure tensor functions shared by the algorithm plugins: masked statistics, loss aggregation,
-value loss, entropy, token-level scores and the in-reward KL penalty.
+value loss, entropy, token-level scores, the in-reward KL penalty and the critic's value targets
+(the Monte-Carlo return).
 
 Shape letters: ``B`` responses, ``T`` padded response length, ``V`` vocabulary size.
 ``response_mask`` is ``(B, T)``, 1.0 on generated tokens and 0.0 elsewhere (a bool or integer
@@ -16,6 +17,7 @@ all-reduces them when training on several processes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,6 +38,8 @@ __all__ = [
     "entropy_from_logits",
     "compute_token_level_scores",
     "apply_kl_penalty",
+    "mc_returns",
+    "value_targets",
 ]
 
 #: The loss aggregation modes (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
@@ -380,3 +384,35 @@ def apply_kl_penalty(
         "actor/reward_kl_penalty": float(current_kl.item()),
         "actor/reward_kl_penalty_coeff": float(kl_coef),
     }
+
+
+# --------------------------------------------------------------------------- value targets
+def mc_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Monte-Carlo returns ``G_t = sum_{t' >= t} gamma^(t' - t) r_t'`` over each response's valid tokens,
+    ``(B, T) float32``, 0.0 where ``response_mask`` (``(B, T)``) is 0. ``token_level_rewards`` ``(B, T)``
+    float32, reward units per token. GAE with ``lam = 1`` gives the same returns whatever the values
+    (Schulman et al. 2016, eq. 18; verl's ``compute_gae_advantage_return`` with lam=1)."""
+    valid = response_mask > 0
+    rewards = torch.where(
+        valid, token_level_rewards.float(), torch.zeros_like(token_level_rewards, dtype=torch.float32)
+    )
+    if gamma == 1.0:
+        returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    else:
+        returns = torch.zeros_like(rewards)
+        running = torch.zeros(rewards.shape[0], dtype=torch.float32, device=rewards.device)
+        for t in reversed(range(rewards.shape[1])):
+            running = rewards[:, t] + gamma * running
+            returns[:, t] = running
+    return torch.where(valid, returns, torch.zeros_like(returns))
+
+
+def value_targets(batch: Any, cfg: Any) -> None:
+    """With ``critic.value_target=mc_return``, replace ``batch["returns"]`` (the critic's regression
+    targets, ``(B, T) float32``) by :func:`mc_returns` of ``batch["token_level_rewards"]`` with
+    ``algorithm.gamma``; with ``returns`` (default) leave the estimator's. A critic-free estimator's
+    ``returns`` are no value targets (GRPO's equal its advantages), so a critic trained beside one (the
+    GRPO phase of ``experiment=grpo_to_ppo``) regresses on the Monte-Carlo return instead; failed rows
+    have zero rewards and are masked out of the update anyway."""
+    if str(config_get(cfg, "critic.value_target", "returns")) == "mc_return":
+        batch["returns"] = mc_returns(batch["token_level_rewards"], batch["response_mask"], float(cfg.algorithm.gamma))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import metrics_jsonl_path, parse_step_records, read_metrics_jsonl
+from .run_paths import VALIDATION_SAMPLES_FILE  # the sample generations of each validation, under the run directory
 
 __all__ = [
     "VALIDATION_SAMPLES_FILE",
@@ -45,8 +46,6 @@ __all__ = [
     "write_report",
 ]
 
-#: The file under the run directory with the sample generations of each validation, one JSON object a line.
-VALIDATION_SAMPLES_FILE = "validation_samples.jsonl"
 #: The report's default file name, in the run directory.
 REPORT_FILE = "report.html"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from .alerts import check_alert_config
+from .alerts import check_alert_config, needs_old_log_probs
 from .config import ConfigError, config_get
 from .contracts import built_classes
 from .data import check_data_config, check_train_weights
@@ -28,17 +28,17 @@ from .kl_control import KL_CONTROLLER_TYPES
 from .lora import check_lora_config
 from .losses import LOSS_AGG_MODES, VALUE_LOSS_TYPES
 from .metrics import tracker_names
+from .phases import check_schedule_config
 from .precision import DTYPE_CHOICES
 from .registry import PluginError, Registry, get_registry
 from .reward import load_custom_reward_function
 from .reward_model import check_reward_model_config
 from .reward_norm import check_normalize_config
-from .rollout_correction import rollout_correction_requires, validate_rollout_correction
-from .schedule import check_schedule_config
+from .rollout_correction import bypasses_old_log_probs, rollout_correction_requires, validate_rollout_correction
 from .token_budget import token_budgets
 from .types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
 
-__all__ = ["PluginChoice", "BatchPlan", "plan_batch", "uses_critic", "validate_config"]
+__all__ = ["PluginChoice", "BatchPlan", "plan_batch", "skips_old_log_probs", "uses_critic", "validate_config"]
 
 
 @dataclass
@@ -158,6 +158,25 @@ def plan_batch(cfg: DictConfig, registry: Registry | None = None) -> BatchPlan:
     )
 
 
+def skips_old_log_probs(cfg: DictConfig, plan: BatchPlan, capabilities: frozenset[str]) -> bool:
+    """Whether the old-log-prob pass is skipped (``actor.skip_old_log_prob_on_policy``): one optimizer
+    step over the whole batch, nothing reading ``old_log_probs`` or a per-token quantity before the
+    update (the in-reward KL, a plugin's ``requires``, a KL-guard alert without the engine's log-probs:
+    :func:`rlplug.alerts.needs_old_log_probs`), and a backend declaring
+    ``"reuses_on_policy_log_probs"``: the actor update then uses its own detached log-probs. Also
+    skipped in bypass mode (``algorithm.rollout_correction.bypass_mode``), where the engine's
+    log-probs are the old ones (:func:`rlplug.rollout_correction.use_rollout_log_probs_as_old`)."""
+    return bypasses_old_log_probs(cfg) or bool(
+        cfg.actor.skip_old_log_prob_on_policy
+        and int(cfg.actor.ppo_epochs) == 1
+        and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
+        and not cfg.algorithm.use_kl_in_reward
+        and not plan.needs_old_log_prob_pass
+        and "reuses_on_policy_log_probs" in capabilities
+        and not needs_old_log_probs(cfg, plan.use_ref)  # the KL guard (trainer.alerts) compares them with ref
+    )
+
+
 def _check_producible(cfg: DictConfig, registry: Registry, who: str, what: str, f: str, later: dict[str, str]) -> None:
     if f in later:
         return
@@ -258,7 +277,8 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     # algorithm.rollout_correction and its alias; a loss with PolicyLoss.bypass_mode pairs with bypass mode
     validate_rollout_correction(cfg, plan.per_token, loss_is_bypass=bool(getattr(loss, "bypass_mode", False)))
     check_alert_config(cfg, plan, registry)  # trainer.alerts: rules and the metrics they name
-    check_schedule_config(cfg, registry)  # algorithm.schedule, rollout.n_schedule: every phase, every n
+    # algorithm.schedule, rollout.n_schedule: every phase, every n, each checked by this function
+    check_schedule_config(cfg, registry, validate=validate_config)
     check_lora_config(cfg, registry)  # model.lora_rank / critic.model.lora_rank: settings, backend capability
     check_dump_config(cfg)  # trainer.dump_rollouts_freq (rlplug.dump)
 
@@ -446,7 +466,7 @@ def _check_critic_warmup(cfg: DictConfig, plan: BatchPlan) -> None:
 
     Raises :class:`ConfigError` for a negative value, and for a positive one when no critic is
     trained (``plan.use_critic`` false): those steps would update nothing. A preset's warm-up
-    never gets here without a critic (:func:`rlplug.config.critic_follows_estimator` sets it to 0
+    never gets here without a critic (:func:`rlplug.compose.critic_follows_estimator` sets it to 0
     when composing), so this refuses a warm-up the user gave.
     """
     warmup, c = int(cfg.trainer.critic_warmup), cfg.critic

@@ -51,7 +51,7 @@ LENGTH_SHAPING = [
 def run_config(overrides: list[str], run_dir: str | Path, *extra: str, validate: bool = True) -> Any:
     """``compose(overrides + [trainer.default_local_dir=run_dir, *extra])``, checked with
     ``validate_config`` unless ``validate=False``, and made writable (tests patch it)."""
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.validate import validate_config
 
     cfg = compose([*overrides, f"trainer.default_local_dir={run_dir}", *extra])

@@ -18,7 +18,8 @@ from _helpers import fp32_atol
 
 import rlplug
 from rlplug.batch import Fields
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.testing import REWARD_COMPONENT_NAMES, algorithm_config, check_advantage_estimator, make_batch
 from rlplug.types import AdvantageEstimator
 from rlplug.validate import validate_config

@@ -21,7 +21,8 @@ from rlplug.alerts import (
     kl_seq_sum_metrics,
     parse_rules,
 )
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.exit_codes import ExitCode
 from rlplug.kl_control import AdaptiveKLController, FixedKLController
 

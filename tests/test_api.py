@@ -28,7 +28,7 @@ from rlplug.reward_contract import BatchedRewardFunction, RewardContractError, a
 )
 def test_reward_command_default_reward(capsys, response, correctness, flexible, total):
     from rlplug.api import score_response
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     result = score_response(compose([]), data_source="basic_arithmetic", response=response, ground_truth="5")
     assert result["total"] == total

@@ -15,7 +15,8 @@ import torch
 from _helpers import TINY_CPU_RUN, TINY_VOCAB, fp32_atol, reference_log_probs, run_config, tiny_chain_terms
 
 from rlplug.batch import Batch
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.coordinator import SINGLE_PROCESS
 from rlplug.types import AdvantageEstimator, PolicyLoss
 from rlplug.validate import plan_batch, validate_config

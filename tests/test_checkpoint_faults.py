@@ -543,7 +543,7 @@ class _TwoRanks:
 def test_only_rank_zero_verifies_the_checkpoint_it_resumes(tmp_path, monkeypatch):
     """Finding 4: every torchrun rank hashed the checkpoint on resume; now rank 0 verifies and broadcasts."""
     from rlplug.checkpoint import open_run_dir
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     run_dir = tmp_path / "run"
     manager = CheckpointManager(run_dir)
@@ -575,7 +575,7 @@ def test_lora_settings_are_in_the_fingerprint_and_a_backend_load_error_is_a_conf
     """Finding 5: another model.lora_rank/alpha/targets resumed into a raw ValueError from rlplug.lora, and only
     after the models and the rollout engine loaded."""
     from rlplug.checkpoint import fingerprint_diff, load_checkpoint, run_fingerprint
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     full, lora = run_fingerprint(compose([])), run_fingerprint(compose(["model.lora_rank=8", "model.lora_alpha=32"]))
     assert full["model.lora"] is None and full["critic.model.lora"] is None

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlplug.config import ConfigError, RunConfig, compose, config_dir, config_get
+from rlplug.compose import compose
+from rlplug.config import ConfigError, RunConfig, config_dir, config_get
 from rlplug.coordinator import SINGLE_PROCESS
 from rlplug.registry import Registry
 from rlplug.types import AdvantageEstimator, BatchFilter, KLPenalty, PolicyLoss

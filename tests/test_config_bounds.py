@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from rlplug.cli import main
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.exit_codes import ExitCode
 from rlplug.validate import validate_config
 

@@ -104,7 +104,7 @@ def tiny_model_path() -> str:
 
 
 def test_hf_rollout_instance_passes_the_kit(tiny_model_path):
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.models import load_tokenizer
     from rlplug.plugins.rollout.hf import HFRollout
 
@@ -150,7 +150,7 @@ def test_local_training_backend_instance_passes_the_kit(tiny_model_path):
 
 @pytest.mark.parametrize("name", ["console", "mlflow"])
 def test_packaged_tracker_instances_pass_the_kit(name, tmp_path, monkeypatch):
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     monkeypatch.chdir(tmp_path)
     cfg = compose(["debug=tiny", f"trainer.default_local_dir={tmp_path / 'run'}"])

@@ -18,7 +18,8 @@ from test_local_backend import UPDATE_TERMS, make_cfg
 
 import rlplug
 from rlplug.batch import Batch
-from rlplug.config import ActorConfig, ConfigError, TinyModelConfig, compose
+from rlplug.compose import compose
+from rlplug.config import ActorConfig, ConfigError, TinyModelConfig
 from rlplug.losses import agg_normalizer
 from rlplug.objective import actor_objective
 from rlplug.plugins.algorithms.policy_loss import (

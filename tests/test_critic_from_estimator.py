@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 import rlplug
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.registry import get_registry
 from rlplug.validate import plan_batch, validate_config
 from rlplug.verl_keys import file_overrides, merge_file_and_command_line

@@ -27,7 +27,8 @@ from rlplug.batch_filter import (
     collect_rollouts,
     kept_groups,
 )
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.coordinator import SINGLE_PROCESS
 from rlplug.data import StatefulDataLoader
 from rlplug.registry import get_registry

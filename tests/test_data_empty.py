@@ -13,7 +13,7 @@ import pytest
 from _helpers import TINY_CPU_RUN
 from omegaconf import OmegaConf
 
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.data import DatasetError, read_dataset, read_run_datasets
 from rlplug.data_prepare import parquet_schema
 

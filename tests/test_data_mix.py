@@ -112,7 +112,7 @@ def test_bad_weights_are_config_errors(files, weights, message):
 
 
 def test_bad_weights_fail_in_validate_config_before_anything_loads(tmp_path):
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.validate import validate_config
 
     cfg = compose(

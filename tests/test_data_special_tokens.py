@@ -17,7 +17,8 @@ import pytest
 from _helpers import TINY_CPU_RUN
 from omegaconf import OmegaConf
 
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.data import DatasetError, read_dataset, read_run_datasets
 
 IM_START, IM_END = 1, 2  # SmolLM2's ids of <|im_start|> and <|im_end|>

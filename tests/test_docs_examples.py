@@ -735,7 +735,8 @@ def test_security_md_says_how_the_prometheus_host_is_read() -> None:
     """An empty host serves on loopback; ``null`` is refused at config time (the page said it fell back)."""
     from omegaconf import OmegaConf
 
-    from rlplug.config import ConfigError, compose
+    from rlplug.compose import compose
+    from rlplug.config import ConfigError
     from rlplug.plugins.tracking.prometheus_tracker import PrometheusTracker
 
     row = _table_row("docs/security.md", "the Prometheus endpoint")
@@ -753,7 +754,7 @@ def test_security_md_says_how_the_prometheus_host_is_read() -> None:
 
 def test_verl_md_says_reward_models_work(artifacts) -> None:
     """verl's reward-model keys, current and legacy, compose and turn the reward model on."""
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.validate import validate_config
 
     rm = _tiny_rm(artifacts)

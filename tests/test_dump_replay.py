@@ -169,7 +169,8 @@ def test_replay_gae_reproduces_exactly(tmp_path):
 
 
 def test_dump_freq_is_checked():
-    from rlplug.config import ConfigError, compose
+    from rlplug.compose import compose
+    from rlplug.config import ConfigError
     from rlplug.validate import validate_config
 
     with pytest.raises(ConfigError, match=r"trainer.dump_rollouts_freq=0: dump every N-th training step"):

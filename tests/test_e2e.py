@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 import rlplug
 from rlplug.checkpoint import CheckpointManager
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.registry import get_registry
 from rlplug.trainer import Trainer
 from rlplug.validate import validate_config

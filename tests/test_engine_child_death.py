@@ -169,7 +169,7 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def cfg():
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     return compose(OVERRIDES)
 
@@ -250,7 +250,7 @@ def test_a_push_holds_at_most_one_weights_file_and_a_failed_push_leaves_none(mod
     import safetensors.torch
     from safetensors.torch import load_file
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.plugins.rollout.vllm import VLLMRollout
 
     wdir = tmp_path / "weights"

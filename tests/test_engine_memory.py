@@ -94,7 +94,7 @@ def test_the_real_engine_child_reports_its_memory_before_init(env_trim, expected
 def test_the_engine_child_trims_as_trainer_malloc_trim_says(model_path, tok, monkeypatch, trim, expected):
     from test_engine_child_death import FAKE_ARGV, OVERRIDES
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.plugins.rollout.vllm import VLLMRollout
 
     monkeypatch.setattr(VLLMRollout, "engine_argv", FAKE_ARGV)
@@ -111,7 +111,7 @@ def test_the_engine_child_trims_as_trainer_malloc_trim_says(model_path, tok, mon
 def cfg():
     from test_engine_child_death import OVERRIDES
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     return compose(OVERRIDES)
 

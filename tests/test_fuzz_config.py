@@ -40,7 +40,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf, open_dict
 
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.verl_keys import hydra_value
 
 

@@ -297,7 +297,7 @@ def _check_error(err: DatasetError, path: str, n_rows: int) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.models import load_tokenizer, resolve_model_path
 
     return load_tokenizer(resolve_model_path(compose(["debug=tiny", "model.tiny.num_hidden_layers=1"]).model))

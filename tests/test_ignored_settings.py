@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlplug.config import ConfigError, RunConfig, compose, config_dir
+from rlplug.compose import compose
+from rlplug.config import ConfigError, RunConfig, config_dir
 from rlplug.models import ModelPreparationError, resolve_model_path, tiny_model_dir
 from rlplug.validate import validate_config
 

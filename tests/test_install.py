@@ -52,12 +52,13 @@ for name in json.loads(sys.argv[1]):
         found["files"][name] = importlib.import_module(name).__file__
     except Exception as exc:
         found["errors"][name] = f"{type(exc).__name__}: {exc}"
+import rlplug.compose
 import rlplug.config
 
 root = Path(rlplug.__file__).parent
 found["installed"] = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".py", ".yaml"))
 found["config_dir"] = str(rlplug.config.config_dir())
-found["backend"] = rlplug.config.compose(["trainer=fsdp2"]).trainer.backend
+found["backend"] = rlplug.compose.compose(["trainer=fsdp2"]).trainer.backend
 print(json.dumps(found))
 """
 

@@ -284,7 +284,7 @@ CHAIN_SHORT = [CHAIN_A[i] for i in (0, 2, 3, 4, 7, 8, 12, 13, 14)]
 
 
 def _kill_chains_match_uninterrupted(tmp_path: Path, chains: dict[str, list]) -> list[str]:
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.data_prepare import prepared_data_files
     from rlplug.models import resolve_model_path
 

@@ -30,7 +30,8 @@ from omegaconf import OmegaConf
 
 import rlplug
 from rlplug.batch import Batch
-from rlplug.config import ConfigError, RunConfig, TinyModelConfig, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError, RunConfig, TinyModelConfig
 from rlplug.lora import (
     ADAPTER_DIR,
     BASE_POINTER_FILE,

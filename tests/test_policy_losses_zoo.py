@@ -18,7 +18,8 @@ from _helpers import fp32_atol
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.config import ActorConfig, ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ActorConfig, ConfigError
 from rlplug.losses import LOSS_AGG_MODES, agg_normalizer
 from rlplug.objective import actor_objective
 from rlplug.testing import check_policy_loss

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlplug import precision
-from rlplug.config import ConfigError, RunConfig, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError, RunConfig
 from rlplug.models import tiny_model_dir
 from rlplug.plugins.rollout.hf import HFRollout
 from rlplug.plugins.training.local import LocalTrainingBackend

@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.serving import ServerError, free_port, server_urls
 from rlplug.types import SamplingParams
 

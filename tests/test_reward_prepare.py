@@ -39,7 +39,7 @@ class SlowStart:
 
 def tiny_run_cfg(run_dir, *extra: str):
     """A one-step tiny PPO run in ``run_dir`` (console only, one thread), with Hydra overrides ``extra``."""
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     return compose(
         [

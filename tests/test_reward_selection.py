@@ -20,7 +20,8 @@ import textwrap
 import pytest
 from omegaconf import OmegaConf
 
-from rlplug.config import ConfigError, compose, map_entry_override, open_map_fields, rewrite_overrides
+from rlplug.compose import compose
+from rlplug.config import ConfigError, map_entry_override, open_map_fields, rewrite_overrides
 from rlplug.registry import Registry
 from rlplug.reward import FileRewardFunction, RewardConfigError, RewardManager, load_custom_reward_function
 from rlplug.validate import validate_config
@@ -122,7 +123,7 @@ def test_unknown_key_explanation_never_suggests_an_existing_key():
     # sends for maps): before, both ended in "Did you mean '<that same key>'?"
     from hydra.errors import ConfigCompositionException
 
-    from rlplug.config import _explain_compose_error
+    from rlplug.compose import explain_compose_error as _explain_compose_error
 
     def explain(key):
         return _explain_compose_error(ConfigCompositionException(f"Could not override '{key}'."))

@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 
 import rlplug
 from rlplug.batch import Batch
-from rlplug.config import ConfigError, RunConfig, TinyModelConfig, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError, RunConfig, TinyModelConfig
 from rlplug.conformance import check_policy_loss
 from rlplug.registry import get_registry
 from rlplug.rollout_correction import (

@@ -9,7 +9,7 @@ import torch
 from _helpers import PROMPTS, TINY_VOCAB, fp32_atol, manual_greedy, reference_log_probs, tiny_chain_terms
 
 import rlplug
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.models import load_causal_lm
 from rlplug.plugins.rollout.hf import HFRollout, create_hf_rollout
 from rlplug.types import SamplingParams

@@ -17,7 +17,7 @@ import torch
 from _helpers import PROMPTS, TINY_VOCAB, fp32_atol, manual_greedy, reference_log_probs, tiny_chain_terms
 
 import rlplug
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.models import load_causal_lm, resolve_model_path
 from rlplug.plugins.rollout.vllm import EngineError
 from rlplug.types import SamplingParams

@@ -34,7 +34,8 @@ from rlplug.checkpoint import (
     run_fingerprint,
     set_aside_checkpoints,
 )
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.trainer import Trainer, run_dir_for
 from rlplug.validate import validate_config
 

@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 
 import rlplug
 from rlplug.checkpoint import run_fingerprint
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.registry import get_registry
 from rlplug.schedule import Schedule, mc_returns, n_schedule_value, phase_ends, value_targets
 from rlplug.trainer import Trainer

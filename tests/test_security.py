@@ -28,7 +28,7 @@ import pytest
 from _helpers import TINY_CPU_RUN, run_config
 from omegaconf import OmegaConf
 
-from rlplug.config import compose
+from rlplug.compose import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "core").rglob("*.py"), *(ROOT / "plugins").rglob("*.py")])

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 import rlplug
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.plugins.rollout.sglang import SGLangRollout, create_sglang_rollout
 from rlplug.serving import ServerError
 from rlplug.types import SamplingParams
@@ -340,7 +340,7 @@ def test_no_orphan_server_when_the_trainer_dies_or_forgets_close(ending, model_d
         import json, os, signal, sys
         from types import SimpleNamespace
         from safetensors.torch import load_file
-        from rlplug.config import compose
+        from rlplug.compose import compose
         from rlplug.plugins.rollout.sglang import SGLangRollout
         cfg = compose(["rollout=sglang", "trainer.device=cpu"])
         cfg.rollout.server_cmd = ["{{python}}", {str(FAKE)!r}, "--model-path", "{{model_path}}", "--host", "{{host}}", "--port", "{{port}}"]

@@ -16,7 +16,8 @@ import pytest
 from _helpers import fit
 
 import rlplug
-from rlplug.config import compose, config_dir
+from rlplug.compose import compose
+from rlplug.config import config_dir
 from rlplug.registry import get_registry
 from rlplug.validate import validate_config
 

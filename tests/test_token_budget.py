@@ -17,7 +17,8 @@ import torch
 from _helpers import TINY_VOCAB, assert_updates_close, fp32_atol, tiny_chain_terms
 from test_local_backend import P, T, make_batch, make_cfg, params, prepared_batch
 
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.plugins.training.local import LocalTrainingBackend
 from rlplug.registry import get_registry
 from rlplug.token_budget import pack_rows, packed_cost, row_lengths

@@ -25,7 +25,8 @@ from test_local_backend import CRITIC_UPDATE_TERMS, make_batch, make_cfg, params
 import rlplug
 from rlplug.batch import Batch
 from rlplug.checkpoint import run_fingerprint
-from rlplug.config import ConfigError, TinyModelConfig, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError, TinyModelConfig
 from rlplug.losses import value_loss
 from rlplug.metrics import step_metrics
 from rlplug.registry import get_registry

@@ -22,7 +22,8 @@ import pytest
 import torch
 from _helpers import TINY_CPU_RUN, fit, run_config
 
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.registry import KINDS, UnknownPluginError, get_registry
 from rlplug.trainer import Trainer
 from rlplug.validate import validate_config

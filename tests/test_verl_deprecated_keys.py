@@ -15,7 +15,8 @@ import re
 
 import pytest
 
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.validate import validate_config
 from rlplug.verl_keys import DEPRECATED, TABLE, merge_file_and_command_line, translate_overrides
 

@@ -25,7 +25,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlplug import verl_keys
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.verl_keys import DEPRECATED, INERT, MAPPED, REJECTED, TABLE, hydra_value, lookup, translate_overrides
 
 ROOT = Path(__file__).resolve().parent.parent

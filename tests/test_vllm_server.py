@@ -24,7 +24,7 @@ import pytest
 import torch
 from _helpers import PROMPTS, TINY_VOCAB, fp32_atol, manual_greedy, reference_log_probs, tiny_chain_terms
 
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.plugins.rollout.vllm import VLLMServerRollout
 from rlplug.types import SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlplug.checkpoint import CheckpointManager
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.trainer import Trainer
 from rlplug.validate import validate_config
 

@@ -175,7 +175,7 @@ def test_tracker_names_add_prometheus_with_a_port_and_check_it():
 
 
 def test_validate_config_resolves_the_prometheus_tracker(monkeypatch):
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.validate import validate_config
 
     validate_config(compose(["debug=tiny", "trainer.prometheus.port=9400"]))  # registered: passes
@@ -365,7 +365,7 @@ def test_resume_truncates_metrics_jsonl_and_purges_tensorboard(tmp_path):
 
 
 def test_packaged_watch_trackers_pass_the_kit(tmp_path, monkeypatch):
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.registry import get_registry
     from rlplug.testing import check_tracker
 
@@ -379,7 +379,7 @@ def test_packaged_watch_trackers_pass_the_kit(tmp_path, monkeypatch):
 
 
 def test_prometheus_port_taken_and_missing_packages_say_what_to_do(tmp_path, monkeypatch):
-    from rlplug.config import compose
+    from rlplug.compose import compose
 
     cfg = compose(["debug=tiny", f"trainer.default_local_dir={tmp_path}", "trainer.prometheus.port=0"])
     first = PrometheusTracker(cfg)
