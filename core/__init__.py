@@ -14,6 +14,7 @@ Public API::
     rlplug.train(["algorithm=grpo"], train_dataset=ds, reward_funcs=[fn])   # TRL-style (rlplug.api)
 """
 
+from ._version import __version__ as __version__
 from .api import TrainResult, train
 from .hookspecs import hookimpl
 from .registry import (
@@ -38,8 +39,6 @@ from .types import (
     RolloutOutput,
     SamplingParams,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "hookimpl",

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import types as T
+from .plugin_errors import PluginContractError
 
 __all__ = ["KindContract", "CONTRACTS", "check_registration", "check_object", "built_classes", "protocol_members"]
 
@@ -247,8 +248,6 @@ def check_registration(reg: T.Registration) -> None:
     every problem, e.g. ``The rollout backend 'myroll' (rlplug-myroll 0.1.0, plugin myroll) does
     not implement rlplug.types.RolloutBackend: MyRollout has no method sleep(); ...``.
     """
-    from .registry import PluginContractError
-
     contract = CONTRACTS.get(reg.kind)
     if contract is None:
         return

@@ -1,4 +1,5 @@
-"""Preference pairs: reading them (``rlplug rm train``) and building them from a task (``rlplug data pairs``).
+"""Preference pairs: reading them (``rlplug rm train``) and building them from sampled responses
+(``rlplug data pairs``: :func:`rlplug.make_pairs.make_pairs`).
 
 A pairs file is a parquet table with one pair per row::
 
@@ -26,9 +27,7 @@ gives no pair.
 
 from __future__ import annotations
 
-import logging
 import re
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,13 +38,10 @@ __all__ = [
     "PAIR_COLUMNS",
     "build_pairs",
     "corrected_answer",
-    "make_pairs",
     "read_pairs",
     "reference_answer",
     "write_pairs",
 ]
-
-logger = logging.getLogger("rlplug.pairs")
 
 #: the columns ``rlplug rm train`` needs
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -246,89 +242,3 @@ def write_pairs(pairs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist([dict(p) for p in pairs], schema=schema), str(out))
     return out
-
-
-def make_pairs(
-    task: str,
-    out: str | Path,
-    *,
-    overrides: Sequence[str] = (),
-    size: int = 256,
-    n: int = 4,
-    match_format: bool = True,
-) -> dict[str, Any]:
-    """``rlplug data pairs TASK --out PAIRS.parquet``: sample ``n`` responses for each of ``size`` training
-    prompts of the reasoning-gym ``task`` with the run's model and rollout backend (``overrides``: the
-    run config, e.g. ``debug=tiny``, ``rollout.temperature``), label them with the rule reward
-    (``reward.*``, the reward model off) and write the pairs (:func:`build_pairs` with ``match_format``,
-    :func:`write_pairs`).
-
-    Returns the counts of :func:`build_pairs` with ``path``. Raises ``ConfigError`` for a bad config or task.
-    """
-    from .config import compose
-    from .data import read_dataset
-    from .data_prepare import prepare_dataset
-    from .models import load_tokenizer, resolve_model_path
-    from .registry import get_registry
-    from .reward import RewardManager
-    from .trainer import sampling_params
-
-    cfg = compose([*overrides, f"data.task={task}", "reward.reward_model.enable=false"])
-    registry = get_registry()
-    reward = RewardManager(cfg.reward, registry=registry)
-    model_path = resolve_model_path(cfg.model)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
-    with tempfile.TemporaryDirectory(prefix="rlplug-pairs-") as tmp:
-        d = cfg.data
-        kwargs = dict(d.task_kwargs) if d.get("task_kwargs") else None
-        files = prepare_dataset(
-            task,
-            tmp,
-            train_size=size,
-            test_size=1,
-            seed=int(d.seed or 0),
-            task_kwargs=kwargs,
-            instruction=d.instruction,
-        )
-        ds = read_dataset(files["train_path"], tokenizer=tokenizer, max_prompt_length=int(d.max_prompt_length))
-        rows = [ds[i] for i in range(len(ds))]
-    params = sampling_params(cfg, step=0)
-    params.n = int(n)
-    rollout = registry.get("rollout_backend", cfg.rollout.name)(cfg, model_path, tokenizer)
-
-    def sample(batch: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-        got: list[list[str]] = [[] for _ in batch]
-        step = int(cfg.data.train_batch_size)
-        for lo in range(0, len(batch), step):
-            chunk = batch[lo : lo + step]
-            rollout.wake_up()
-            try:
-                res = rollout.generate([list(r["prompt_ids"]) for r in chunk], params)
-            finally:
-                rollout.sleep()
-            texts = tokenizer.batch_decode(res.response_ids, skip_special_tokens=True)
-            for i, t in zip(res.prompt_index, texts):
-                got[lo + i].append(t)
-        return got
-
-    try:
-        pairs, counts = build_pairs(rows, sample, reward, match_format=match_format)
-    finally:
-        rollout.close()
-        reward.close()
-    path = write_pairs(pairs, out)
-    if counts["chosen_corrected"]:
-        logger.info(
-            "%d of %d pairs have as chosen the rejected sample with its answer corrected (no sample of their prompt "
-            "was correct; column chosen_source=corrected).",
-            counts["chosen_corrected"],
-            counts["pairs"],
-        )
-    if counts["chosen_from_reference"]:
-        logger.warning(
-            "%d of %d pairs have the reference answer as chosen (no sample of their prompt was correct; column "
-            "chosen_source=reference).",
-            counts["chosen_from_reference"],
-            counts["pairs"],
-        )
-    return {**counts, "path": str(path)}

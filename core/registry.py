@@ -27,6 +27,11 @@ import pluggy
 
 from . import hookspecs
 from .contracts import check_registration
+
+# the error classes live in the leaf module plugin_errors; rlplug.registry.<name> is the same class
+from .plugin_errors import PluginConflictError, PluginLoadError, UnknownKindError, UnknownPluginError
+from .plugin_errors import PluginContractError as PluginContractError
+from .plugin_errors import PluginError as PluginError
 from .types import Registration
 
 ENTRY_POINT_GROUP = "rlplug"
@@ -44,49 +49,6 @@ KINDS: dict[str, str] = {
 }
 
 _KIND_WORDS = {k: k.replace("_", " ") for k in KINDS}
-
-
-class PluginError(Exception):
-    """Base class of plugin-system errors."""
-
-
-class UnknownPluginError(PluginError, KeyError):
-    """A plugin name was asked for that no loaded plugin registered.
-
-    The message names the kind, suggests close matches, lists every available name with its
-    distribution, and mentions plugins that failed to load.
-    """
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
-
-
-class PluginConflictError(PluginError):
-    """Two plugins registered the same name in one kind; the message names both distributions."""
-
-    def __init__(self, message: str, first: str = "", second: str = "") -> None:
-        super().__init__(message)
-        self.first, self.second = first, second
-
-
-class PluginContractError(PluginError, TypeError):
-    """A selected plugin does not implement its kind's Protocol (:mod:`rlplug.contracts`).
-
-    The message names the kind, the name, the distribution, and each missing, misnamed or
-    wrongly-called member; ``problems`` lists them one by one.
-    """
-
-    def __init__(self, message: str, problems: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.problems = list(problems or [])
-
-
-class PluginLoadError(PluginError):
-    """A plugin's entry point failed to import or register; raised when it is selected."""
-
-
-class UnknownKindError(PluginError, ValueError):
-    """A plugin kind that does not exist was asked for."""
 
 
 @dataclass

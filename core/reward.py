@@ -83,8 +83,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from .config import ConfigError, map_entry_override
-from .reward_contract import BatchedRewardFunction
+from .config import ConfigError, config_get, map_entry_override
+from .registry import get_registry
+from .reward_contract import BatchedRewardFunction, MetricLog, RewardContractError, as_reward_function
 from .reward_model import shaping_entries
 
 if TYPE_CHECKING:  # torch is imported lazily so reward worker processes start fast
@@ -102,6 +103,9 @@ __all__ = [
     "overlong_config",
     "overlong_penalty",
     "scored_rows",
+    "run_batched",
+    "trl_call_kwargs",
+    "validation_reward",
     "FAILED",
 ]
 
@@ -270,8 +274,6 @@ def load_custom_reward_function(section: Any) -> FileRewardFunction | FileTrlRew
             marked as TRL's that cannot be called so, or ``reward_kwargs`` (or the four positional
             arguments) the function does not accept.
     """
-    from .reward_contract import RewardContractError, as_reward_function
-
     crf = _section(section)
     if not crf.get("path"):
         return None
@@ -360,6 +362,71 @@ def _call_in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float | 
     if not box:
         return "timeout", f"timed out after {timeout_s:g} s"
     return box[0]
+
+
+def run_batched(
+    calls: Sequence[tuple[str, int, str]],
+    payload: Sequence[tuple[Callable, tuple, dict]],
+    rows_or_fields: Any,
+    run: Callable[[list[tuple[Callable, tuple, dict]]], list[tuple[str, Any]]],
+    timeout_s: float | None,
+    trl_kwargs: Mapping[str, Any] | None = None,
+) -> list[tuple[str, Any]]:
+    """The results ``(status, value)`` of the reward manager's ``payload`` (one ``(fn, (data_source,
+    response, ground_truth, extra_info), kwargs)`` per entry of ``calls``: ``(name, sample, slot)``):
+    per-sample functions through ``run`` (the manager's serial or pool execution), each batched function
+    (:class:`BatchedRewardFunction`, with the same kwargs) once for all its samples, in a thread
+    joined after ``timeout_s`` seconds per sample. ``trl_kwargs`` go to TRL-contract functions only
+    (``contract == "trl"``): ``completion_ids`` (one list per sample of the whole call, indexed by the
+    sample), ``trainer_state`` and ``log_metric``. Raises :class:`RewardContractError` (see the module docstring)."""
+    batched = [j for j, (fn, _, _) in enumerate(payload) if isinstance(fn, BatchedRewardFunction)]
+    if not batched:
+        return run(list(payload))
+    results: list[tuple[str, Any]] = [("error", "not run")] * len(payload)
+    plain = [j for j in range(len(payload)) if not isinstance(payload[j][0], BatchedRewardFunction)]
+    for j, res in zip(plain, run([payload[j] for j in plain])):
+        results[j] = res
+    rows = _rows(rows_or_fields)
+    groups: dict[tuple[int, str], list[int]] = {}
+    for j in batched:
+        fn, _, kwargs = payload[j]
+        groups.setdefault((id(fn), repr(sorted(kwargs.items()))), []).append(j)
+    for js in groups.values():
+        fn, _, kwargs = payload[js[0]]
+        ds, texts, gts, extras = (list(x) for x in zip(*(payload[j][1] for j in js)))
+        messages = [rows[calls[j][1]].get("messages") for j in js]
+        timeout = timeout_s * len(js) if timeout_s else None
+        args = (ds, texts, gts, extras)
+        extra_kw = trl_call_kwargs(fn, trl_kwargs, [calls[j][1] for j in js])
+        score_batch = fn.score_batch  # type: ignore[attr-defined]  # a BatchedRewardFunction (checked above)
+        status, value = _call_in_thread(score_batch, args, {"messages": messages, **kwargs, **extra_kw}, timeout)
+        if status == "error" and value.startswith(f"{RewardContractError.__name__}:"):
+            raise RewardContractError(value.split(": ", 1)[1])
+        for k, j in enumerate(js):
+            results[j] = (status, value) if status != "ok" else ("ok", value[k])
+    return results
+
+
+def trl_call_kwargs(fn: Any, trl_kwargs: Mapping[str, Any] | None, samples: Sequence[int]) -> dict[str, Any]:
+    """The keywords of ``fn.score_batch`` for a TRL-contract ``fn`` (``contract == "trl"``) from ``trl_kwargs``
+    (``completion_ids`` of every sample, ``trainer_state``, ``log_metric``; None values left out), the
+    ``completion_ids`` of ``samples`` only; ``{}`` for other functions."""
+    if getattr(fn, "contract", None) != "trl" or not trl_kwargs:
+        return {}
+    out = {k: v for k, v in trl_kwargs.items() if v is not None}
+    if out.get("completion_ids") is not None:
+        ids = out["completion_ids"]
+        out["completion_ids"] = [ids[i] for i in samples]
+    return out
+
+
+def _rows(rows_or_fields: Any) -> list[dict]:
+    """One dict per sample: the rows themselves, or a dict of lists turned into rows."""
+    if isinstance(rows_or_fields, Mapping):
+        keys = list(rows_or_fields)
+        n = len(rows_or_fields[keys[0]]) if keys else 0
+        return [{k: rows_or_fields[k][i] for k in keys if rows_or_fields[k] is not None} for i in range(n)]
+    return [dict(r) for r in rows_or_fields]
 
 
 _ALARM_MESSAGE = "timed out (worker interval timer)"
@@ -770,7 +837,7 @@ class RewardManager:
             before unfinished calls count as timeouts and the pool is killed.
         validation: score validation (verl's ``val_reward_fn``): unless ``reward.val_reward_model`` is
             true, the model-based shaping terms (``fn.model_based``, the reward model) are left out and,
-            when there were any, correctness weighs 1.0 (:func:`rlplug.reward_model.validation_reward`).
+            when there were any, correctness weighs 1.0 (:func:`validation_reward`).
 
     Raises:
         RewardConfigError: a shaping function name is unknown, a bad ``num_workers``, or what
@@ -818,9 +885,7 @@ class RewardManager:
         self.start_method = start_method
         self.backstop_slack_s = float(backstop_slack_s)
         if registry is None:
-            import rlplug
-
-            registry = rlplug.get_registry()
+            registry = get_registry()
         self.registry = registry
         self._fns: dict[str, Callable] = {}
         self._checked: set[str] = set()
@@ -834,8 +899,6 @@ class RewardManager:
         self.total_worker_restarts = 0
         #: the first failure of the last :meth:`score` call ("reward function 'x' on data_source=y: error"), or None
         self.last_error: str | None = None
-        from .reward_contract import MetricLog
-
         #: TRL's ``log_metric`` for TRL-contract functions; drained into each :meth:`score` call's metrics
         self._metric_log = MetricLog()
         #: where :meth:`score` gets TRL's ``trainer_state`` when not given one (the trainer sets it:
@@ -1128,8 +1191,6 @@ class RewardManager:
                     )
                 )
         self.last_worker_restarts = 0
-        from .reward_contract import run_batched  # TRL-contract functions: one call per function and batch
-
         trl_labels = self._trl_labels(slots)
         if trainer_state is None and trl_labels and self.trainer_state_fn is not None:
             trainer_state = self.trainer_state_fn()
@@ -1312,13 +1373,11 @@ class RewardManager:
         ``calls`` and ``results`` get one entry per response (a call that raises, or returns another
         number of values, fails every response).
 
-        Timeout: the main slot's (:func:`rlplug.reward_contract.run_batched`): the call runs in a
+        Timeout: the main slot's (:func:`run_batched`): the call runs in a
         thread joined after ``reward.timeout_s * B`` seconds (a timeout of every response), so a
         function gets the same time as a shaping term as in ``reward.default``. Functions marked
         ``model_based = True`` (a model forward, whose time is the model's, not a hang's) have none.
-        TRL-contract functions also get ``trl_kwargs`` (:func:`rlplug.reward_contract.trl_call_kwargs`)."""
-        from .reward_contract import trl_call_kwargs
-
+        TRL-contract functions also get ``trl_kwargs`` (:func:`trl_call_kwargs`)."""
         batched = [(label, name, kw) for label, name, _, kw in self.shaping if hasattr(self._fns[name], "score_batch")]
         if not batched:
             return calls, results
@@ -1474,6 +1533,18 @@ class RewardManager:
 
 
 # ============================================================================ failures in training
+
+
+def validation_reward(manager: Any, reward: Any) -> Any:
+    """The reward manager validation scores with (verl's ``val_reward_fn``): ``manager`` itself when
+    ``reward.val_reward_model`` is true or no shaping term is model-based (``fn.model_based``, as the
+    reward model), else a :class:`rlplug.reward.RewardManager` of the rule reward alone (correctness
+    with weight 1 and the other shaping terms), so a run trained on a reward model reports accuracy."""
+    fns = getattr(manager, "_fns", {})
+    model_based = any(getattr(fns.get(name), "model_based", False) for _, name, _, _ in manager.shaping)
+    if bool(config_get(reward, "val_reward_model", False)) or not model_based:
+        return manager
+    return RewardManager(reward, registry=manager.registry, validation=True)
 
 
 def scored_rows(

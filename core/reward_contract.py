@@ -40,7 +40,7 @@ per :meth:`~rlplug.reward.RewardManager.score` call with all its samples, in thi
 ``reward.num_workers`` pool), through :meth:`BatchedRewardFunction.score_batch`. It combines the functions as
 TRL does (``nansum`` of the weighted values: a ``None`` adds nothing), and a sample for which every function
 returned ``None`` is unscorable (TRL 1.16): it is left out of training like a failed reward, with a warning
-(:mod:`rlplug.reward`). As the correctness function (:func:`run_batched`) a TRL-contract function runs under
+(:mod:`rlplug.reward`). As the correctness function (:func:`rlplug.reward.run_batched`) a TRL-contract function runs under
 a timeout of ``reward.timeout_s`` per sample, an exception or a timeout is a reward failure of every sample
 of the call, and a return value that is not one number (or ``None``) per completion raises
 :class:`RewardContractError` at once (a bug in the function, not a failure to score a response). As a
@@ -66,7 +66,6 @@ __all__ = [
     "as_reward_function",
     "trl_reward",
     "required_columns",
-    "run_batched",
     "trainer_state",
     "attach_trainer",
     "trainer_state_of",
@@ -534,70 +533,3 @@ def as_reward_function(fn: Any, contract: str = "auto") -> Callable[..., Any]:
             "contract='trl' / contract='verl' (or decorate it with @rlplug.trl_reward)."
         )
     return BatchedRewardFunction(fn, name) if contract == "trl" else fn
-
-
-def run_batched(
-    calls: Sequence[tuple[str, int, str]],
-    payload: Sequence[tuple[Callable, tuple, dict]],
-    rows_or_fields: Any,
-    run: Callable[[list[tuple[Callable, tuple, dict]]], list[tuple[str, Any]]],
-    timeout_s: float | None,
-    trl_kwargs: Mapping[str, Any] | None = None,
-) -> list[tuple[str, Any]]:
-    """The results ``(status, value)`` of the reward manager's ``payload`` (one ``(fn, (data_source,
-    response, ground_truth, extra_info), kwargs)`` per entry of ``calls``: ``(name, sample, slot)``):
-    per-sample functions through ``run`` (the manager's serial or pool execution), each batched function
-    (:class:`BatchedRewardFunction`, with the same kwargs) once for all its samples, in a thread
-    joined after ``timeout_s`` seconds per sample. ``trl_kwargs`` go to TRL-contract functions only
-    (``contract == "trl"``): ``completion_ids`` (one list per sample of the whole call, indexed by the
-    sample), ``trainer_state`` and ``log_metric``. Raises :class:`RewardContractError` (see the module docstring)."""
-    from .reward import _call_in_thread
-
-    batched = [j for j, (fn, _, _) in enumerate(payload) if isinstance(fn, BatchedRewardFunction)]
-    if not batched:
-        return run(list(payload))
-    results: list[tuple[str, Any]] = [("error", "not run")] * len(payload)
-    plain = [j for j in range(len(payload)) if not isinstance(payload[j][0], BatchedRewardFunction)]
-    for j, res in zip(plain, run([payload[j] for j in plain])):
-        results[j] = res
-    rows = _rows(rows_or_fields)
-    groups: dict[tuple[int, str], list[int]] = {}
-    for j in batched:
-        fn, _, kwargs = payload[j]
-        groups.setdefault((id(fn), repr(sorted(kwargs.items()))), []).append(j)
-    for js in groups.values():
-        fn, _, kwargs = payload[js[0]]
-        ds, texts, gts, extras = (list(x) for x in zip(*(payload[j][1] for j in js)))
-        messages = [rows[calls[j][1]].get("messages") for j in js]
-        timeout = timeout_s * len(js) if timeout_s else None
-        args = (ds, texts, gts, extras)
-        extra_kw = trl_call_kwargs(fn, trl_kwargs, [calls[j][1] for j in js])
-        score_batch = fn.score_batch  # type: ignore[attr-defined]  # a BatchedRewardFunction (checked above)
-        status, value = _call_in_thread(score_batch, args, {"messages": messages, **kwargs, **extra_kw}, timeout)
-        if status == "error" and value.startswith(f"{RewardContractError.__name__}:"):
-            raise RewardContractError(value.split(": ", 1)[1])
-        for k, j in enumerate(js):
-            results[j] = (status, value) if status != "ok" else ("ok", value[k])
-    return results
-
-
-def trl_call_kwargs(fn: Any, trl_kwargs: Mapping[str, Any] | None, samples: Sequence[int]) -> dict[str, Any]:
-    """The keywords of ``fn.score_batch`` for a TRL-contract ``fn`` (``contract == "trl"``) from ``trl_kwargs``
-    (``completion_ids`` of every sample, ``trainer_state``, ``log_metric``; None values left out), the
-    ``completion_ids`` of ``samples`` only; ``{}`` for other functions."""
-    if getattr(fn, "contract", None) != "trl" or not trl_kwargs:
-        return {}
-    out = {k: v for k, v in trl_kwargs.items() if v is not None}
-    if out.get("completion_ids") is not None:
-        ids = out["completion_ids"]
-        out["completion_ids"] = [ids[i] for i in samples]
-    return out
-
-
-def _rows(rows_or_fields: Any) -> list[dict]:
-    """One dict per sample: the rows themselves, or a dict of lists turned into rows."""
-    if isinstance(rows_or_fields, Mapping):
-        keys = list(rows_or_fields)
-        n = len(rows_or_fields[keys[0]]) if keys else 0
-        return [{k: rows_or_fields[k][i] for k in keys if rows_or_fields[k] is not None} for i in range(n)]
-    return [dict(r) for r in rows_or_fields]

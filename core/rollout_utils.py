@@ -11,6 +11,7 @@ backends); they are part of the engine (``rlplug.rollout_utils``), not of any pl
   checkpoint (names and shapes) and copy them in the engine's dtype, for engines that reload
   whole checkpoints (vLLM in-process and server, SGLang).
 * :func:`shm_dir` -- where pushed weights are written (``/dev/shm`` when writable).
+* :func:`sampling_params` -- the run config's sampling settings for a training step or for validation.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .types import SamplingParams
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = [
     "DTYPE_NAMES",
@@ -35,6 +39,7 @@ __all__ = [
     "checkpoint_shapes",
     "checked_weights",
     "shm_dir",
+    "sampling_params",
 ]
 
 #: ``rollout.dtype`` spellings -> vLLM/SGLang dtype names
@@ -193,3 +198,29 @@ def shm_dir() -> str:
     """``/dev/shm`` when it is a writable folder (RAM), else the temp dir."""
     d = "/dev/shm"
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0) -> SamplingParams:
+    """The rollout's sampling settings for training step ``step`` (``rollout.*``, a seed per step),
+    or for validation (``rollout.val_kwargs``, one fixed seed)."""
+    r, max_tokens = cfg.rollout, cfg.data.max_response_length
+    if validation:
+        v = r.val_kwargs
+        return SamplingParams(
+            n=v.n,
+            temperature=v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            max_tokens=max_tokens,
+            seed=cfg.trainer.seed + 7919,
+        )
+    return SamplingParams(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=max_tokens,
+        seed=cfg.trainer.seed * 1_000_003 + step,
+        logprobs=r.calculate_log_probs,
+        ignore_eos=bool(r.ignore_eos),
+    )
