@@ -68,7 +68,7 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
     model being gamed shows as its score rising while accuracy does not, or as longer / looping responses."""
     import numpy as np
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.evaluate import eval_sampling_params, score_responses, validation_rows
     from rlplug.models import load_tokenizer, resolve_model_path
     from rlplug.registry import get_registry
@@ -201,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from omegaconf import OmegaConf
 
-    from rlplug.config import compose
+    from rlplug.compose import compose
+    from rlplug.make_pairs import make_pairs
     from rlplug.models import resolve_model_path
-    from rlplug.pairs import make_pairs
-    from rlplug.reward_model import train_reward_model
+    from rlplug.rm_train import train_reward_model
     from rlplug.trainer import run
     from rlplug.validate import validate_config
 

@@ -80,6 +80,8 @@ from typing import Any
 
 from .faults import FAULT_ENV, fault_counts, fault_point  # noqa: F401 - FAULT_ENV: its old home
 from .file_modes import _umask, apply_umask  # noqa: F401 - their old home (rlplug.file_modes)
+from .run_paths import DUMP_DIR, VALIDATION_SAMPLES_FILE, experiment_name_for
+from .run_paths import METRICS_FILE as METRICS_LOG  # the run's own metric log, set aside with the checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "resume_checkpoint",
-    "export_checkpoint",
     "apply_umask",
     "find_checkpoint",
     "checkpoint_step",
@@ -127,8 +128,6 @@ CHECKSUMS = "checksums.json"
 FINAL_MODEL = "final_model"
 #: where ``trainer.overwrite=true`` moves an earlier run's checkpoints (a dated folder inside)
 OVERWRITTEN = "overwritten"
-#: the run's own metric log (:class:`rlplug.metrics.MetricsLog`), set aside with the checkpoints
-METRICS_LOG = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 #: a checkpoint a resume found corrupt and renamed (:meth:`CheckpointManager.set_corrupt_aside`)
 _CORRUPT_DIR = re.compile(r"^global_step_(\d+)\.corrupt-")
@@ -836,7 +835,7 @@ def write_checkpoint(
     _fault_point("ckpt_backend")
     torch.save(rng_state(), directory / RNG_FILE)
     _fault_point("ckpt_rng")
-    from .export import write_hf_meta
+    from .model_files import write_hf_meta  # deferred: it imports torch
 
     meta = directory / META_DIR
     meta.mkdir()
@@ -1092,45 +1091,7 @@ def checkpoint_step(checkpoint: str | Path) -> int | None:
         return int(m.group(1)) if m else None
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: Any = "auto") -> Path:
-    """Write the actor of ``checkpoint`` (a ``global_step_N`` dir, or a run dir) as a Hugging Face folder:
-    the source model's files unchanged, the weights in ``dtype`` (``auto``: the source's).
-    See :func:`rlplug.export.export_checkpoint` (the implementation) for the errors raised."""
-    from .export import export_checkpoint as _export
-
-    return _export(checkpoint, out, dtype=dtype)
-
-
 # ============================================================================ run identity
-
-
-def experiment_name_for(config: Any, algorithm: str | None = None, *, prefix: str | None = None) -> str:
-    """``trainer.experiment_name``, or, when it is unset, a name made of what the run trains:
-    ``<algorithm>_<data>``, the last part of the run directory ``checkpoints/<project>/<name>``.
-
-    ``algorithm`` is the chosen ``algorithm=`` preset (:func:`rlplug.config.compose` passes Hydra's
-    choice, so ``ppo``, ``grpo``, ``dr_grpo`` ...), else ``algorithm.adv_estimator``. The data part is
-    ``data.task``, else the folder of the first ``data.train_files`` entry (``gsm8k`` for
-    ``~/data/gsm8k/train.parquet``), else that file's stem. So ``rlplug train`` and ``rlplug train
-    algorithm=grpo`` write to different directories (``ppo_basic_arithmetic``,
-    ``grpo_basic_arithmetic``). ``prefix`` (the chosen ``debug=`` preset) comes first, so smoke runs
-    never share a directory with real ones (``tiny_ppo_basic_arithmetic``). Characters other than
-    letters, digits and ``_ . -`` become ``_``.
-    """
-    from .config import config_get
-
-    name = config_get(config, "trainer.experiment_name")
-    if name:
-        return str(name)
-    algo = algorithm or config_get(config, "algorithm.adv_estimator", "run")
-    task, files = config_get(config, "data.task"), list(config_get(config, "data.train_files", []) or [])
-    data = "data"
-    if task:
-        data = str(task)
-    elif files:
-        first = Path(str(files[0])).expanduser()
-        data = first.parent.name or first.stem
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{prefix + '_' if prefix else ''}{algo}_{data}")
 
 
 def _plain(value: Any) -> Any:
@@ -1559,9 +1520,6 @@ def set_aside_checkpoints(manager: CheckpointManager) -> Path | None:
     if not root.is_dir():
         return None
     steps = [p for p in sorted(root.iterdir()) if p.is_dir() and p.name.startswith("global_step_")]
-    from .dump import DUMP_DIR
-    from .report import VALIDATION_SAMPLES_FILE  # rlplug report's sample generations go with the metric log
-
     logs = (root / METRICS_LOG, root / VALIDATION_SAMPLES_FILE, root / DUMP_DIR)
     items = [p for p in (root / LATEST, root / FINAL_MODEL, *logs) if p.exists()] + steps
     if not items:

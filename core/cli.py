@@ -50,7 +50,7 @@ err_console = Console(stderr=True, soft_wrap=True)
 def _compose_and_validate(overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
-    from .config import compose
+    from .compose import compose
 
     cfg = compose(list(overrides))  # a bad key or group option fails here, before torch is imported
     from .validate import validate_config  # imports torch (the plugins' checks)
@@ -147,7 +147,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_data_pairs(args: argparse.Namespace) -> int:
-    from .pairs import make_pairs
+    from .make_pairs import make_pairs
 
     console.print(
         make_pairs(
@@ -158,7 +158,7 @@ def cmd_data_pairs(args: argparse.Namespace) -> int:
 
 
 def cmd_rm_train(args: argparse.Namespace) -> int:
-    from .reward_model import train_reward_model
+    from .rm_train import train_reward_model
 
     metrics = train_reward_model(
         args.pairs, args.out, model=args.model, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
@@ -169,13 +169,12 @@ def cmd_rm_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .checkpoint import checkpoint_step, export_checkpoint, find_checkpoint
+    from .checkpoint import checkpoint_step, find_checkpoint
+    from .export import export_adapter, export_checkpoint  # deferred: torch
 
     try:
         ckpt = find_checkpoint(args.checkpoint)  # a run dir: the checkpoint its latest pointer names
         if args.adapter_only:  # a LoRA checkpoint's PEFT adapter folder (rlplug.lora)
-            from .lora import export_adapter
-
             path = export_adapter(ckpt, args.out)
         else:
             path = export_checkpoint(ckpt, args.out, dtype=args.dtype)

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-import functools
 import tempfile
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig
 
-from .metrics import ScoredResponse, core_metric, validation_metrics
+from .metrics import (  # noqa: F401 - verl's statistics: their old home (rlplug.metrics)
+    BOOTSTRAP_SEED,
+    N_BOOTSTRAP,
+    ScoredResponse,
+    core_metric,
+    majority_values,
+    prompt_statistics,
+    source_statistics,
+    subset_sizes,
+    validation_metrics,
+)
 from .types import RolloutOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -26,7 +35,7 @@ def _model_path(cfg: DictConfig, checkpoint: str | None, stack: ExitStack) -> st
     ckpt = Path(checkpoint)
     if (ckpt / "config.json").is_file():  # already a HF folder (e.g. final_model)
         return str(ckpt)
-    from .checkpoint import export_checkpoint
+    from .export import export_checkpoint  # deferred: torch
 
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rlplug-eval-"))
     return str(export_checkpoint(ckpt, tmp))
@@ -91,7 +100,7 @@ def eval_sampling_params(cfg: DictConfig, k: int | None = None, temperature: flo
 
     Raises ``ValueError`` for ``k < 1`` or a negative ``temperature``.
     """
-    from .trainer import sampling_params
+    from .rollout_utils import sampling_params
 
     params = sampling_params(cfg, validation=True)
     if k is not None and int(k) < 1:
@@ -248,141 +257,3 @@ def debug_rollout(
             }
         )
     return items
-
-
-# ============================================================================ verl's validation statistics
-
-#: Bootstrap draws and seed of verl's ``process_validation_metrics`` (``n_bootstrap = 1000``, ``seed=42``).
-N_BOOTSTRAP = 1000
-BOOTSTRAP_SEED = 42
-
-
-def subset_sizes(n_responses: int) -> list[int]:
-    """The bootstrap subset sizes for ``n_responses`` responses per prompt: 2, 4, 8, ... below
-    ``n_responses``, then ``n_responses`` itself; ``[]`` for one response (verl's ``gen_ns`` in
-    ``process_validation_metrics``). Example: ``subset_sizes(6) == [2, 4, 6]``."""
-    if n_responses <= 1:
-        return []
-    sizes, n = [], 2
-    while n < n_responses:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, n_responses]
-
-
-@functools.lru_cache(maxsize=64)
-def _bootstrap_indices(n_data: int, subset_size: int, n_bootstrap: int, seed: int) -> Any:
-    """``(n_bootstrap, subset_size) int64`` indices into ``n_data`` values, drawn with replacement by
-    ``numpy.random.RandomState(seed).choice``: the draws of verl's ``bootstrap_metric``, which reseeds the
-    global NumPy generator with the same seed on every call (so every prompt gets the same indices); a
-    private generator gives the same numbers without touching the global one."""
-    import numpy as np
-
-    idx = np.random.RandomState(seed).choice(n_data, size=(n_bootstrap, subset_size), replace=True)
-    idx.setflags(write=False)
-    return idx
-
-
-def majority_values(values: Any, votes: Any) -> Any:
-    """Per row, the value of the majority vote: ``values`` and ``votes`` are ``(R, n)`` arrays (float64 values,
-    integer vote codes); returns ``(R,) float64``, each row's value at the first position of its most common
-    vote. Ties go to the vote that appears first in the row, and a vote's value is that of its first
-    occurrence (verl's ``calc_maj_val``: ``max(vote2cnt, key=vote2cnt.get)`` over first-appearance order,
-    then ``vote2vals[maj_vote][0]``). Example: values ``[[1, 0, 0]]``, votes ``[[7, 3, 3]]`` -> ``[0.0]``."""
-    import numpy as np
-
-    counts = (votes[:, :, None] == votes[:, None, :]).sum(-1)  # (R, n): how often each position's vote occurs
-    first = np.argmax(counts == counts.max(axis=1, keepdims=True), axis=1)  # earliest position of a top vote
-    return values[np.arange(values.shape[0]), first]
-
-
-def prompt_statistics(
-    values: Sequence[float],
-    preds: Sequence[Hashable] | None = None,
-    *,
-    n_bootstrap: int = N_BOOTSTRAP,
-    seed: int = BOOTSTRAP_SEED,
-) -> dict[str, float]:
-    """verl's statistics of one prompt's ``n`` response values (``process_validation_metrics``, per uid).
-
-    ``values``: the ``n`` values (acc, score ...); ``preds``: the ``n`` extracted answers (any hashable:
-    strings, ``None`` for no answer) or None when the reward reports none. Returns ``mean@n`` and, for
-    ``n > 1``, ``std@n`` (population standard deviation, ``numpy.std``) and for each ``k`` in
-    :func:`subset_sizes` the mean and standard deviation over ``n_bootstrap`` bootstrap subsets of ``k``
-    values drawn with replacement (:func:`_bootstrap_indices`) of the subset's best (``best@k/mean``,
-    ``best@k/std``), worst (``worst@k/mean``, ``worst@k/std``) and, with ``preds``, majority-vote value
-    (``maj@k/mean``, ``maj@k/std``: :func:`majority_values`; for ``acc`` the majority answer's correctness).
-    Matches verl value for value (the same draws).
-
-    Raises ``ValueError`` for no values or ``preds`` of another length.
-    """
-    import numpy as np
-
-    vals = np.asarray([float(v) for v in values], dtype=np.float64)
-    n = int(vals.size)
-    if n == 0:
-        raise ValueError("prompt_statistics() needs at least one value (the prompt's responses).")
-    if preds is not None and len(preds) != n:
-        raise ValueError(f"prompt_statistics(): {len(preds)} preds for {n} values; pass one answer per response.")
-    out = {f"mean@{n}": float(np.mean(vals))}
-    if n == 1:
-        return out
-    out[f"std@{n}"] = float(np.std(vals))
-    codes = None
-    if preds is not None:
-        first_seen: dict[Hashable, int] = {}
-        codes = np.asarray([first_seen.setdefault(p, len(first_seen)) for p in preds], dtype=np.int64)
-    for k in subset_sizes(n):
-        idx = _bootstrap_indices(n, k, int(n_bootstrap), int(seed))
-        sample = vals[idx]  # (n_bootstrap, k)
-        for name, reduced in (("best", sample.max(axis=1)), ("worst", sample.min(axis=1))):
-            out[f"{name}@{k}/mean"], out[f"{name}@{k}/std"] = float(np.mean(reduced)), float(np.std(reduced))
-        if codes is not None:
-            maj = majority_values(sample, codes[idx])
-            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = float(np.mean(maj)), float(np.std(maj))
-    return out
-
-
-def source_statistics(
-    name: str,
-    prompts: Sequence[int],
-    values: Sequence[float],
-    preds: Sequence[Hashable | None] | None = None,
-    *,
-    core: bool,
-    exact_best: bool = False,
-) -> dict[str, float]:
-    """The validation statistics of one variable of one data source, named as verl names them.
-
-    ``name`` is ``<data_source>/<variable>`` (``gsm8k/acc``); ``prompts``, ``values`` and ``preds`` give each
-    response's prompt position, value and extracted answer (``preds`` None, or all None for a prompt: no
-    ``maj@``). Each prompt's :func:`prompt_statistics` are averaged over prompts (verl's
-    ``process_validation_metrics``). With ``core`` (the data source's headline variable,
-    :func:`rlplug.metrics.core_metric`) the ``mean@N``, ``best@N/*`` and ``maj@N/*`` of the largest ``N`` go to
-    ``val-core/``, everything else to ``val-aux/`` (verl's ``_val_metrics_update``). With ``exact_best``, also
-    ``best@N`` for ``N > 1``: the mean over prompts of the exact best of the ``N`` values (pass@N for a 0/1
-    ``acc``; rlplug's, in the section of ``mean@N``), next to verl's bootstrap estimate ``best@N/mean``.
-    """
-    import numpy as np
-
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(int(p), []).append(i)
-    per_metric: dict[str, list[float]] = {}
-    for members in groups.values():
-        group_preds = [preds[i] for i in members] if preds is not None else None
-        if group_preds is not None and all(p is None for p in group_preds):
-            group_preds = None
-        stats = prompt_statistics([values[i] for i in members], group_preds)
-        if exact_best and len(members) > 1:
-            stats[f"best@{len(members)}"] = max(float(values[i]) for i in members)
-        for metric, v in stats.items():
-            per_metric.setdefault(metric, []).append(v)
-    if not per_metric:
-        return {}
-    n_max = max(int(m.split("@")[-1].split("/")[0]) for m in per_metric)
-    out: dict[str, float] = {}
-    for metric, vs in per_metric.items():
-        in_core = core and metric.startswith(("mean", "maj", "best")) and f"@{n_max}" in metric
-        out[f"{'val-core' if in_core else 'val-aux'}/{name}/{metric}"] = float(np.mean(vs))
-    return out

@@ -22,18 +22,22 @@ Which files are carried: every regular file at the top level of the source folde
 (:data:`WEIGHT_SUFFIXES`, the ``*.index.json`` weight maps), hidden files and ``rlplug_source.json``
 (rlplug's note on how it built a cached model folder). Sub-folders are not carried.
 
-Where they come from: :func:`write_hf_meta` copies them into the checkpoint's ``hf_meta/`` when the
+Where they come from: :func:`write_hf_meta` (:mod:`rlplug.model_files`, re-exported here) copies them into the checkpoint's ``hf_meta/`` when the
 checkpoint is saved, with the manifest ``hf_meta/source.json`` (the source folder, its dtype and the
 SHA-256 of each carried file), so a checkpoint exports alone even when the source folder has moved.
 A checkpoint written before this manifest existed exports from what its ``hf_meta/`` holds (a
 ``config.json`` copy and a re-serialised tokenizer) and a warning says what could not be kept.
+
+A LoRA checkpoint (adapters and a pointer to the base model, :mod:`rlplug.lora`) exports merged
+(:func:`export_lora_checkpoint`, which :func:`export_checkpoint` calls for it), or as the PEFT adapter
+folder alone (:func:`export_adapter`, ``rlplug export --adapter-only``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -41,7 +45,19 @@ from typing import Any
 
 import torch
 
-from .checkpoint import BACKEND_DIR, META_DIR, apply_umask, find_checkpoint
+from .checkpoint import BACKEND_DIR, META_DIR, find_checkpoint
+from .file_modes import apply_umask
+from .lora import ADAPTER_DIR, check_base_pointer, is_lora_checkpoint, lora_actor_dir
+from .model_files import (  # re-exported: their home before rlplug.model_files
+    _TORCH_NAMES,
+    SOURCE_MANIFEST,
+    WEIGHT_SUFFIXES,
+    _config_dtype,
+    _sha256,
+    carried_files,
+    source_dtype,
+    write_hf_meta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +66,9 @@ __all__ = [
     "SOURCE_MANIFEST",
     "WEIGHT_SUFFIXES",
     "carried_files",
+    "export_adapter",
     "export_checkpoint",
+    "export_lora_checkpoint",
     "finish_export",
     "resolve_export_dtype",
     "source_dtype",
@@ -67,98 +85,6 @@ EXPORT_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
-#: the manifest of the carried source files inside ``hf_meta/``
-SOURCE_MANIFEST = "source.json"
-#: file endings of weights and training state: never carried from the source folder
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
-#: rlplug's own record of how it built a cached model folder (tiny, GGUF conversion): not part of the model
-_NOT_CARRIED = {"rlplug_source.json", SOURCE_MANIFEST}
-#: safetensors dtype names -> torch dtypes (the floating-point ones: what decides the source dtype)
-_SAFETENSORS_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-_TORCH_NAMES = {
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-}
-
-
-# ============================================================================ source folder
-
-
-def carried_files(model_dir: str | Path) -> list[Path]:
-    """The files of the model folder ``model_dir`` an export carries, sorted by name: every regular
-    top-level file except weights (:data:`WEIGHT_SUFFIXES`, ``*.index.json``), hidden files and
-    ``rlplug_source.json``."""
-    out = []
-    for p in sorted(Path(model_dir).iterdir()):
-        name = p.name
-        if not p.is_file() or name.startswith(".") or name in _NOT_CARRIED:
-            continue
-        if name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json"):
-            continue
-        out.append(p)
-    return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _config_dtype(config_json: Path) -> torch.dtype | None:
-    try:
-        cfg = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return None
-    for key in ("dtype", "torch_dtype"):
-        value = cfg.get(key) if isinstance(cfg, dict) else None
-        if isinstance(value, str) and getattr(torch, value, None) in _TORCH_NAMES:
-            return getattr(torch, value)  # type: ignore[no-any-return]
-    return None
-
-
-def source_dtype(model_dir: str | Path) -> torch.dtype:
-    """The dtype of the model folder's weights: the floating-point dtype holding most elements in its
-    ``*.safetensors`` files (headers only are read), else ``config.json``'s ``dtype`` / ``torch_dtype``,
-    else ``torch.float32``. A mixed folder (e.g. bf16 with fp32 norms) counts as its majority dtype."""
-    from safetensors import safe_open
-
-    counts: dict[torch.dtype, int] = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                dt = _SAFETENSORS_FLOATS.get(sl.get_dtype())
-                if dt is not None:
-                    n = 1
-                    for d in sl.get_shape():
-                        n *= int(d)
-                    counts[dt] = counts.get(dt, 0) + n
-    if counts:
-        return max(counts, key=lambda d: counts[d])
-    return _config_dtype(Path(model_dir) / "config.json") or torch.float32
-
-
-def write_hf_meta(meta: Path, model_path: str | Path, tokenizer: Any = None) -> None:
-    """Fill a checkpoint's ``hf_meta/`` folder ``meta`` (created if missing): the tokenizer as
-    ``save_pretrained`` writes it (when given), then every :func:`carried_files` file of the source
-    folder ``model_path`` copied byte for byte over it, and the manifest ``source.json``:
-    ``{"model_path": absolute source folder, "dtype": "bfloat16", "files": {name: sha256}}``."""
-    meta = Path(meta)
-    meta.mkdir(parents=True, exist_ok=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(meta)
-    src = Path(model_path)
-    files = {}
-    for p in carried_files(src):
-        shutil.copyfile(p, meta / p.name)
-        files[p.name] = _sha256(meta / p.name)
-    manifest = {"model_path": str(src.resolve()), "dtype": _TORCH_NAMES[source_dtype(src)], "files": files}
-    (meta / SOURCE_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def resolve_export_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
@@ -242,8 +168,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | torc
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ckpt = find_checkpoint(checkpoint)
-    from .lora import export_lora_checkpoint, is_lora_checkpoint
-
     if is_lora_checkpoint(ckpt):  # adapters + a pointer to the base model: merged (rlplug.lora)
         return export_lora_checkpoint(ckpt, out, dtype)
     meta = ckpt / META_DIR
@@ -312,3 +236,47 @@ def finish_export(folder: str | Path, model_path: str | Path, dtype: str | torch
     _copy_source_files(folder, src, names, target)
     apply_umask(folder)
     return folder
+
+
+# ============================================================================ LoRA checkpoints
+
+
+def export_lora_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: Any = "auto") -> Path:
+    """Write the LoRA actor of the complete checkpoint ``checkpoint`` (a ``global_step_N`` dir) to ``out`` as a
+    merged Hugging Face folder: the base model of the checkpoint's pointer (checked by
+    :func:`rlplug.lora.check_base_pointer`) with the adapters merged (peft's ``merge_and_unload``:
+    ``W + (alpha / r) B A``), then the source model's files and dtype as every export (:func:`finish_export`
+    with the checkpoint's ``hf_meta/``). Loads with ``AutoModelForCausalLM.from_pretrained`` and vLLM. Raises
+    ``FileNotFoundError`` / ``ValueError`` as :func:`rlplug.lora.check_base_pointer`, and
+    ``FileNotFoundError`` for a checkpoint without adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    actor = lora_actor_dir(checkpoint)
+    base_path = check_base_pointer(actor)
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    merged: Any = PeftModel.from_pretrained(base, str(actor / ADAPTER_DIR)).merge_and_unload()
+    dest = Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(str(dest), safe_serialization=True)
+    return finish_export(dest, Path(checkpoint) / META_DIR, dtype)
+
+
+def export_adapter(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the PEFT adapter folder of the LoRA checkpoint ``checkpoint`` (a ``global_step_N`` dir, or a run
+    dir: its latest checkpoint) to ``out`` (``rlplug export --adapter-only``): ``adapter_config.json``,
+    ``adapter_model.safetensors`` (fp32) and the tokenizer files, so ``PeftModel.from_pretrained(base, out)``
+    loads it on the base model (the config's ``base_model_name_or_path``). Raises ``FileNotFoundError`` for a
+    checkpoint without adapters, or when no complete checkpoint is found there."""
+    ckpt = find_checkpoint(Path(checkpoint))
+    adapter = lora_actor_dir(ckpt) / ADAPTER_DIR
+    dest = Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in carried_files(ckpt / META_DIR):
+        if "token" in f.name or f.name in ("vocab.json", "merges.txt", "chat_template.jinja"):
+            shutil.copyfile(f, dest / f.name)
+    for f in adapter.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, dest / f.name)
+    apply_umask(dest)
+    return dest

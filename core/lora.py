@@ -14,14 +14,14 @@ the optimizer over ``A`` and ``B`` only (Hu et al. 2021, "LoRA", arXiv:2106.0968
   tensors (:func:`merged_weights`); the trained module is not changed.
 * A checkpoint holds the adapters (a PEFT folder, :data:`ADAPTER_DIR`), the optimizer state and a
   pointer to the base model (:data:`BASE_POINTER_FILE`: its path and :func:`base_fingerprint`).
-  ``rlplug export`` merges them into a Hugging Face folder (:func:`export_lora_checkpoint`), or with
-  ``--adapter-only`` writes the PEFT adapter folder (:func:`export_adapter`).
+  ``rlplug export`` merges them into a Hugging Face folder (:func:`rlplug.export.export_lora_checkpoint`),
+  or with ``--adapter-only`` writes the PEFT adapter folder (:func:`rlplug.export.export_adapter`).
 
 Functions: :func:`lora_settings` (config -> :class:`LoraSettings` or ``None``, checked),
 :func:`check_lora_config` (the config-time check), :func:`check_target_modules` (before any weights
 load), :func:`apply_lora`, :func:`merged_weights`, :func:`save_merged`, :func:`base_fingerprint`,
 :func:`write_base_pointer` / :func:`check_base_pointer`, :func:`is_lora_checkpoint`,
-:func:`export_lora_checkpoint`, :func:`export_adapter`.
+:func:`lora_actor_dir`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, config_get
+from .models import unique_state
 
 __all__ = [
     "LORA_CAPABILITY",
@@ -61,8 +61,7 @@ __all__ = [
     "load_lora_state",
     "is_lora_role_dir",
     "is_lora_checkpoint",
-    "export_lora_checkpoint",
-    "export_adapter",
+    "lora_actor_dir",
 ]
 
 #: the training-backend capability LoRA needs (:data:`rlplug.types.TRAINING_CAPABILITIES`)
@@ -301,8 +300,6 @@ def merged_weights(peft_model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     view of the live parameter (no copy); tied weights once, under the embedding's name. Names lose
     peft's ``.base_layer`` part; the adapter tensors themselves are not yielded.
     """
-    from .training import unique_state
-
     deltas = {name: layer.get_delta_weight(_ADAPTER) for name, layer in _lora_layers(peft_model).items()}
     for name, tensor in unique_state(peft_model.get_base_model()).items():
         if ".lora_" in name:
@@ -479,9 +476,9 @@ def is_lora_checkpoint(checkpoint: str | os.PathLike) -> bool:
     return (Path(checkpoint) / "backend" / "actor" / ADAPTER_DIR / "adapter_config.json").is_file()
 
 
-def _lora_actor_dir(checkpoint: str | os.PathLike) -> Path:
-    """``backend/actor`` of the complete LoRA checkpoint ``checkpoint``; ``FileNotFoundError`` when it holds
-    no PEFT adapter."""
+def lora_actor_dir(checkpoint: str | os.PathLike) -> Path:
+    """``backend/actor`` of the complete LoRA checkpoint ``checkpoint`` (a ``global_step_N`` dir). Raises
+    ``FileNotFoundError`` when it holds no PEFT adapter."""
     adapter = Path(checkpoint) / "backend" / "actor" / ADAPTER_DIR
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(
@@ -489,48 +486,3 @@ def _lora_actor_dir(checkpoint: str | os.PathLike) -> Path:
             "has no adapter to export; export the whole model without --adapter-only."
         )
     return adapter.parent
-
-
-def export_lora_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: Any = "auto") -> Path:
-    """Write the LoRA actor of the complete checkpoint ``checkpoint`` (a ``global_step_N`` dir) to ``out`` as a
-    merged Hugging Face folder: the base model of the checkpoint's pointer (checked by
-    :func:`check_base_pointer`) with the adapters merged (peft's ``merge_and_unload``: ``W + (alpha / r) B A``),
-    then the source model's files and dtype as every export (:func:`rlplug.export.finish_export` with the
-    checkpoint's ``hf_meta/``). Loads with ``AutoModelForCausalLM.from_pretrained`` and vLLM. Raises
-    ``FileNotFoundError`` / ``ValueError`` as :func:`check_base_pointer`."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from .export import finish_export
-
-    actor = _lora_actor_dir(checkpoint)
-    base_path = check_base_pointer(actor)
-    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
-    merged: Any = PeftModel.from_pretrained(base, str(actor / ADAPTER_DIR)).merge_and_unload()
-    dest = Path(out)
-    dest.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(str(dest), safe_serialization=True)
-    return finish_export(dest, Path(checkpoint) / "hf_meta", dtype)
-
-
-def export_adapter(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the PEFT adapter folder of the LoRA checkpoint ``checkpoint`` (a ``global_step_N`` dir, or a run
-    dir: its latest checkpoint) to ``out`` (``rlplug export --adapter-only``): ``adapter_config.json``,
-    ``adapter_model.safetensors`` (fp32) and the tokenizer files, so ``PeftModel.from_pretrained(base, out)``
-    loads it on the base model (the config's ``base_model_name_or_path``). Raises ``FileNotFoundError`` for a
-    checkpoint without adapters."""
-    from .checkpoint import apply_umask, find_checkpoint
-    from .export import carried_files
-
-    ckpt = find_checkpoint(Path(checkpoint))
-    adapter = _lora_actor_dir(ckpt) / ADAPTER_DIR
-    dest = Path(out)
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in carried_files(ckpt / "hf_meta"):
-        if "token" in f.name or f.name in ("vocab.json", "merges.txt", "chat_template.jinja"):
-            shutil.copyfile(f, dest / f.name)
-    for f in adapter.iterdir():
-        if f.is_file():
-            shutil.copyfile(f, dest / f.name)
-    apply_umask(dest)
-    return dest

@@ -24,19 +24,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import os
-import re
-import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .metric_names import (  # re-exported: their home before rlplug.metric_names
+    TRACKER_NAME_CHARS,
+    metric_value,
+    source_tags,
+    tracker_name,
+)
 from .run_context import RunContext, takes_run_context
+from .run_paths import METRICS_FILE, run_dir_for  # METRICS_FILE: the run's metric log, one JSON object a line
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +60,12 @@ __all__ = [
     "validation_metrics",
     "validation_samples",
     "train_generation_samples",
+    "N_BOOTSTRAP",
+    "BOOTSTRAP_SEED",
+    "subset_sizes",
+    "majority_values",
+    "prompt_statistics",
+    "source_statistics",
     "tracker_name",
     "TRACKER_NAME_CHARS",
     "source_tags",
@@ -233,7 +243,7 @@ def validation_metrics(scored: Sequence[ScoredResponse], n: int) -> dict[str, fl
       responses (verl's ``mean@N``; with ``n`` responses per prompt, the mean over all responses);
     * ``val-core/<data_source>/<m>/best@<n>`` (``n > 1``): the mean over prompts of the best of each
       prompt's ``n`` values; for a 0/1 ``acc`` this is pass@n (exact; rlplug's);
-    * verl's statistics (``n > 1``; :func:`rlplug.evaluate.source_statistics`, value for value as verl's
+    * verl's statistics (``n > 1``; :func:`source_statistics`, value for value as verl's
       ``process_validation_metrics``): ``std@<n>`` and, for ``k`` in 2, 4, ..., ``n``, the bootstrap
       ``best@<k>/mean``, ``best@<k>/std``, ``worst@<k>/mean``, ``worst@<k>/std`` and, when the reward
       reports extracted answers (:attr:`ScoredResponse.pred`), ``maj@<k>/mean`` and ``maj@<k>/std`` (the
@@ -245,8 +255,6 @@ def validation_metrics(scored: Sequence[ScoredResponse], n: int) -> dict[str, fl
     ``acc`` values are the reward's ``acc`` (:attr:`ScoredResponse.acc`; a response whose reward failed
     counts 0.0); ``reward`` values are the sequence scores. Returns ``{}`` for no responses.
     """
-    from .evaluate import source_statistics  # here: rlplug.evaluate imports this module
-
     metrics: dict[str, float] = {}
     for src in sorted({s.row["data_source"] for s in scored}):
         mine = [s for s in scored if s.row["data_source"] == src]
@@ -266,6 +274,144 @@ def validation_metrics(scored: Sequence[ScoredResponse], n: int) -> dict[str, fl
                 )
             )
     return metrics
+
+
+# ============================================================================ verl's validation statistics
+
+#: Bootstrap draws and seed of verl's ``process_validation_metrics`` (``n_bootstrap = 1000``, ``seed=42``).
+N_BOOTSTRAP = 1000
+BOOTSTRAP_SEED = 42
+
+
+def subset_sizes(n_responses: int) -> list[int]:
+    """The bootstrap subset sizes for ``n_responses`` responses per prompt: 2, 4, 8, ... below
+    ``n_responses``, then ``n_responses`` itself; ``[]`` for one response (verl's ``gen_ns`` in
+    ``process_validation_metrics``). Example: ``subset_sizes(6) == [2, 4, 6]``."""
+    if n_responses <= 1:
+        return []
+    sizes, n = [], 2
+    while n < n_responses:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, n_responses]
+
+
+@functools.lru_cache(maxsize=64)
+def _bootstrap_indices(n_data: int, subset_size: int, n_bootstrap: int, seed: int) -> Any:
+    """``(n_bootstrap, subset_size) int64`` indices into ``n_data`` values, drawn with replacement by
+    ``numpy.random.RandomState(seed).choice``: the draws of verl's ``bootstrap_metric``, which reseeds the
+    global NumPy generator with the same seed on every call (so every prompt gets the same indices); a
+    private generator gives the same numbers without touching the global one."""
+    import numpy as np
+
+    idx = np.random.RandomState(seed).choice(n_data, size=(n_bootstrap, subset_size), replace=True)
+    idx.setflags(write=False)
+    return idx
+
+
+def majority_values(values: Any, votes: Any) -> Any:
+    """Per row, the value of the majority vote: ``values`` and ``votes`` are ``(R, n)`` arrays (float64 values,
+    integer vote codes); returns ``(R,) float64``, each row's value at the first position of its most common
+    vote. Ties go to the vote that appears first in the row, and a vote's value is that of its first
+    occurrence (verl's ``calc_maj_val``: ``max(vote2cnt, key=vote2cnt.get)`` over first-appearance order,
+    then ``vote2vals[maj_vote][0]``). Example: values ``[[1, 0, 0]]``, votes ``[[7, 3, 3]]`` -> ``[0.0]``."""
+    import numpy as np
+
+    counts = (votes[:, :, None] == votes[:, None, :]).sum(-1)  # (R, n): how often each position's vote occurs
+    first = np.argmax(counts == counts.max(axis=1, keepdims=True), axis=1)  # earliest position of a top vote
+    return values[np.arange(values.shape[0]), first]
+
+
+def prompt_statistics(
+    values: Sequence[float],
+    preds: Sequence[Hashable] | None = None,
+    *,
+    n_bootstrap: int = N_BOOTSTRAP,
+    seed: int = BOOTSTRAP_SEED,
+) -> dict[str, float]:
+    """verl's statistics of one prompt's ``n`` response values (``process_validation_metrics``, per uid).
+
+    ``values``: the ``n`` values (acc, score ...); ``preds``: the ``n`` extracted answers (any hashable:
+    strings, ``None`` for no answer) or None when the reward reports none. Returns ``mean@n`` and, for
+    ``n > 1``, ``std@n`` (population standard deviation, ``numpy.std``) and for each ``k`` in
+    :func:`subset_sizes` the mean and standard deviation over ``n_bootstrap`` bootstrap subsets of ``k``
+    values drawn with replacement (:func:`_bootstrap_indices`) of the subset's best (``best@k/mean``,
+    ``best@k/std``), worst (``worst@k/mean``, ``worst@k/std``) and, with ``preds``, majority-vote value
+    (``maj@k/mean``, ``maj@k/std``: :func:`majority_values`; for ``acc`` the majority answer's correctness).
+    Matches verl value for value (the same draws).
+
+    Raises ``ValueError`` for no values or ``preds`` of another length.
+    """
+    import numpy as np
+
+    vals = np.asarray([float(v) for v in values], dtype=np.float64)
+    n = int(vals.size)
+    if n == 0:
+        raise ValueError("prompt_statistics() needs at least one value (the prompt's responses).")
+    if preds is not None and len(preds) != n:
+        raise ValueError(f"prompt_statistics(): {len(preds)} preds for {n} values; pass one answer per response.")
+    out = {f"mean@{n}": float(np.mean(vals))}
+    if n == 1:
+        return out
+    out[f"std@{n}"] = float(np.std(vals))
+    codes = None
+    if preds is not None:
+        first_seen: dict[Hashable, int] = {}
+        codes = np.asarray([first_seen.setdefault(p, len(first_seen)) for p in preds], dtype=np.int64)
+    for k in subset_sizes(n):
+        idx = _bootstrap_indices(n, k, int(n_bootstrap), int(seed))
+        sample = vals[idx]  # (n_bootstrap, k)
+        for name, reduced in (("best", sample.max(axis=1)), ("worst", sample.min(axis=1))):
+            out[f"{name}@{k}/mean"], out[f"{name}@{k}/std"] = float(np.mean(reduced)), float(np.std(reduced))
+        if codes is not None:
+            maj = majority_values(sample, codes[idx])
+            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = float(np.mean(maj)), float(np.std(maj))
+    return out
+
+
+def source_statistics(
+    name: str,
+    prompts: Sequence[int],
+    values: Sequence[float],
+    preds: Sequence[Hashable | None] | None = None,
+    *,
+    core: bool,
+    exact_best: bool = False,
+) -> dict[str, float]:
+    """The validation statistics of one variable of one data source, named as verl names them.
+
+    ``name`` is ``<data_source>/<variable>`` (``gsm8k/acc``); ``prompts``, ``values`` and ``preds`` give each
+    response's prompt position, value and extracted answer (``preds`` None, or all None for a prompt: no
+    ``maj@``). Each prompt's :func:`prompt_statistics` are averaged over prompts (verl's
+    ``process_validation_metrics``). With ``core`` (the data source's headline variable,
+    :func:`core_metric`) the ``mean@N``, ``best@N/*`` and ``maj@N/*`` of the largest ``N`` go to
+    ``val-core/``, everything else to ``val-aux/`` (verl's ``_val_metrics_update``). With ``exact_best``, also
+    ``best@N`` for ``N > 1``: the mean over prompts of the exact best of the ``N`` values (pass@N for a 0/1
+    ``acc``; rlplug's, in the section of ``mean@N``), next to verl's bootstrap estimate ``best@N/mean``.
+    """
+    import numpy as np
+
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(int(p), []).append(i)
+    per_metric: dict[str, list[float]] = {}
+    for members in groups.values():
+        group_preds = [preds[i] for i in members] if preds is not None else None
+        if group_preds is not None and all(p is None for p in group_preds):
+            group_preds = None
+        stats = prompt_statistics([values[i] for i in members], group_preds)
+        if exact_best and len(members) > 1:
+            stats[f"best@{len(members)}"] = max(float(values[i]) for i in members)
+        for metric, v in stats.items():
+            per_metric.setdefault(metric, []).append(v)
+    if not per_metric:
+        return {}
+    n_max = max(int(m.split("@")[-1].split("/")[0]) for m in per_metric)
+    out: dict[str, float] = {}
+    for metric, vs in per_metric.items():
+        in_core = core and metric.startswith(("mean", "maj", "best")) and f"@{n_max}" in metric
+        out[f"{'val-core' if in_core else 'val-aux'}/{name}/{metric}"] = float(np.mean(vs))
+    return out
 
 
 def validation_samples(scored: Sequence[ScoredResponse]) -> list[dict[str, Any]]:
@@ -335,24 +481,8 @@ def progress_postfix(metrics: Mapping[str, float]) -> dict[str, float]:
 
 # ============================================================================ the run's own metric log
 
-#: The file under the run directory that holds every logged step's metrics, one JSON object a line.
-METRICS_FILE = "metrics.jsonl"
 #: How non-finite floats are spelled in :data:`METRICS_FILE` (strict JSON has no NaN or infinity).
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def metric_value(value: Any) -> float | None:
-    """``value`` as a Python float (bools, ints, floats, torch/numpy scalars), or None when it is not a number."""
-    if isinstance(value, (bool, int, float)):
-        return float(value)
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            v = item()
-        except (ValueError, RuntimeError):  # a tensor with several elements
-            return None
-        return float(v) if isinstance(v, (bool, int, float)) else None
-    return None
 
 
 def _json_number(v: float) -> float | str:
@@ -618,94 +748,14 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-#: The characters :func:`tracker_name` keeps by default (a regex character-class body): letters, digits,
-#: ``_ - . / :`` and space, the set MLflow accepts in metric and param names.
-TRACKER_NAME_CHARS = r"\w.\- :/"
-#: Characters with a spelled-out replacement, applied before any other mapping.
-_NAME_REPLACEMENTS = {"@": "_at_"}
-
-
-@functools.lru_cache(maxsize=16)
-def _bad_chars(allowed: str) -> re.Pattern[str]:
-    return re.compile(f"[^{allowed}]")
-
-
-def tracker_name(name: str, *, allowed: str = TRACKER_NAME_CHARS, max_length: int | None = 250) -> str:
-    """A metric or param name in the characters a tracker accepts: the one mapping every tracker uses.
-
-    1. ``@`` becomes ``_at_`` (verl's ``mean@N``: ``val-core/gsm8k/acc/mean@8`` ->
-       ``val-core/gsm8k/acc/mean_at_8``);
-    2. every other character outside ``allowed`` (a regex character-class body, default
-       :data:`TRACKER_NAME_CHARS`) becomes ``_``;
-    3. when ``/`` is allowed, names are paths: empty and ``.`` segments are dropped and ``..`` becomes
-       ``__`` (MLflow rejects them);
-    4. a result longer than ``max_length`` characters (None: no limit) is cut and ends in ``-`` and 8 hex
-       digits of the SHA-1 of the original name, so long names stay distinct.
-
-    An empty result is ``_``. A tracker that accepts every character (``console``) logs names
-    unchanged; one with a stricter set passes its own ``allowed`` (e.g. ``"A-Za-z0-9_:"`` for
-    Prometheus: ``actor/pg_loss`` -> ``actor_pg_loss``), so the same name maps the same way everywhere.
-    """
-    clean = str(name)
-    for char, replacement in _NAME_REPLACEMENTS.items():
-        clean = clean.replace(char, replacement)
-    clean = _bad_chars(allowed).sub("_", clean)
-    if "/" in clean:  # "/" survived: the tracker takes path-like names
-        clean = "/".join(("__" if p == ".." else p) for p in clean.split("/") if p not in ("", "."))
-    clean = clean or "_"
-    if max_length is not None and len(clean) > max_length:
-        digest = hashlib.sha1(str(name).encode()).hexdigest()[:8]
-        clean = clean[: max_length - 9].rstrip("/") + "-" + digest
-    return clean
-
-
-def _git(root: Path, *args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-@functools.lru_cache(maxsize=1)
-def _source_tags() -> tuple[tuple[str, str], ...]:
-    from importlib import metadata
-
-    try:
-        version = metadata.version("rlplug")
-    except metadata.PackageNotFoundError:
-        from . import __version__ as version
-    tags = {"rlplug.version": version}
-    root = Path(__file__).resolve().parent.parent  # the source tree of an editable install (core/ is rlplug)
-    top = _git(root, "rev-parse", "--show-toplevel") if (root / ".git").exists() else None
-    if top is not None and Path(top).resolve() == root:
-        commit = _git(root, "rev-parse", "HEAD")
-        if commit:
-            tags["rlplug.git_commit"] = commit
-            dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
-            if dirty is not None:
-                tags["rlplug.git_dirty"] = "true" if dirty else "false"
-    return tuple(tags.items())
-
-
-def source_tags() -> dict[str, str]:
-    """Which rlplug ran, for trackers to record as tags: ``rlplug.version`` (the installed distribution's
-    version) and, when rlplug runs from a git checkout (an editable install), ``rlplug.git_commit`` (the
-    ``HEAD`` commit) and ``rlplug.git_dirty`` (``"true"`` when tracked files differ from it). The git keys
-    are absent for a wheel install, without ``git``, or when git fails; this never raises. Computed once
-    per process."""
-    return dict(_source_tags())
-
-
 def run_context_for(config: Any, *, run_dir: str | Path | None = None, resume_step: int | None = None) -> RunContext:
     """The :class:`rlplug.run_context.RunContext` of the run ``config`` describes, for a plugin built outside
     ``rlplug train`` (a test, a notebook; a run hands its plugins its own): ``run_dir`` (default
-    :func:`rlplug.trainer.run_dir_for` of ``config``) and ``resume_step`` when given, else the step a run
+    :func:`rlplug.run_paths.run_dir_for` of ``config``) and ``resume_step`` when given, else the step a run
     there would resume after, read from its checkpoints (:func:`rlplug.checkpoint.tracker_resume_step`: 0
     for a fresh start or a ``config`` without a ``trainer`` section). Raises ``AttributeError`` when
     ``run_dir`` is not given and ``config`` has no ``trainer`` section."""
     from .checkpoint import tracker_resume_step
-    from .trainer import run_dir_for
 
     directory = Path(run_dir) if run_dir is not None else Path(run_dir_for(config))
     return RunContext(directory, tracker_resume_step(config, directory, resume_step))
@@ -771,8 +821,6 @@ class Trackers:
         if not is_main:
             return
         from omegaconf import OmegaConf
-
-        from .trainer import run_dir_for
 
         try:
             run = RunContext(run_dir_for(cfg), int(step))  # what each tracker is told (build_tracker)

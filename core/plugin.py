@@ -63,9 +63,9 @@ accepts (:data:`TRACKER_NAME_CHARS`), :func:`metric_value` (a logged value as a 
 :class:`ConfigError` (what a plugin raises for a bad setting).
 
 **Testing** (a plugin's own tests): the conformance kit of each kind (:func:`check_advantage_estimator`
-... :func:`check_tracker`, :func:`check_protocol`), the helpers of :mod:`rlplug.testing`
-(:func:`make_batch`, :func:`assert_advantage_contract`, :func:`algorithm_config`,
-:func:`reduction_tolerance`; imported when first used, as they need pytest) and
+... :func:`check_tracker`, :func:`check_protocol`) with its inputs (:func:`make_batch`,
+:func:`algorithm_config`), the helpers of :mod:`rlplug.testing` (:func:`assert_advantage_contract`,
+:func:`reduction_tolerance`; imported when first used, as that module needs pytest) and
 :func:`fault_point`, where the crash tests stop or fail a process (``RLPLUG_TEST_KILL_AT``,
 :data:`FAULT_ENV`).
 """
@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 from .batch import Batch, Fields
 from .config import ConfigError, config_get
 from .conformance import (
+    algorithm_config,
     check_advantage_estimator,
     check_batch_filter,
     check_kl_penalty,
@@ -86,6 +87,7 @@ from .conformance import (
     check_rollout_backend,
     check_tracker,
     check_training_backend,
+    make_batch,
 )
 from .coordinator import SINGLE_PROCESS, SingleProcessCoordinator
 from .faults import FAULT_ENV, fault_point
@@ -103,7 +105,8 @@ from .losses import (
     masked_whiten,
     seq_norm_length,
 )
-from .metrics import TRACKER_NAME_CHARS, metric_value, run_context_for, source_tags, tracker_name
+from .metric_names import TRACKER_NAME_CHARS, metric_value, source_tags, tracker_name
+from .metrics import run_context_for  # the one run-layer import left here (issue 32): see rlplug.metrics
 from .models import load_causal_lm
 from .objective import actor_objective, critic_objective
 from .precision import resolve_dtype
@@ -164,7 +167,7 @@ from .types import (
 )
 
 if TYPE_CHECKING:  # imported when first used (module __getattr__): rlplug.testing imports pytest
-    from .testing import algorithm_config, assert_advantage_contract, make_batch, reduction_tolerance
+    from .testing import assert_advantage_contract, reduction_tolerance
 
 __all__ = [
     # registration
@@ -280,7 +283,7 @@ __all__ = [
 ]
 
 #: the names of :mod:`rlplug.testing` offered here, imported on first use (that module imports pytest)
-_TESTING = frozenset({"make_batch", "assert_advantage_contract", "algorithm_config", "reduction_tolerance"})
+_TESTING = frozenset({"assert_advantage_contract", "reduction_tolerance"})
 
 
 def __getattr__(name: str) -> Any:

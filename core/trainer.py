@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .alerts import AlertEngine, kl_seq_sum_metrics, lower_lr, needs_old_log_probs
+from .alerts import AlertEngine, kl_seq_sum_metrics, lower_lr
 from .batch import build_batch, estimate_on_rows, padded_rows, rows_left_out
 from .batch_filter import collect_rollouts
 from .checkpoint import (  # noqa: F401
@@ -81,15 +81,16 @@ from .metrics import (
 )
 from .registry import Registry, get_registry
 from .report import log_validation_samples
-from .reward import RewardFailureGuard, components_tensor, scored_rows
+from .reward import RewardFailureGuard, components_tensor, scored_rows, validation_reward
 from .reward_contract import attach_trainer, trl_inputs
-from .reward_model import validation_reward
 from .reward_norm import ScoreNormalizer
-from .rollout_correction import apply_rollout_correction, bypasses_old_log_probs, use_rollout_log_probs_as_old
+from .rollout_correction import apply_rollout_correction, use_rollout_log_probs_as_old
+from .rollout_utils import sampling_params  # also rlplug.trainer.sampling_params, its old home
 from .run_context import RunContext, takes_run_context
+from .run_paths import run_dir_for
 from .schedule import Schedule, value_targets
 from .types import RolloutOutput, SamplingParams
-from .validate import BatchPlan, plan_batch
+from .validate import plan_batch, skips_old_log_probs
 
 log = logging.getLogger("rlplug")
 
@@ -97,68 +98,11 @@ log = logging.getLogger("rlplug")
 # ============================================================================ helpers
 
 
-def run_dir_for(cfg: DictConfig) -> Path:
-    """``trainer.default_local_dir`` or ``checkpoints/<project_name>/<experiment_name>`` (as verl).
-
-    It holds the ``global_step_N`` checkpoints, the local MLflow store and ``final_model``. An unset
-    ``experiment_name`` (a config not made by :func:`rlplug.config.compose`, which fills it in) is
-    named after the run's estimator and data (:func:`rlplug.checkpoint.experiment_name_for`).
-    """
-    if cfg.trainer.default_local_dir:
-        return Path(str(cfg.trainer.default_local_dir)).expanduser()
-    return Path("checkpoints") / cfg.trainer.project_name / experiment_name_for(cfg)
-
-
 def set_threads(n: int | None) -> None:
     """Use ``n`` torch threads (None: all cores); thread counts are set explicitly (MACHINE_NOTES)."""
     n = n or os.cpu_count() or 1
     torch.set_num_threads(n)
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
-
-
-def skips_old_log_probs(cfg: DictConfig, plan: BatchPlan, capabilities: frozenset[str]) -> bool:
-    """Whether the old-log-prob pass is skipped (``actor.skip_old_log_prob_on_policy``): one optimizer
-    step over the whole batch, nothing reading ``old_log_probs`` or a per-token quantity before the
-    update (the in-reward KL, a plugin's ``requires``, a KL-guard alert without the engine's log-probs:
-    :func:`rlplug.alerts.needs_old_log_probs`), and a backend declaring
-    ``"reuses_on_policy_log_probs"``: the actor update then uses its own detached log-probs. Also
-    skipped in bypass mode (``algorithm.rollout_correction.bypass_mode``), where the engine's
-    log-probs are the old ones (:func:`rlplug.rollout_correction.use_rollout_log_probs_as_old`)."""
-    return bypasses_old_log_probs(cfg) or bool(
-        cfg.actor.skip_old_log_prob_on_policy
-        and int(cfg.actor.ppo_epochs) == 1
-        and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
-        and not cfg.algorithm.use_kl_in_reward
-        and not plan.needs_old_log_prob_pass
-        and "reuses_on_policy_log_probs" in capabilities
-        and not needs_old_log_probs(cfg, plan.use_ref)  # the KL guard (trainer.alerts) compares them with ref
-    )
-
-
-def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0) -> SamplingParams:
-    """The rollout's sampling settings for training step ``step`` (``rollout.*``, a seed per step),
-    or for validation (``rollout.val_kwargs``, one fixed seed)."""
-    r, max_tokens = cfg.rollout, cfg.data.max_response_length
-    if validation:
-        v = r.val_kwargs
-        return SamplingParams(
-            n=v.n,
-            temperature=v.temperature,
-            top_p=v.top_p,
-            top_k=v.top_k,
-            max_tokens=max_tokens,
-            seed=cfg.trainer.seed + 7919,
-        )
-    return SamplingParams(
-        n=r.n,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_tokens=max_tokens,
-        seed=cfg.trainer.seed * 1_000_003 + step,
-        logprobs=r.calculate_log_probs,
-        ignore_eos=bool(r.ignore_eos),
-    )
 
 
 def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path, cfg: DictConfig | None = None) -> None:

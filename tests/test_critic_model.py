@@ -21,8 +21,10 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from rlplug import models
-from rlplug.checkpoint import CheckpointManager, export_checkpoint, run_fingerprint
-from rlplug.config import ConfigError, RunConfig, compose
+from rlplug.checkpoint import CheckpointManager, run_fingerprint
+from rlplug.compose import compose
+from rlplug.config import ConfigError, RunConfig
+from rlplug.export import export_checkpoint
 from rlplug.models import ModelPreparationError, load_tokenizer, resolve_critic_model_path, resolve_model_path
 from rlplug.validate import validate_config
 

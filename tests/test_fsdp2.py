@@ -96,7 +96,7 @@ def model_path() -> str:
 
 
 def test_registered_and_config_group():
-    from rlplug.config import compose
+    from rlplug.compose import compose
     from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
 
     assert rlplug.get_plugin("training_backend", "fsdp2") is FSDP2TrainingBackend
@@ -394,7 +394,7 @@ def _run_cli(args: list[str], nproc: int, timeout: int = 300) -> subprocess.Comp
 def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
     from safetensors.torch import load_file
 
-    from rlplug.checkpoint import export_checkpoint
+    from rlplug.export import export_checkpoint
 
     run_dir = tmp_path / "run"
     common = [

@@ -20,19 +20,19 @@ import torch
 from _helpers import TINY_CPU_RUN, fit, fp32_atol, run_config
 from omegaconf import OmegaConf
 
-from rlplug.config import ConfigError, compose
+from rlplug.compose import compose
+from rlplug.config import ConfigError
 from rlplug.losses import compute_token_level_scores
 from rlplug.pairs import build_pairs, corrected_answer, read_pairs, reference_answer, write_pairs
-from rlplug.reward import RewardManager
+from rlplug.reward import RewardManager, validation_reward
 from rlplug.reward_model import (
     RewardModelError,
     RewardModelFunction,
     check_reward_model_config,
     check_reward_model_folder,
     shaping_entries,
-    train_reward_model,
-    validation_reward,
 )
+from rlplug.rm_train import train_reward_model
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
 CORPUS = ["What is 2 + 3 ?", "#### 5", "#### 4", "good answer", "bad answer", "the sum is", "Calculate 37 - 5."] * 20

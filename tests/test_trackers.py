@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlplug.config import compose
+from rlplug.compose import compose
 from rlplug.plugins.tracking.trackers import (
     MAX_NAME_LENGTH,
     MAX_PARAM_VALUE_LENGTH,
@@ -296,7 +296,7 @@ def test_mlflow_run_is_tagged_with_the_rlplug_version_and_git_commit(mlflow_cfg)
 
 
 def test_source_tags_without_git(monkeypatch):
-    from rlplug import metrics
+    from rlplug import metric_names as metrics
 
     metrics._source_tags.cache_clear()
     monkeypatch.setenv("PATH", "/nonexistent")  # no git executable: the commit is absent, nothing raises
