@@ -80,8 +80,20 @@ from typing import Any
 
 from .faults import FAULT_ENV, fault_counts, fault_point  # noqa: F401 - FAULT_ENV: its old home
 from .file_modes import _umask, apply_umask  # noqa: F401 - their old home (rlplug.file_modes)
-from .run_paths import DUMP_DIR, VALIDATION_SAMPLES_FILE, experiment_name_for
+from .run_paths import (  # noqa: F401 - the checkpoint readers' old home (rlplug.run_paths)
+    COMPLETE,
+    DUMP_DIR,
+    LATEST,
+    TRAINER_STATE_FILE,
+    VALIDATION_SAMPLES_FILE,
+    checkpoint_step,
+    complete_steps,
+    experiment_name_for,
+    resumed_step,
+    tracker_resume_step,
+)
 from .run_paths import METRICS_FILE as METRICS_LOG  # the run's own metric log, set aside with the checkpoints
+from .run_paths import STEP_DIR_PATTERN as _STEP_DIR
 
 log = logging.getLogger(__name__)
 
@@ -120,15 +132,12 @@ __all__ = [
     "COMPLETE",
 ]
 
-LATEST = "latest_checkpointed_iteration.txt"
-COMPLETE = "COMPLETE"
 #: size and sha256 of every file of a checkpoint (:func:`write_checksums`), written just before COMPLETE
 CHECKSUMS = "checksums.json"
 #: the exported model of a finished run, in the run directory
 FINAL_MODEL = "final_model"
 #: where ``trainer.overwrite=true`` moves an earlier run's checkpoints (a dated folder inside)
 OVERWRITTEN = "overwritten"
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
 #: a checkpoint a resume found corrupt and renamed (:meth:`CheckpointManager.set_corrupt_aside`)
 _CORRUPT_DIR = re.compile(r"^global_step_(\d+)\.corrupt-")
 
@@ -506,15 +515,8 @@ class CheckpointManager:
         return self.root / f"global_step_{step}"
 
     def complete_steps(self) -> list[int]:
-        """Steps of complete checkpoints, ascending."""
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for p in self.root.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and (p / COMPLETE).is_file():
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        """Steps of complete checkpoints, ascending (:func:`rlplug.run_paths.complete_steps`)."""
+        return complete_steps(self.root)
 
     def corrupt_dirs(self) -> list[Path]:
         """Checkpoints a resume found corrupt and renamed (``global_step_N.corrupt-*``,
@@ -803,7 +805,7 @@ BACKEND_DIR, RNG_FILE, META_DIR, STATE_FILE, CONFIG_FILE = (
     "backend",
     "rng_state.pt",
     "hf_meta",
-    "trainer_state.json",
+    TRAINER_STATE_FILE,
     "config.yaml",
 )
 #: what makes the run (:func:`run_fingerprint`), written into every checkpoint, compared on resume
@@ -1047,48 +1049,6 @@ def find_checkpoint(checkpoint: str | Path) -> Path:
             f"or a run directory that holds one."
         )
     return latest
-
-
-def resumed_step(trainer_config: Any, root: str | Path) -> int:
-    """The global step of the checkpoint a run in the run directory ``root`` resumes after, read cheaply
-    and silently for the trackers (which are opened after the trainer resumed): ``trainer.resume_from_path``'s
-    step for ``resume_mode=resume_path``; for ``auto`` the step the ``latest`` pointer names when it is
-    complete, else the highest complete step (as :meth:`CheckpointManager.latest`, without its messages and
-    without :func:`verify_checkpoint`); 0 for ``disable``, for no checkpoint, and when nothing is readable."""
-    mode = str(getattr(trainer_config, "resume_mode", None) or "auto")
-    if mode == "disable":
-        return 0
-    if mode == "resume_path":
-        return checkpoint_step(str(getattr(trainer_config, "resume_from_path", "") or "")) or 0
-    manager = CheckpointManager(root)
-    steps = manager.complete_steps()
-    try:
-        pointed = int((manager.root / LATEST).read_text().strip())
-    except (OSError, ValueError):
-        pointed = -1
-    return pointed if pointed in steps else (steps[-1] if steps else 0)
-
-
-def tracker_resume_step(config: Any, root: str | Path, given: int | None = None) -> int:
-    """The step a tracker's run resumed from, 0 for a fresh start: ``given`` (the trainer's own step,
-    passed by :meth:`rlplug.metrics.Trackers.open`) when set, else :func:`resumed_step` of the
-    ``trainer`` section of ``config`` for a tracker built on its own (which cannot know of a fallback
-    from a corrupt checkpoint); 0 when ``config`` has no ``trainer`` section. Raises nothing."""
-    if given is not None:
-        return int(given)
-    trainer = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
-    return resumed_step(trainer, root) if trainer is not None else 0
-
-
-def checkpoint_step(checkpoint: str | Path) -> int | None:
-    """The global step of the checkpoint directory ``checkpoint``: ``global_step`` of its
-    ``trainer_state.json``, else the ``N`` of its ``global_step_N`` name, else None."""
-    path = Path(checkpoint)
-    try:
-        return int(json.loads((path / STATE_FILE).read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        m = _STEP_DIR.match(path.name)
-        return int(m.group(1)) if m else None
 
 
 # ============================================================================ run identity

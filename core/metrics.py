@@ -40,7 +40,11 @@ from .metric_names import (  # re-exported: their home before rlplug.metric_name
     tracker_name,
 )
 from .run_context import RunContext, takes_run_context
-from .run_paths import METRICS_FILE, run_dir_for  # METRICS_FILE: the run's metric log, one JSON object a line
+from .run_paths import (  # METRICS_FILE: the run's metric log, one JSON object a line
+    METRICS_FILE,
+    run_context_for,
+    run_dir_for,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +103,7 @@ def stage(metrics: dict[str, float], name: str, *, fault: str | bool | None = Tr
     after the stage's work and its timing, and only when the block did not raise. A block that
     raises records no time.
     """
-    from .checkpoint import _fault_point
+    from .checkpoint import _fault_point  # below this module in the run layer; imported when first used
 
     start = time.perf_counter()
     yield
@@ -746,19 +750,6 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     else:
         out[prefix[:-1]] = d
     return out
-
-
-def run_context_for(config: Any, *, run_dir: str | Path | None = None, resume_step: int | None = None) -> RunContext:
-    """The :class:`rlplug.run_context.RunContext` of the run ``config`` describes, for a plugin built outside
-    ``rlplug train`` (a test, a notebook; a run hands its plugins its own): ``run_dir`` (default
-    :func:`rlplug.run_paths.run_dir_for` of ``config``) and ``resume_step`` when given, else the step a run
-    there would resume after, read from its checkpoints (:func:`rlplug.checkpoint.tracker_resume_step`: 0
-    for a fresh start or a ``config`` without a ``trainer`` section). Raises ``AttributeError`` when
-    ``run_dir`` is not given and ``config`` has no ``trainer`` section."""
-    from .checkpoint import tracker_resume_step
-
-    directory = Path(run_dir) if run_dir is not None else Path(run_dir_for(config))
-    return RunContext(directory, tracker_resume_step(config, directory, resume_step))
 
 
 def build_tracker(factory: Any, cfg: Any, *, resume_step: int, run: RunContext | None = None) -> Any:

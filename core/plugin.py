@@ -106,7 +106,6 @@ from .losses import (
     seq_norm_length,
 )
 from .metric_names import TRACKER_NAME_CHARS, metric_value, source_tags, tracker_name
-from .metrics import run_context_for  # the one run-layer import left here (issue 32): see rlplug.metrics
 from .models import load_causal_lm
 from .objective import actor_objective, critic_objective
 from .precision import resolve_dtype
@@ -133,6 +132,7 @@ from .rollout_utils import (
     validate_prompts,
 )
 from .run_context import RunContext
+from .run_paths import run_context_for
 from .serving import Retryable, ServerError, ServerProcess, ServerRollout, free_port, server_urls
 from .token_budget import token_budgets
 from .training import (

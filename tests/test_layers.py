@@ -84,3 +84,21 @@ def test_core_import_graph_has_no_cycle(graph: grimp.ImportGraph) -> None:
                 lines = [d["line_number"] for d in graph.get_import_details(importer=a, imported=b)]
                 detail.append(f"{a}:{lines} -> {b}")
     assert not cycles, f"import cycles in core/ ({len(cycles)}): {cycles}\n" + "\n".join(detail)
+
+
+def test_every_core_module_is_in_a_layer_of_the_import_contract(graph: grimp.ImportGraph) -> None:
+    """A module left out of the ``layers`` contract in ``pyproject.toml`` would escape ``lint-imports``."""
+    import tomllib
+    from pathlib import Path
+
+    config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    placed = [m.strip() for layer in layers for m in layer.replace("|", ":").split(":")]
+    assert len(placed) == len(set(placed)), "a module is in two layers"
+    modules = {
+        m
+        for m in graph.modules
+        if m != "rlplug" and not m.startswith(("rlplug.plugins", "rlplug.configs")) and m.count(".") == 1
+    }
+    assert sorted(modules - set(placed)) == [], "modules of core/ in no layer of pyproject.toml's contract"
+    assert sorted(set(placed) - modules) == [], "layers name modules that do not exist"
