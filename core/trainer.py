@@ -47,9 +47,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .alerts import AlertEngine, kl_seq_sum_metrics, lower_lr
-from .batch import build_batch, estimate_on_rows, padded_rows, rows_left_out
-from .batch_filter import collect_rollouts
+from .alerts import AlertEngine
 from .checkpoint import (  # noqa: F401
     CheckpointManager,
     _fault_point,
@@ -65,30 +63,30 @@ from .checkpoint import (  # noqa: F401
     set_rng_state,
 )
 from .data_prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
-from .dump import dump_rollouts
 from .exit_codes import ExitCode, TrainingStopped
 from .export import finish_export
 from .host_memory import malloc_trim, rss_bytes
-from .losses import apply_kl_penalty, compute_token_level_scores, masked_mean
 from .metrics import (
     Trackers,
-    progress_metrics,
     stage,
-    step_metrics,
-    throughput_metrics,
     validation_metrics,
     validation_samples,
 )
 from .registry import Registry, get_registry
 from .report import log_validation_samples
-from .reward import RewardFailureGuard, components_tensor, scored_rows, validation_reward
+from .reward import RewardFailureGuard, scored_rows, validation_reward
 from .reward_contract import attach_trainer, trl_inputs
 from .reward_norm import ScoreNormalizer
-from .rollout_correction import apply_rollout_correction, use_rollout_log_probs_as_old
 from .rollout_utils import sampling_params  # also rlplug.trainer.sampling_params, its old home
 from .run_context import RunContext, takes_run_context
 from .run_paths import run_dir_for
-from .schedule import Schedule, value_targets
+from .schedule import Schedule, value_targets  # noqa: F401 - value_targets: its old home
+from .step_pipeline import (  # noqa: F401 - check_bad_steps, token_level_rewards: their old home
+    StepPipeline,
+    SyncStepPipeline,
+    check_bad_steps,
+    token_level_rewards,
+)
 from .types import RolloutOutput, SamplingParams
 from .validate import plan_batch, skips_old_log_probs
 
@@ -103,42 +101,6 @@ def set_threads(n: int | None) -> None:
     n = n or os.cpu_count() or 1
     torch.set_num_threads(n)
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
-
-
-def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path, cfg: DictConfig | None = None) -> None:
-    """Raise :class:`TrainingStopped` when ``bad`` (the backend's ``consecutive_bad_steps``) reached
-    ``trainer.max_consecutive_bad_steps``; its message suggests the override that halves the learning rate of
-    ``cfg`` (the run config, :func:`rlplug.alerts.lower_lr`), which a resume applies."""
-    limit = trainer_cfg.max_consecutive_bad_steps
-    if bad >= limit:
-        raise TrainingStopped(
-            f"{bad} consecutive optimizer steps had a non-finite loss or gradient (limit "
-            f"trainer.max_consecutive_bad_steps={limit}); stopping. The last good "
-            f"checkpoint is intact under {checkpoint_root}. Lower the learning rate, e.g. add {lower_lr(cfg)} (or a "
-            "lower critic.optim.lr) to the command and rerun it: it resumes from that checkpoint with the new rate "
-            "and lists every setting changed since. Or check the data/reward."
-        )
-
-
-def token_level_rewards(
-    batch: Any, metrics: dict[str, float], kl_penalty: Callable | None, kl_ctrl: Any, scored: torch.Tensor
-) -> None:
-    """Set ``batch["token_level_rewards"]`` ``(B, T) float32``: the ``token_level_scores``, minus the
-    in-reward KL penalty ``kl_ctrl.value * kl_penalty(old_log_probs, ref_log_probs)`` when
-    ``kl_penalty`` is given (``algorithm.use_kl_in_reward``; verl's ``apply_kl_penalty``), whose
-    metrics go to ``metrics`` and whose mean KL updates the controller ``kl_ctrl``. Only the
-    ``scored`` rows (``(B,) bool``, the responses whose reward succeeded) count; with none, the
-    penalty and the controller are left alone (the step does not update)."""
-    if kl_penalty is None or not bool(scored.any()):
-        batch["token_level_rewards"] = batch["token_level_scores"]
-        return
-    mask = batch["response_mask"] * scored.to(batch["response_mask"].dtype).unsqueeze(-1)
-    rewards, kl_metrics = apply_kl_penalty(
-        batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_probs"], mask, kl_ctrl.value, kl_penalty
-    )
-    batch["token_level_rewards"] = rewards
-    metrics.update(kl_metrics)
-    kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=int(scored.sum()))
 
 
 def checkpointed_state(trainer: Trainer) -> dict[str, Any]:
@@ -211,6 +173,8 @@ class Trainer:
         from .reward import RewardManager
 
         self.cfg, self.registry = cfg, registry or get_registry()  # cfg: this step's (rlplug.schedule)
+        #: what one training step does (rlplug.step_pipeline); another pipeline may replace it
+        self.pipeline: StepPipeline = SyncStepPipeline()
         self.run_dir = run_dir_for(cfg)  # another run's checkpoints there are refused now, before any model loads
         self.ckpt, self.start = open_run_dir(cfg, self.run_dir)
         set_threads(cfg.trainer.num_threads)
@@ -470,83 +434,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
+        """One training step: the schedule's phase, then :attr:`pipeline` (generate -> score -> prepare ->
+        update -> push weights, :class:`rlplug.step_pipeline.StepPipeline`); returns the step's metrics."""
         metrics = self.schedule.enter(self, self.global_step + 1)  # the step's phase and rollout.n: training/phase
-        cfg, step = self.cfg, self.global_step + 1
-        t_step = time.perf_counter()
+        step = self.global_step + 1
         _fault_point("step_start")
-        # a batch filter (algorithm.batch_filter) generates and scores more prompts until enough are kept
-        rows, epoch, prompt_ids, out, scoring = collect_rollouts(self, step, metrics)
-        batch = build_batch(prompt_ids, out.response_ids, out.prompt_index, self.pad_id)
-        if self.plan.baseline:
-            with stage(metrics, "gen_baseline", fault=None):
-                batch["reward_baselines"] = self._baseline_scores(rows, prompt_ids, out)
-        scoring = scoring or self._start_scoring(rows, out)  # overlaps the passes below; joined before the advantages
-        if out.log_probs is not None:
-            batch["rollout_log_probs"] = padded_rows(out.log_probs, batch["response_mask"].shape[1])
-        if not self.skip_old_log_prob:
-            with stage(metrics, "old_log_prob"):
-                self._old_log_probs(batch, metrics)
-        use_rollout_log_probs_as_old(batch, cfg)  # bypass mode only: the engine's log-probs are the old ones
-        if self.use_ref:
-            with stage(metrics, "ref"):
-                batch["ref_log_probs"] = self.backend.compute_log_probs(batch, which="ref")["log_probs"]
-        if self.use_critic:
-            with stage(metrics, "values"):
-                batch["values"] = self.backend.compute_values(batch) * batch["response_mask"]
-        with stage(metrics, "reward_wait", fault="reward"):
-            scores, extra, reward_metrics = self._finish_scoring(scoring, metrics)
-        metrics.update(reward_metrics)
-        scored = scored_rows(extra, len(scores), batch.get("reward_baselines"))  # failed: left out of training
-        seq_scores = self.score_norm(torch.tensor(scores, dtype=torch.float32), scored, batch, metrics)
-        batch["token_level_scores"] = compute_token_level_scores(seq_scores * scored, batch["response_mask"])
-        batch.set_columns("reward_components", *components_tensor(extra, len(scores)))
-        with stage(metrics, "adv"):
-            token_level_rewards(batch, metrics, self.kl_in_reward, self.kl_ctrl, scored)
-            metrics.update(kl_seq_sum_metrics(batch))  # the KL guard (with a reference model)
-            batch["advantages"], batch["returns"] = estimate_on_rows(self.estimator, batch, cfg.algorithm, scored)
-            value_targets(batch, cfg)  # critic.value_target=mc_return: the critic regresses on the MC return
-            # IS weights and rejection, once per step, after the estimator: a rejected last token keeps its score
-            metrics.update(apply_rollout_correction(batch, cfg))
-        first_error = functools.partial(self.coordinator.broadcast, self.reward.last_error)  # same on every process
-        update = self.reward_guard.allows_update(scored, step, first_error, self.ckpt.root)
-        with rows_left_out(batch, ~scored):
-            if self.use_critic and update:
-                with stage(metrics, "update_critic"):
-                    metrics.update(self.backend.update_critic(batch))
-            if step > self.schedule.phase_start + cfg.trainer.critic_warmup and update:  # counted in the phase
-                with stage(metrics, "update_actor"):
-                    metrics.update(self.backend.update_actor(batch))
-                check_bad_steps(self.backend.consecutive_bad_steps, cfg.trainer, self.ckpt.root, self.schedule.run_cfg)
-                with stage(metrics, "update_weights"):
-                    self._push_weights()
-        metrics.update(
-            step_metrics(
-                batch,
-                scores=scores,
-                components=extra,
-                rollout=out,
-                prompt_ids=prompt_ids,
-                use_critic=self.use_critic,
-                scored=scored,
-            )
-        )
-        kl_on = self.kl_in_reward is not None or cfg.algorithm.kl_ctrl.type == "adaptive"
-        metrics.update(progress_metrics(step, epoch, kl_coef=self.kl_ctrl.value if kl_on else None))
-        step_time = time.perf_counter() - t_step
-        metrics.update(throughput_metrics(batch, step_time=step_time, gen_time=metrics["timing_s/gen"]))
-        dump_rollouts(self, step, rows, prompt_ids, out, batch, scores)  # trainer.dump_rollouts: rlplug.dump
-        self.trackers.log_train_generations(step, cfg.trainer, rows, out, scores, batch, self.tokenizer)
+        self.pipeline.run(self, step, metrics)
         self.global_step = step
         return metrics
-
-    def _old_log_probs(self, batch: Any, metrics: dict[str, float]) -> None:
-        """``old_log_probs`` (and the per-token quantities the plugins require) from the actor."""
-        res = self.backend.compute_log_probs(batch, which="actor", with_entropy=True, extras=self.plan.per_token)
-        batch["old_log_probs"] = res["log_probs"]
-        for name in self.plan.per_token:
-            batch[name] = res[name]
-        if "entropy" in res:
-            metrics["actor/entropy_rollout"] = masked_mean(res["entropy"], batch["response_mask"]).item()
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

@@ -479,7 +479,8 @@ class _Metrics:
 
 
 def _run(tmp_path, *extra: str) -> list[dict[str, float]]:
-    from rlplug.trainer import Trainer
+    import rlplug.step_pipeline
+    from rlplug.step_pipeline import SyncStepPipeline
 
     cfg = run_config(
         [*TINY_CPU_RUN, "trainer.total_training_steps=2", "trainer.logger=[]", "rollout.calculate_log_probs=true"],
@@ -491,24 +492,24 @@ def _run(tmp_path, *extra: str) -> list[dict[str, float]]:
     pm.register(seen)
     calls: list[str] = []
     magnitudes: list[float] = []
-    original = Trainer._old_log_probs
-    as_old = rlplug.trainer.use_rollout_log_probs_as_old
+    original = SyncStepPipeline.old_log_probs
+    as_old = rlplug.step_pipeline.use_rollout_log_probs_as_old
 
-    def counting(self, batch, metrics):
+    def counting(self, trainer, batch, metrics):
         calls.append("old")
-        return original(self, batch, metrics)
+        return original(self, trainer, batch, metrics)
 
     def recording(batch, cfg):  # called every step: the engine's log-probs' magnitude
         magnitudes.append(float(batch["rollout_log_probs"].abs().max()))
         return as_old(batch, cfg)
 
     try:
-        Trainer._old_log_probs = counting  # type: ignore[method-assign]
-        rlplug.trainer.use_rollout_log_probs_as_old = recording
+        SyncStepPipeline.old_log_probs = counting  # type: ignore[method-assign]
+        rlplug.step_pipeline.use_rollout_log_probs_as_old = recording
         assert fit(cfg) == "finished"
     finally:
-        Trainer._old_log_probs = original  # type: ignore[method-assign]
-        rlplug.trainer.use_rollout_log_probs_as_old = as_old
+        SyncStepPipeline.old_log_probs = original  # type: ignore[method-assign]
+        rlplug.step_pipeline.use_rollout_log_probs_as_old = as_old
         pm.unregister(seen)
     for m in seen.steps:
         m["_old_log_prob_passes"] = float(len(calls))
