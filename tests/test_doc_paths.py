@@ -324,7 +324,7 @@ def test_the_checks_catch_a_stale_path(tmp_path):
         "See `core/trainer.py`, rlplug/training.py and `plugins/training/fsdp2.py`.\n"
         "Gone: core/no_such.py, `tests/` and `tests/test_doc_paths.py/` (a file, not a folder);\n"
         "results/fused_adamw.md, results/nope.md and trainer/{local,nope}.yaml; [a link](nope.md), [ok](alerts.md).\n"
-        "Skipped: <run_dir>/x.md, checkpoints/a/b.json, ~/.cache/x.py, /tmp/x.py, configs/alerts/*.yaml,\n"
+        "Skipped: <run_dir>/x.md, checkpoints/a/b.json, ~/.cache/x.py, /srv/x.py, configs/alerts/*.yaml,\n"
         "verl's docs/algo/opo.md, https://github.com/x/core/nope.py, actor/model.safetensors, NaN/inf.",
         markdown=True,
     )
