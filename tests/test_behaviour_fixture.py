@@ -39,7 +39,7 @@ import pytest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "behaviour_metrics.json"
 #: the commit whose engine the fixture's records describe (the last one before issue 32's moves)
-BASE_COMMIT = "99d13be"
+BASE_COMMIT = "3d2d6b0"
 
 PINNED_ENV = {
     "ATEN_CPU_CAPABILITY": "default",
