@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model_dir is None:
-        from rlplug.models import default_model_dir
+        from rlplug.training.models import default_model_dir
 
         args.model_dir = str(default_model_dir())
     if args.prompts_json:

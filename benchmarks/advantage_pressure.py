@@ -79,14 +79,14 @@ def pressures(features: dict[str, torch.Tensor], rewards: torch.Tensor) -> dict[
 
 def sample_responses(args: argparse.Namespace, extra: list[str]) -> tuple[list[dict], dict]:
     """Generate ``args.n`` responses to ``args.prompts`` training prompts; one feature dict per response."""
-    from rlplug.compose import compose
-    from rlplug.data import read_dataset
-    from rlplug.data_prepare import prepared_data_files
-    from rlplug.evaluate import _model_path
-    from rlplug.models import load_tokenizer
+    from rlplug.config.compose import compose
+    from rlplug.contracts.registry import get_registry
+    from rlplug.contracts.types import SamplingParams
+    from rlplug.data.dataset import read_dataset
+    from rlplug.data.prepare import prepared_data_files
     from rlplug.plugins.rewards.rules import gsm8k
-    from rlplug.registry import get_registry
-    from rlplug.types import SamplingParams
+    from rlplug.run.evaluate import _model_path
+    from rlplug.training.models import load_tokenizer
 
     cfg = compose(["experiment=grpo_arithmetic", "reward.shaping=[]", *extra])
     t0 = time.time()

@@ -19,7 +19,7 @@ import time
 import torch
 
 import rlplug
-from rlplug.losses import compute_token_level_scores
+from rlplug.algorithms.losses import compute_token_level_scores
 
 
 def make_batch(B: int, T: int, group_size: int, seed: int = 0) -> dict[str, torch.Tensor]:

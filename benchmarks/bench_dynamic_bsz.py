@@ -7,7 +7,7 @@ token ids and advantages. Variants, each in its own subprocess (so peak memory i
 
 * ``fixed``: ``actor.micro_batch_size_per_device=--micro`` rows per forward/backward;
 * ``dynamic``: ``actor.use_dynamic_bsz=true``, ``actor.max_token_len_per_device=--budget`` padded
-  tokens per pass (``rlplug.token_budget``).
+  tokens per pass (``rlplug.algorithms.token_budget``).
 
 Prints per variant the wall time of the update (after one warm-up update), the number of passes,
 the largest pass in padded tokens, and the peak resident memory above the level before the update
@@ -39,11 +39,11 @@ def _variant(args: argparse.Namespace) -> dict:
     from omegaconf import OmegaConf
 
     torch.set_num_threads(args.threads)
-    from rlplug.batch import Batch
-    from rlplug.config import RunConfig
-    from rlplug.models import resolve_model_path
+    from rlplug.algorithms.token_budget import packed_cost, row_lengths
+    from rlplug.config.schema import RunConfig
+    from rlplug.contracts.batch import Batch
     from rlplug.plugins.training.local import LocalTrainingBackend
-    from rlplug.token_budget import packed_cost, row_lengths
+    from rlplug.training.models import resolve_model_path
 
     cfg = OmegaConf.structured(RunConfig)
     cfg.trainer.device = "cpu"

@@ -32,12 +32,12 @@ import numpy as np
 def _variant(name: str, args: argparse.Namespace, overrides: list[str]) -> dict:
     from safetensors.torch import load_file
 
-    from rlplug.compose import compose
-    from rlplug.data import read_dataset
-    from rlplug.data_prepare import prepare_dataset
-    from rlplug.models import load_tokenizer, resolve_model_path
+    from rlplug.config.compose import compose
+    from rlplug.data.dataset import read_dataset
+    from rlplug.data.prepare import prepare_dataset
     from rlplug.plugins.rollout.vllm import VLLMRollout
-    from rlplug.trainer import sampling_params
+    from rlplug.run.trainer import sampling_params
+    from rlplug.training.models import load_tokenizer, resolve_model_path
 
     cfg = compose(["rollout=vllm", *overrides, *(["trainer.malloc_trim=false"] if name == "no_trim" else [])])
     model_path = resolve_model_path(cfg.model)

@@ -44,7 +44,7 @@ def bare_worker(tokens: int, reps: int, out: str) -> int:
     from _trl_worker import arithmetic_workload
     from vllm import LLM, SamplingParams
 
-    from rlplug.models import default_model_dir, load_tokenizer
+    from rlplug.training.models import default_model_dir, load_tokenizer
 
     path = str(default_model_dir())
     tok = load_tokenizer(path)

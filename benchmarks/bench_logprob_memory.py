@@ -5,7 +5,7 @@ size ``H = 576`` (SmolLM2-135M), random fp32 hidden states and output projection
 grad. Loss = ``sum(w1 * log_probs) + sum(w2 * entropy)`` with random weights, then backward.
 
 * naive: ``log_softmax(hidden @ W.T / temperature)`` over all rows, gather, ``-sum(p log p)``.
-* chunked: :func:`rlplug.logprob.log_probs_from_hidden` (the fused function: ``chunk_size`` rows
+* chunked: :func:`rlplug.algorithms.logprob.log_probs_from_hidden` (the fused function: ``chunk_size`` rows
   at a time, each chunk's logits recomputed in its hand-written backward).
 
 Each variant runs in its own subprocess. Peak memory is measured as resident-set size above the
@@ -44,7 +44,7 @@ def run_variant(variant: str, chunk_size: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from rlplug.logprob import log_probs_from_hidden
+    from rlplug.algorithms.logprob import log_probs_from_hidden
 
     n = B * T
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ validation, no checkpoints. Variants, each in its own subprocess (so peak memory
   algorithm needs one;
 * ``lora``: ``model.lora_rank=--rank`` (``lora_alpha=2 * rank``, ``target_modules=all-linear``): the
   adapters train, the reference is the base (adapters off, no second copy), the rollout engine gets
-  merged weights each step (:mod:`rlplug.lora`).
+  merged weights each step (:mod:`rlplug.training.lora`).
 
 Per variant: the mean wall time of a step after the first (``timing_s/step``) and of its actor
 update (``timing_s/update_actor``), the trainable parameter count, the process's peak resident
@@ -60,10 +60,10 @@ def _variant(args: argparse.Namespace) -> dict:
     import torch
 
     import rlplug
-    from rlplug.compose import compose
-    from rlplug.registry import get_registry
-    from rlplug.trainer import Trainer
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.contracts.registry import get_registry
+    from rlplug.run.trainer import Trainer
+    from rlplug.run.validate import validate_config
 
     proc = psutil.Process()
     peak = [proc.memory_info().rss]

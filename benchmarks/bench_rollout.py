@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rlplug import get_plugin
-    from rlplug.compose import compose
-    from rlplug.models import default_model_dir, load_causal_lm, load_tokenizer
-    from rlplug.types import SamplingParams
+    from rlplug.config.compose import compose
+    from rlplug.contracts.types import SamplingParams
+    from rlplug.training.models import default_model_dir, load_causal_lm, load_tokenizer
 
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)

@@ -1,7 +1,7 @@
 """Training-step time of rlplug: per-stage breakdown and how the cost scales.
 
 Each configuration runs in a fresh subprocess (``bench_step.py worker``): it builds the
-:class:`rlplug.trainer.Trainer` exactly as ``rlplug train`` does, runs ``--steps`` training steps
+:class:`rlplug.run.trainer.Trainer` exactly as ``rlplug train`` does, runs ``--steps`` training steps
 (no validation, checkpoints or trackers) and writes every step's metrics, the start-up time and
 the peak resident memory of the whole process tree (trainer + vLLM engine processes, summed,
 sampled every 0.2 s) as JSON. Figures are medians over the steps after the first (the first
@@ -122,9 +122,9 @@ def worker(overrides: list[str], steps: int, out: str) -> int:
     # OpenMP waiting as the rlplug CLI leaves it: libgomp's default, as in the engine child
     from omegaconf import OmegaConf
 
-    from rlplug.compose import compose
-    from rlplug.trainer import Trainer
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.run.trainer import Trainer
+    from rlplug.run.validate import validate_config
 
     with tempfile.TemporaryDirectory(prefix="rlplug-bench-") as run_dir, PeakRSS() as rss:
         cfg = compose([*QUIET, *overrides, f"trainer.default_local_dir={run_dir}"])

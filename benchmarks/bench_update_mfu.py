@@ -97,7 +97,7 @@ def _profile(fn) -> dict:
 def _batch(rows: int, responses: str, vocab: int, seed: int = 0):
     import torch
 
-    from rlplug.batch import Batch
+    from rlplug.contracts.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     p_max, t_max = 80, 128
@@ -150,10 +150,10 @@ def worker(overrides: list[str], reps: int, responses: str, out: str, profile: b
     import transformers
     from omegaconf import OmegaConf
 
-    from rlplug.compose import compose
-    from rlplug.models import resolve_model_path
-    from rlplug.registry import get_plugin
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.contracts.registry import get_plugin
+    from rlplug.run.validate import validate_config
+    from rlplug.training.models import resolve_model_path
 
     cfg = compose(["trainer.logger=[]", *overrides])
     validate_config(cfg)
@@ -175,9 +175,9 @@ def worker(overrides: list[str], reps: int, responses: str, out: str, profile: b
     actor_flops = critic_flops + 6 * vocab * hidden * sum(resp_lens)
     rollout = None
     if engine:  # the default experiment's engine, started and used once, then idle during the updates
-        from rlplug.models import load_tokenizer
+        from rlplug.contracts.types import SamplingParams
         from rlplug.plugins.rollout.vllm import create_vllm_rollout
-        from rlplug.types import SamplingParams
+        from rlplug.training.models import load_tokenizer
 
         rollout = create_vllm_rollout(cfg, path, load_tokenizer(path))
         rollout.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=16, temperature=1.0))

@@ -68,11 +68,11 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
     model being gamed shows as its score rising while accuracy does not, or as longer / looping responses."""
     import numpy as np
 
-    from rlplug.compose import compose
-    from rlplug.evaluate import eval_sampling_params, score_responses, validation_rows
-    from rlplug.models import load_tokenizer, resolve_model_path
-    from rlplug.registry import get_registry
-    from rlplug.reward import RewardManager
+    from rlplug.config.compose import compose
+    from rlplug.contracts.registry import get_registry
+    from rlplug.rewards.manager import RewardManager
+    from rlplug.run.evaluate import eval_sampling_params, score_responses, validation_rows
+    from rlplug.training.models import load_tokenizer, resolve_model_path
 
     cfg = compose(
         [
@@ -133,7 +133,7 @@ def pairwise(rm_dir: Path, pairs_path: Path, limit: int = 200) -> dict[str, Any]
     the answer only."""
     import pyarrow.parquet as pq
 
-    from rlplug.reward_model import RewardModelScorer
+    from rlplug.rewards.reward_model import RewardModelScorer
 
     table = pq.read_table(str(pairs_path)).slice(0, limit).to_pylist()
     scorer = RewardModelScorer(rm_dir, device="cpu", micro_batch_size_per_device=16)
@@ -156,7 +156,7 @@ def pairwise(rm_dir: Path, pairs_path: Path, limit: int = 200) -> dict[str, Any]
 def curve(out: Path, task: str) -> list[dict[str, Any]]:
     """The run's per-step curve from ``run/metrics.jsonl`` into ``curve.csv``: the learned reward's mean,
     response length, truncation share, and the validations' strict accuracy and format rate."""
-    from rlplug.metrics import read_metrics_jsonl
+    from rlplug.run.metrics import read_metrics_jsonl
 
     cols = {
         "rm_score": "critic/shaping/reward_model/mean",  # the reward model's own score (unweighted)
@@ -201,12 +201,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from omegaconf import OmegaConf
 
-    from rlplug.compose import compose
-    from rlplug.make_pairs import make_pairs
-    from rlplug.models import resolve_model_path
-    from rlplug.rm_train import train_reward_model
-    from rlplug.trainer import run
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.run.make_pairs import make_pairs
+    from rlplug.run.trainer import run
+    from rlplug.run.validate import validate_config
+    from rlplug.training.models import resolve_model_path
+    from rlplug.training.rm_train import train_reward_model
 
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ tensors the garbage collector can reach (unique storages, MiB). Growing free hea
 tensor bytes is fragmentation; growing tensor bytes is a live reference; growing RssShmem is
 shared memory (the weight pushes to the engine). ``--trim`` calls glibc's ``malloc_trim(0)``
 after each step's record and logs the RSS after it too (it returns freed heap to the system). The
-trainer itself trims after every step unless ``trainer.malloc_trim=false`` (:mod:`rlplug.host_memory`);
+trainer itself trims after every step unless ``trainer.malloc_trim=false`` (:mod:`rlplug.base.host_memory`);
 pass that override to measure the allocator's growth without it.
 
 Extra arguments are Hydra overrides (e.g. ``algorithm=grpo rollout.n=4``).
@@ -55,11 +55,11 @@ import numpy as np
 import psutil
 
 import rlplug
-from rlplug.compose import compose
-from rlplug.host_memory import heap_mib, malloc_trim
-from rlplug.registry import get_registry
-from rlplug.trainer import Trainer
-from rlplug.validate import validate_config
+from rlplug.base.host_memory import heap_mib, malloc_trim
+from rlplug.config.compose import compose
+from rlplug.contracts.registry import get_registry
+from rlplug.run.trainer import Trainer
+from rlplug.run.validate import validate_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

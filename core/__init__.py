@@ -14,10 +14,11 @@ Public API::
     rlplug.train(["algorithm=grpo"], train_dataset=ds, reward_funcs=[fn])   # TRL-style (rlplug.api)
 """
 
-from ._version import __version__ as __version__
-from .api import TrainResult, train
-from .hookspecs import hookimpl
-from .registry import (
+from rlplug import _moved
+from rlplug._version import __version__ as __version__
+from rlplug.api import TrainResult, train
+from rlplug.contracts.hookspecs import hookimpl
+from rlplug.contracts.registry import (
     PluginConflictError,
     PluginContractError,
     PluginError,
@@ -28,8 +29,8 @@ from .registry import (
     get_registry,
     plugin_names,
 )
-from .reward_contract import BatchedRewardFunction, trl_reward
-from .types import (
+from rlplug.contracts.reward_contract import BatchedRewardFunction, trl_reward
+from rlplug.contracts.types import (
     AdvantageEstimator,
     BatchFilter,
     KLPenalty,
@@ -39,6 +40,8 @@ from .types import (
     RolloutOutput,
     SamplingParams,
 )
+
+_moved.install()  # old module paths (rlplug.trainer, rlplug.losses, ...) with a DeprecationWarning
 
 __all__ = [
     "hookimpl",

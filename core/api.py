@@ -15,7 +15,7 @@
 :func:`train` takes the config as Hydra override strings (``["algorithm=grpo", "rollout.n=4"]``, verl's
 key names too), as a dict / ``DictConfig`` of values merged onto the default config (``{"rollout": {"n":
 4}}``; a dict may hold ``"overrides"``: a list of override strings composed first, for config groups such
-as ``debug=tiny``), or as a config composed with :func:`rlplug.compose.compose`.
+as ``debug=tiny``), or as a config composed with :func:`rlplug.config.compose.compose`.
 """
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ class TrainResult:
 
 def build_config(config_or_overrides: Any = None) -> Any:
     """The run config (composed, writable, not yet validated) from what :func:`train` accepts (see the
-    module docstring). Raises :class:`rlplug.config.ConfigError` for an unknown key or a bad value, and
+    module docstring). Raises :class:`rlplug.config.schema.ConfigError` for an unknown key or a bad value, and
     ``TypeError`` for another kind of argument."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from .compose import compose
-    from .config import ConfigError
+    from rlplug.config.compose import compose
+    from rlplug.config.schema import ConfigError
 
     if config_or_overrides is None:
         config_or_overrides = []
@@ -104,17 +104,17 @@ def build_config(config_or_overrides: Any = None) -> Any:
 
 def dataset_to_parquet(dataset: Any, path: str | Path) -> Path:
     """Write ``dataset`` (a Hugging Face ``datasets.Dataset``, a list of dicts or a dict of columns, in TRL's
-    layout) as a parquet file in verl's row schema (:mod:`rlplug.data`) at ``path``; returns ``path``.
+    layout) as a parquet file in verl's row schema (:mod:`rlplug.data.dataset`) at ``path``; returns ``path``.
 
     Each example needs a ``prompt``: a string or a list of ``{role, content}`` messages (TRL's standard and
     conversational formats). ``data_source`` and ``reward_model`` (``{ground_truth}``) columns are used when
     present (else ``data_source="trl"`` and a ``ground_truth`` column, or ""); ``extra_info`` gets the
     example's ``extra_info`` entries, every other column, and the prompt as it was under ``"prompt"``, so a
     TRL-contract reward function receives the prompts and columns TRL would pass
-    (:mod:`rlplug.reward_contract`).
+    (:mod:`rlplug.contracts.reward_contract`).
 
     Raises:
-        rlplug.data.DatasetError: an empty dataset or an example without a ``prompt``.
+        rlplug.data.dataset.DatasetError: an empty dataset or an example without a ``prompt``.
     """
     return _write_rows(_verl_rows(dataset), Path(path))
 
@@ -122,7 +122,7 @@ def dataset_to_parquet(dataset: Any, path: str | Path) -> Path:
 def _verl_rows(dataset: Any, what: str = "the dataset") -> list[dict[str, Any]]:
     """``dataset`` as a list of rows in verl's schema (:func:`dataset_to_parquet`); raises ``DatasetError``
     naming ``what`` (``train_dataset``, ``eval_dataset``)."""
-    from .data import DatasetError
+    from rlplug.data.dataset import DatasetError
 
     if isinstance(dataset, Mapping) and all(isinstance(v, list) for v in dataset.values()):  # columns
         dataset = [dict(zip(dataset, values)) for values in zip(*dataset.values())]
@@ -198,16 +198,16 @@ def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, con
     """Register ``reward_funcs`` (functions, with TRL's or verl's contract, or names of registered reward
     functions) as kind ``reward_function`` and return their names. A function is registered under its
     ``__name__`` (``reward_func_<i>`` for a lambda; ``<name>_<i>`` for the ``i``-th entry when an earlier one
-    has its name) with the contract :func:`rlplug.reward_contract.as_reward_function` finds (or ``contract``);
+    has its name) with the contract :func:`rlplug.contracts.reward_contract.as_reward_function` finds (or ``contract``);
     a name registered by an earlier :func:`train` call in this process is replaced.
 
     Raises:
-        rlplug.config.ConfigError: the name is taken by an installed plugin (rename the function), or a
-            contract cannot be told (:class:`rlplug.reward_contract.RewardContractError` as the cause).
+        rlplug.config.schema.ConfigError: the name is taken by an installed plugin (rename the function), or a
+            contract cannot be told (:class:`rlplug.contracts.reward_contract.RewardContractError` as the cause).
     """
-    from .config import ConfigError
-    from .registry import get_registry
-    from .reward_contract import RewardContractError, as_reward_function, callable_name
+    from rlplug.config.schema import ConfigError
+    from rlplug.contracts.registry import get_registry
+    from rlplug.contracts.reward_contract import RewardContractError, as_reward_function, callable_name
 
     registry = registry or get_registry()
     names: list[str] = []
@@ -241,12 +241,12 @@ def reward_weights_for(reward_weights: Any, names: Sequence[str]) -> list[float]
     1.0 each, TRL's default), as floats.
 
     Raises:
-        rlplug.config.ConfigError: not a list of numbers, a non-finite number, or another length than ``names``.
+        rlplug.config.schema.ConfigError: not a list of numbers, a non-finite number, or another length than ``names``.
     """
     import math
     import numbers
 
-    from .config import ConfigError
+    from rlplug.config.schema import ConfigError
 
     if reward_weights is None:
         return [1.0] * len(names)
@@ -302,11 +302,11 @@ def _data_columns(data: Any) -> set[str] | None:
 
 def _check_columns(names: Sequence[str], columns: set[str] | None, cfg: Any, registry: Any = None) -> None:
     """Check before any model loads that every TRL-contract function of ``names`` gets the dataset columns it
-    names as parameters (:func:`rlplug.reward_contract.required_columns`) from ``columns`` or its
-    ``reward.kwargs.<name>``; raises :class:`rlplug.config.ConfigError` naming the function and the column."""
-    from .config import ConfigError
-    from .registry import get_registry
-    from .reward_contract import required_columns
+    names as parameters (:func:`rlplug.contracts.reward_contract.required_columns`) from ``columns`` or its
+    ``reward.kwargs.<name>``; raises :class:`rlplug.config.schema.ConfigError` naming the function and the column."""
+    from rlplug.config.schema import ConfigError
+    from rlplug.contracts.registry import get_registry
+    from rlplug.contracts.reward_contract import required_columns
 
     if columns is None:
         return
@@ -344,9 +344,9 @@ def train(
         eval_dataset: the same for validation (``data.val_files``); needs ``train_dataset`` or
             ``data.train_files`` (a prepared ``data.task`` brings its own test split).
         reward_funcs: reward functions with TRL's batched contract (``fn(completions, **kwargs)``,
-            ``fn(prompts, completions, answer, **kwargs) -> list[float | None]``, :mod:`rlplug.reward_contract`)
+            ``fn(prompts, completions, answer, **kwargs) -> list[float | None]``, :mod:`rlplug.contracts.reward_contract`)
             or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (told apart by
-            :func:`rlplug.reward_contract.as_reward_function`), or registered names. They score every data
+            :func:`rlplug.contracts.reward_contract.as_reward_function`), or registered names. They score every data
             source: the first is the correctness function (``reward.default``, with ``reward.reward_fn_map``
             emptied), the others are ``reward.shaping`` terms, so the score is TRL's weighted sum (a
             ``None`` adds nothing). None: the config's reward.
@@ -354,20 +354,20 @@ def train(
             each). The first is ``reward.correctness_weight``, the others the shaping terms' weights.
 
     Raises:
-        rlplug.config.ConfigError: a bad config, a reward-function name clash or contract problem, a TRL
+        rlplug.config.schema.ConfigError: a bad config, a reward-function name clash or contract problem, a TRL
             function naming a column the training data lacks, ``reward_weights`` that are not one number per
             function (or given without ``reward_funcs``, or next to ``reward.correctness_weight``), or eval
             data without training files.
-        rlplug.data.DatasetError: a dataset without rows or prompts.
-        rlplug.exit_codes.TrainingStopped: the run stopped early (non-finite steps, reward failures, an
+        rlplug.data.dataset.DatasetError: a dataset without rows or prompts.
+        rlplug.base.exit_codes.TrainingStopped: the run stopped early (non-finite steps, reward failures, an
             alert); its checkpoint is intact.
     """
     from omegaconf import open_dict
 
-    from .config import ConfigError, ShapingConfig
-    from .metrics import read_metrics_jsonl
-    from .trainer import Trainer, run_dir_for
-    from .validate import validate_config
+    from rlplug.config.schema import ConfigError, ShapingConfig
+    from rlplug.run.metrics import read_metrics_jsonl
+    from rlplug.run.trainer import Trainer, run_dir_for
+    from rlplug.run.validate import validate_config
 
     cfg = build_config(config_or_overrides)
     run_dir = run_dir_for(cfg)
@@ -447,7 +447,7 @@ def score_response(
 ) -> dict[str, Any]:
     """Score one ``response`` with the run config's reward pipeline (``cfg.reward``: the data source's
     correctness function, the ``reward.shaping`` terms, the overlong penalty when
-    ``reward.overlong_buffer.enable``), as training does (:meth:`rlplug.reward.RewardManager.score`).
+    ``reward.overlong_buffer.enable``), as training does (:meth:`rlplug.rewards.manager.RewardManager.score`).
 
     ``response_length`` (tokens, EOS included) feeds the overlong penalty; None: the response's token count
     under the config's tokenizer plus one for the EOS (loaded only when the penalty is on). ``prompt`` (one
@@ -461,10 +461,10 @@ def score_response(
     message, the score is then ``reward.fallback_score``), ``response_length``.
 
     Raises:
-        rlplug.reward.RewardConfigError: no reward function for ``data_source`` (the message lists the
+        rlplug.rewards.manager.RewardConfigError: no reward function for ``data_source`` (the message lists the
             choices), or a bad reward config.
     """
-    from .reward import FAILED, RewardManager
+    from rlplug.rewards.manager import FAILED, RewardManager
 
     row: dict[str, Any] = {
         "data_source": data_source,
@@ -475,7 +475,7 @@ def score_response(
     with RewardManager(cfg.reward, registry=registry) as reward:
         reward.check_data_sources([data_source])
         if reward.overlong is not None and response_length is None:
-            from .models import load_tokenizer, resolve_model_path
+            from rlplug.training.models import load_tokenizer, resolve_model_path
 
             tok = load_tokenizer(resolve_model_path(cfg.model), trust_remote_code=bool(cfg.model.trust_remote_code))
             response_length = len(tok(response, add_special_tokens=False)["input_ids"]) + 1

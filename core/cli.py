@@ -17,7 +17,7 @@
 ``train``, ``config``, ``eval`` and ``rollout`` also take verl's key names and a YAML file
 (``--config-path DIR --config-name NAME``, verl's layout or rlplug's); see ``docs/verl.md``.
 
-Exit codes: :class:`rlplug.exit_codes.ExitCode` (0 finished, 2 bad input, 3/4 stopped by bad
+Exit codes: :class:`rlplug.base.exit_codes.ExitCode` (0 finished, 2 bad input, 3/4 stopped by bad
 steps, 5 stopped by an alert rule, 74 out of disk space while saving a checkpoint, 75 stopped by a
 signal after saving, 130 interrupted).
 """
@@ -40,8 +40,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .config import ConfigError
-from .exit_codes import ExitCode
+from rlplug.base.exit_codes import ExitCode
+from rlplug.config.schema import ConfigError
 
 console = Console(stderr=False, soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -50,10 +50,10 @@ err_console = Console(stderr=True, soft_wrap=True)
 def _compose_and_validate(overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
-    from .compose import compose
+    from rlplug.config.compose import compose
 
     cfg = compose(list(overrides))  # a bad key or group option fails here, before torch is imported
-    from .validate import validate_config  # imports torch (the plugins' checks)
+    from rlplug.run.validate import validate_config  # imports torch (the plugins' checks)
 
     choices = validate_config(cfg)
     OmegaConf.set_readonly(cfg, False)
@@ -62,8 +62,8 @@ def _compose_and_validate(overrides: Sequence[str]):
 
 def _overrides(args: argparse.Namespace) -> list[str]:
     """The command's overrides: the leaves of a ``--config-path/--config-name`` YAML file (verl's layout or
-    rlplug's, :func:`rlplug.verl_keys.file_overrides`), then the command line's, which win."""
-    from .verl_keys import config_file_path, file_overrides, merge_file_and_command_line
+    rlplug's, :func:`rlplug.config.verl_keys.file_overrides`), then the command line's, which win."""
+    from rlplug.config.verl_keys import config_file_path, file_overrides, merge_file_and_command_line
 
     path = config_file_path(args.config_path, args.config_name)
     return merge_file_and_command_line(file_overrides(path) if path is not None else [], list(args.overrides))
@@ -76,7 +76,7 @@ def _add_overrides_args(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from .registry import get_registry
+    from rlplug.contracts.registry import get_registry
 
     info = get_registry().describe()
     if args.json:
@@ -114,13 +114,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, choices = _compose_and_validate(_overrides(args))
     console.print("[bold]Plugins[/bold]: " + ", ".join(str(c) for c in choices))
-    from .trainer import run
+    from rlplug.run.trainer import run
 
     return run(cfg)
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from .data_prepare import prepare_dataset
+    from rlplug.data.prepare import prepare_dataset
 
     try:
         kwargs = json.loads(args.task_kwargs) if args.task_kwargs else None
@@ -147,7 +147,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_data_pairs(args: argparse.Namespace) -> int:
-    from .make_pairs import make_pairs
+    from rlplug.run.make_pairs import make_pairs
 
     console.print(
         make_pairs(
@@ -158,7 +158,7 @@ def cmd_data_pairs(args: argparse.Namespace) -> int:
 
 
 def cmd_rm_train(args: argparse.Namespace) -> int:
-    from .rm_train import train_reward_model
+    from rlplug.training.rm_train import train_reward_model
 
     metrics = train_reward_model(
         args.pairs, args.out, model=args.model, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
@@ -169,12 +169,12 @@ def cmd_rm_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .checkpoint import checkpoint_step, find_checkpoint
-    from .export import export_adapter, export_checkpoint  # deferred: torch
+    from rlplug.run.checkpoint import checkpoint_step, find_checkpoint
+    from rlplug.run.export import export_adapter, export_checkpoint  # deferred: torch
 
     try:
         ckpt = find_checkpoint(args.checkpoint)  # a run dir: the checkpoint its latest pointer names
-        if args.adapter_only:  # a LoRA checkpoint's PEFT adapter folder (rlplug.lora)
+        if args.adapter_only:  # a LoRA checkpoint's PEFT adapter folder (rlplug.training.lora)
             path = export_adapter(ckpt, args.out)
         else:
             path = export_checkpoint(ckpt, args.out, dtype=args.dtype)
@@ -189,7 +189,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
-    from .checkpoint import verify_summary
+    from rlplug.run.checkpoint import verify_summary
 
     try:
         lines, code = verify_summary(args.path)  # one line per checkpoint: ok / corrupt: which file
@@ -202,12 +202,12 @@ def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate
+    from rlplug.run.evaluate import evaluate
 
     cfg, _ = _compose_and_validate(_overrides(args))
     rows = evaluate(cfg, checkpoint=args.checkpoint, k=args.k, temperature=args.temperature)
     k = rows[0]["k"] if rows else args.k
-    # the trainer's validation numbers (rlplug.metrics.validation_metrics); best@k of a 0/1 acc is pass@k
+    # the trainer's validation numbers (rlplug.run.metrics.validation_metrics); best@k of a 0/1 acc is pass@k
     table = Table(title=f"eval ({k} sample(s) per prompt; metric: acc when the reward reports it, else reward)")
     for col in ("data_source", "metric", "n", f"mean@{k}", f"best@{k}"):
         table.add_column(col)
@@ -218,7 +218,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from .evaluate import debug_rollout
+    from rlplug.run.evaluate import debug_rollout
 
     cfg, _ = _compose_and_validate(_overrides(args))
     for item in debug_rollout(
@@ -235,10 +235,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .dump import DumpError, print_replay, replay
+    from rlplug.run.dump import DumpError, print_replay, replay
 
     try:
-        result = replay(args.dump, args.overrides, out=args.out)  # rlplug.dump
+        result = replay(args.dump, args.overrides, out=args.out)  # rlplug.run.dump
     except DumpError as exc:  # no dump there, or it lacks what the estimator needs: the message says what to do
         err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return ExitCode.BAD_INPUT
@@ -249,7 +249,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_reward(args: argparse.Namespace) -> int:
-    from .api import print_score, score_response
+    from rlplug.api import print_score, score_response
 
     try:
         extra = json.loads(args.extra_info) if args.extra_info else None
@@ -270,10 +270,10 @@ def cmd_reward(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from rlplug.run.report import write_report
 
     try:
-        path = write_report(args.run_dir, out=args.out)  # rlplug.report
+        path = write_report(args.run_dir, out=args.out)  # rlplug.run.report
     except (FileNotFoundError, ValueError, ImportError) as exc:  # the message says what was expected
         err_console.print(f"[bold red]Error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
@@ -416,7 +416,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     Only modules already imported are consulted, so a failing command never imports torch for this.
     """
-    from .data import DatasetError
+    from rlplug.data.dataset import DatasetError
 
     types: list[type[BaseException]] = [DatasetError]
     models = sys.modules.get(f"{__package__}.models")

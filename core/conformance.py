@@ -7,7 +7,7 @@ One function per kind, for rlplug's own plugins and third-party ones alike::
     def test_my_estimator():
         check_advantage_estimator(my_estimator)          # the object you register
 
-Each kit first checks the object against its kind's Protocol (:mod:`rlplug.contracts`, the same
+Each kit first checks the object against its kind's Protocol (:mod:`rlplug.contracts.kinds`, the same
 check the registry runs when the plugin is selected), then calls it on small seeded inputs
 (:func:`make_batch`) and on degenerate ones: a single response token, all-equal
 rewards, empty responses (rows whose ``response_mask`` is all 0). It asserts shapes and dtypes,
@@ -31,7 +31,7 @@ import pickle
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .contracts import CONTRACTS, built_classes, check_object
+from rlplug.contracts.kinds import CONTRACTS, built_classes, check_object
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -169,7 +169,7 @@ def algorithm_config(**overrides: Any) -> Any:
     """
     from omegaconf import OmegaConf
 
-    from .config import AlgorithmConfig
+    from rlplug.config.schema import AlgorithmConfig
 
     cfg = OmegaConf.structured(AlgorithmConfig)
     for key, value in overrides.items():
@@ -211,7 +211,7 @@ def check_protocol(kind: str, obj: Any, *, builds: Any = None) -> None:
 
 def _resolve(kind: str, obj: Any) -> Any:
     if isinstance(obj, str):
-        from .registry import get_plugin
+        from rlplug.contracts.registry import get_plugin
 
         return get_plugin(kind, obj)
     return obj
@@ -356,8 +356,8 @@ def _policy_loss_stats(loss: Any, data: Mapping[str, Any], config: Any, what: st
     named like an input the objective passes."""
     import torch
 
-    from .objective import _RESERVED
-    from .types import MiniBatchContext
+    from rlplug.algorithms.objective import _RESERVED
+    from rlplug.contracts.types import MiniBatchContext
 
     stats_fn = getattr(loss, "minibatch_stats", None)
     if stats_fn is None:
@@ -398,7 +398,7 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
     """Run the policy-loss kit on ``loss`` (the registered object, or its name).
 
     ``config``: the ``actor`` section (default: rlplug's ``ActorConfig`` defaults). For every
-    ``loss_agg_mode`` in ``modes`` (default: all of :data:`rlplug.losses.LOSS_AGG_MODES`) and the
+    ``loss_agg_mode`` in ``modes`` (default: all of :data:`rlplug.algorithms.losses.LOSS_AGG_MODES`) and the
     degenerate inputs: a finite scalar loss with a finite gradient, ``metrics`` a ``dict`` of floats
     with at least ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl``; values on padded positions
     change neither the loss nor the gradient; two micro-batches with the whole mini-batch's
@@ -412,8 +412,8 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
     import torch
     from omegaconf import OmegaConf
 
-    from .config import ActorConfig
-    from .losses import LOSS_AGG_MODES, agg_normalizer
+    from rlplug.algorithms.losses import LOSS_AGG_MODES, agg_normalizer
+    from rlplug.config.schema import ActorConfig
 
     loss = _resolve("policy_loss", loss)
     check_protocol("policy_loss", loss)
@@ -482,7 +482,7 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
                     grads[rows] += g3
             assert torch.allclose(total, value.detach(), atol=atol), (
                 f"{what}: two micro-batches with the mini-batch's normalizer give {total.item()}, the whole batch "
-                f"{value.item()}; aggregate with rlplug.losses.agg_loss(..., normalizer)"
+                f"{value.item()}; aggregate with rlplug.algorithms.losses.agg_loss(..., normalizer)"
             )
             assert torch.allclose(grads, grad, atol=atol), f"{what}: micro-batching changed the gradient"
             # rollout importance weights: 1 changes nothing, 0 removes every token
@@ -555,7 +555,7 @@ def check_batch_filter(batch_filter: Any, config: Any = None, *, group_size: int
     """
     import torch
 
-    from .batch import Fields
+    from rlplug.contracts.batch import Fields
 
     batch_filter = _resolve("batch_filter", batch_filter)
     check_protocol("batch_filter", batch_filter)
@@ -608,7 +608,7 @@ def check_reward_function(
     the same call gives the same result; with ``picklable`` (needed by ``reward.num_workers > 0``)
     ``pickle`` round-trips it. A function with the optional ``prepare(kwargs)`` method (start-up
     work the reward manager runs once, outside ``reward.timeout_s``: see
-    :class:`rlplug.types.RewardFunction`) has it called with ``kwargs`` twice before the cases (it
+    :class:`rlplug.contracts.types.RewardFunction`) has it called with ``kwargs`` twice before the cases (it
     must accept one mapping, return None and be idempotent).
     """
     fn = _resolve("reward_function", fn)
@@ -674,14 +674,14 @@ def check_rollout_backend(
     ``backend``: the class (or factory with ``builds``) -- only the Protocol is checked -- or a
     live instance, which is also exercised and then closed: ``generate`` on ``prompts`` (default
     two short prompts of token ids below ``vocab_size`` or 100) with ``n`` samples returns a
-    :class:`rlplug.types.RolloutOutput` with ``len(prompts) * n`` prompt-major responses, each at
+    :class:`rlplug.contracts.types.RolloutOutput` with ``len(prompts) * n`` prompt-major responses, each at
     most ``max_tokens`` long (exactly that long when the reason is ``"length"``), finish reasons
     ``"stop"``/``"length"``, and engine log-probs aligned with the tokens when requested; greedy
     generation is deterministic; ``sleep``/``wake_up`` work around it; ``close`` is idempotent.
     """
     import inspect
 
-    from .types import RolloutOutput, SamplingParams
+    from rlplug.contracts.types import RolloutOutput, SamplingParams
 
     if inspect.isclass(backend) or inspect.isfunction(backend):
         check_protocol("rollout_backend", backend, builds=builds)
@@ -725,7 +725,7 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
     """Run the training-backend kit.
 
     ``backend``: the class (or factory with ``builds``) -- only the Protocol is checked -- or a
-    live instance, exercised with ``batch`` (a :class:`rlplug.batch.Batch` with the sequence
+    live instance, exercised with ``batch`` (a :class:`rlplug.contracts.batch.Batch` with the sequence
     tensors, ``responses`` and ``response_mask``; required for an instance): ``compute_log_probs``
     gives ``(B, T) float32`` log-probs <= 0, 0.0 after each response's end, plus ``entropy`` and
     every name in ``per_token_outputs`` when asked; ``compute_values`` (with a critic) ``(B, T)``;
@@ -737,7 +737,7 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
 
     import torch
 
-    from .types import Coordinator
+    from rlplug.contracts.types import Coordinator
 
     if inspect.isclass(backend) or inspect.isfunction(backend):
         check_protocol("training_backend", backend, builds=builds)
@@ -745,7 +745,7 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
     check_protocol("training_backend", type(backend))
     assert batch is not None, "check_training_backend on an instance needs batch=Batch(...)"
     assert isinstance(backend.coordinator, Coordinator), (
-        "backend.coordinator does not implement rlplug.types.Coordinator"
+        "backend.coordinator does not implement rlplug.contracts.types.Coordinator"
     )
     assert isinstance(backend.consecutive_bad_steps, int), "consecutive_bad_steps must be an int"
     mask = batch["response_mask"]
@@ -761,7 +761,7 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
         assert bool((t[mask == 0] == 0).all()), f"compute_log_probs['{key}'] must be 0.0 after each response's end"
     assert bool((res["log_probs"] <= 1e-6).all()), "log-probs must be <= 0 (nats)"
     if update:
-        from .batch import Batch
+        from rlplug.contracts.batch import Batch
 
         train = Batch(dict(batch.tensors), dict(batch.meta))
         train["old_log_probs"] = res["log_probs"]

@@ -18,7 +18,7 @@ example plugin import nothing else). The groups, by what a plugin author uses th
 functions (``CONTRIBUTING.md``, "Writing a plugin"); :func:`get_plugin` and :func:`plugin_names`
 look registered plugins up (e.g. in a plugin's tests).
 
-**Contracts** (one per plugin kind, :mod:`rlplug.types`): the wrapper types a plugin registers
+**Contracts** (one per plugin kind, :mod:`rlplug.contracts.types`): the wrapper types a plugin registers
 (:class:`AdvantageEstimator`, :class:`PolicyLoss`, :class:`KLPenalty`, :class:`BatchFilter`), the
 runtime-checkable Protocols the registry checks each kind against (``*Protocol``,
 :class:`RewardFunction`, :class:`RolloutBackend`, :class:`TrainingBackend`, :class:`Tracker`,
@@ -29,7 +29,7 @@ advantage estimator receive.
 
 **The run** (trackers, training backends): :class:`RunContext`, the run directory and the step a
 resumed run starts after, which the engine passes to a factory that declares a ``run`` keyword
-(:mod:`rlplug.run_context`); :func:`run_context_for` builds the same for a plugin built outside
+(:mod:`rlplug.base.run_context`); :func:`run_context_for` builds the same for a plugin built outside
 ``rlplug train`` (a test, a notebook).
 
 **Algorithm math** (advantage estimators, policy losses, KL penalties, batch filters): the masked
@@ -45,7 +45,7 @@ contract), :class:`RewardModelFunction` (the library's reward-model scorer, regi
 
 **Rollout backends**: :class:`ServerRollout` (the base of HTTP-server engines, with
 :class:`ServerProcess`, :class:`ServerError`, :class:`Retryable`, :func:`server_urls`,
-:func:`free_port`), the prompt, EOS and weight-transfer helpers of :mod:`rlplug.rollout_utils`
+:func:`free_port`), the prompt, EOS and weight-transfer helpers of :mod:`rlplug.rollout.utils`
 (:func:`validate_prompts`, :func:`eos_ids`, :func:`checked_weights` ...), :func:`resolve_dtype`,
 :func:`load_causal_lm` and the host-memory probes (:func:`rss_bytes`, :func:`heap_mib`,
 :func:`malloc_trim`).
@@ -74,9 +74,35 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .batch import Batch, Fields
-from .config import ConfigError, config_get
-from .conformance import (
+from rlplug.algorithms.logprob import response_token_stats
+from rlplug.algorithms.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    agg_normalizer,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    seq_norm_length,
+)
+from rlplug.algorithms.objective import actor_objective, critic_objective
+from rlplug.algorithms.rollout_correction import (
+    RolloutCorrectionSettings,
+    compute_rollout_correction,
+    offpolicy_metrics,
+    parse_rollout_correction,
+    rollout_is_weights,
+    with_threshold_alias,
+)
+from rlplug.algorithms.token_budget import token_budgets
+from rlplug.base.faults import FAULT_ENV, fault_point
+from rlplug.base.file_modes import apply_umask
+from rlplug.base.host_memory import heap_mib, keep_freed_memory, malloc_trim, rss_bytes
+from rlplug.base.precision import resolve_dtype
+from rlplug.base.run_context import RunContext
+from rlplug.config.run_paths import run_context_for
+from rlplug.config.schema import ConfigError, config_get
+from rlplug.conformance import (
     algorithm_config,
     check_advantage_estimator,
     check_batch_filter,
@@ -89,61 +115,13 @@ from .conformance import (
     check_training_backend,
     make_batch,
 )
-from .coordinator import SINGLE_PROCESS, SingleProcessCoordinator
-from .faults import FAULT_ENV, fault_point
-from .file_modes import apply_umask
-from .hookspecs import hookimpl
-from .host_memory import heap_mib, keep_freed_memory, malloc_trim, rss_bytes
-from .logprob import response_token_stats
-from .losses import (
-    LOSS_AGG_MODES,
-    agg_loss,
-    agg_normalizer,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-    seq_norm_length,
-)
-from .metric_names import TRACKER_NAME_CHARS, metric_value, source_tags, tracker_name
-from .models import load_causal_lm
-from .objective import actor_objective, critic_objective
-from .precision import resolve_dtype
-from .registry import get_plugin, plugin_names
-from .reward_contract import BatchedRewardFunction, trl_reward
-from .reward_model import RM_NAME, RewardModelFunction
-from .rollout_correction import (
-    RolloutCorrectionSettings,
-    compute_rollout_correction,
-    offpolicy_metrics,
-    parse_rollout_correction,
-    rollout_is_weights,
-    with_threshold_alias,
-)
-from .rollout_utils import (
-    DTYPE_NAMES,
-    TORCH_DTYPES,
-    checked_weights,
-    checkpoint_shapes,
-    eos_ids,
-    parse_dtype,
-    shm_dir,
-    strip_wrapper_prefixes,
-    validate_prompts,
-)
-from .run_context import RunContext
-from .run_paths import run_context_for
-from .serving import Retryable, ServerError, ServerProcess, ServerRollout, free_port, server_urls
-from .token_budget import token_budgets
-from .training import (
-    STATE_FILE,
-    Role,
-    TorchDistributedCoordinator,
-    TrainingBackendBase,
-    build_lr_lambda,
-    resolve_device,
-)
-from .types import (
+from rlplug.contracts.batch import Batch, Fields
+from rlplug.contracts.coordinator import SINGLE_PROCESS, SingleProcessCoordinator
+from rlplug.contracts.hookspecs import hookimpl
+from rlplug.contracts.metric_names import TRACKER_NAME_CHARS, metric_value, source_tags, tracker_name
+from rlplug.contracts.registry import get_plugin, plugin_names
+from rlplug.contracts.reward_contract import BatchedRewardFunction, trl_reward
+from rlplug.contracts.types import (
     BATCH_FIELD_PRODUCERS,
     PER_TOKEN_QUANTITIES,
     TRAINING_CAPABILITIES,
@@ -165,9 +143,31 @@ from .types import (
     Tracker,
     TrainingBackend,
 )
+from rlplug.rewards.reward_model import RM_NAME, RewardModelFunction
+from rlplug.rollout.serving import Retryable, ServerError, ServerProcess, ServerRollout, free_port, server_urls
+from rlplug.rollout.utils import (
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    checked_weights,
+    checkpoint_shapes,
+    eos_ids,
+    parse_dtype,
+    shm_dir,
+    strip_wrapper_prefixes,
+    validate_prompts,
+)
+from rlplug.training.backend import (
+    STATE_FILE,
+    Role,
+    TorchDistributedCoordinator,
+    TrainingBackendBase,
+    build_lr_lambda,
+    resolve_device,
+)
+from rlplug.training.models import load_causal_lm
 
 if TYPE_CHECKING:  # imported when first used (module __getattr__): rlplug.testing imports pytest
-    from .testing import assert_advantage_contract, reduction_tolerance
+    from rlplug.testing import assert_advantage_contract, reduction_tolerance
 
 __all__ = [
     # registration
@@ -290,7 +290,7 @@ def __getattr__(name: str) -> Any:
     """The :mod:`rlplug.testing` helpers (:data:`_TESTING`), imported when first asked for; raises
     ``AttributeError`` for any other missing name."""
     if name in _TESTING:
-        from . import testing
+        from rlplug import testing
 
         value = getattr(testing, name)
         globals()[name] = value

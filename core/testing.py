@@ -4,7 +4,7 @@ rlplug declares this module under the ``pytest11`` entry-point group, so once rl
 every pytest session gets these fixtures without a ``conftest.py``:
 
 ``rlplug_registry``
-    A clean :class:`rlplug.registry.Registry` with no plugin loaded, installed as the process-wide
+    A clean :class:`rlplug.contracts.registry.Registry` with no plugin loaded, installed as the process-wide
     registry for the duration of the test (``rlplug.get_plugin`` and ``rlplug.plugin_names`` see
     it) and restored afterwards. Add your plugin module with ``rlplug_registry.add_plugin(module)``.
 ``rlplug_full_registry``
@@ -42,9 +42,9 @@ import pytest
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .registry import Registry
+    from rlplug.contracts.registry import Registry
 
-from .conformance import (  # make_batch, algorithm_config, REWARD_COMPONENT_NAMES: defined there
+from rlplug.conformance import (  # make_batch, algorithm_config, REWARD_COMPONENT_NAMES: defined there
     REWARD_COMPONENT_NAMES,
     algorithm_config,
     check_advantage_estimator,
@@ -84,7 +84,7 @@ def assert_advantage_contract(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Call ``estimator(data, config)`` and check the advantage-estimator contract.
 
-    ``estimator`` is an :class:`rlplug.types.AdvantageEstimator` (or its registered name, looked
+    ``estimator`` is an :class:`rlplug.contracts.types.AdvantageEstimator` (or its registered name, looked
     up in the current registry); ``data`` a mapping such as :func:`make_batch` returns (needs
     ``token_level_rewards`` and ``response_mask`` ``(B, T) float32`` plus the estimator's
     ``requires``); ``config`` the ``algorithm`` section (default: :func:`algorithm_config`).
@@ -101,7 +101,7 @@ def assert_advantage_contract(
     import torch
 
     if isinstance(estimator, str):
-        from .registry import get_plugin
+        from rlplug.contracts.registry import get_plugin
 
         estimator = get_plugin("advantage_estimator", estimator)
     if config is None:
@@ -240,7 +240,7 @@ def reduction_tolerance(
 @pytest.fixture
 def rlplug_registry() -> Iterator[Registry]:
     """A clean registry (no entry points loaded), process-wide for the test, restored after."""
-    from .registry import Registry, set_registry
+    from rlplug.contracts.registry import Registry, set_registry
 
     registry = Registry(load_entry_points=False)
     previous = set_registry(registry)
@@ -253,7 +253,7 @@ def rlplug_registry() -> Iterator[Registry]:
 @pytest.fixture
 def rlplug_full_registry() -> Iterator[Registry]:
     """A fresh registry with every installed ``rlplug`` entry point loaded, process-wide for the test."""
-    from .registry import Registry, set_registry
+    from rlplug.contracts.registry import Registry, set_registry
 
     registry = Registry()
     previous = set_registry(registry)

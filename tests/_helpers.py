@@ -51,8 +51,8 @@ LENGTH_SHAPING = [
 def run_config(overrides: list[str], run_dir: str | Path, *extra: str, validate: bool = True) -> Any:
     """``compose(overrides + [trainer.default_local_dir=run_dir, *extra])``, checked with
     ``validate_config`` unless ``validate=False``, and made writable (tests patch it)."""
-    from rlplug.compose import compose
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.run.validate import validate_config
 
     cfg = compose([*overrides, f"trainer.default_local_dir={run_dir}", *extra])
     if validate:
@@ -62,9 +62,9 @@ def run_config(overrides: list[str], run_dir: str | Path, *extra: str, validate:
 
 
 def fit(cfg: Any) -> str:
-    """Build a :class:`rlplug.trainer.Trainer` for ``cfg``, train (``fit``) and close it; returns
+    """Build a :class:`rlplug.run.trainer.Trainer` for ``cfg``, train (``fit``) and close it; returns
     ``fit``'s status (``"finished"`` or ``"interrupted"``)."""
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:
@@ -114,7 +114,7 @@ def tiny_chain_terms(seq_len: int, *, layers: int | None = None, vocab_size: int
     the head's dot product (H) and, with ``vocab_size``, the log-sum-exp over the vocabulary.
     With ``backward_tokens`` (the tokens a weight gradient sums over) the backward retraces the
     chain and each weight gradient adds that sum. ``layers`` defaults to the tiny config's."""
-    from rlplug.config import TinyModelConfig
+    from rlplug.config.schema import TinyModelConfig
 
     cfg = TinyModelConfig()
     h, i = cfg.hidden_size, cfg.intermediate_size

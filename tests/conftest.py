@@ -12,8 +12,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def model_path(cfg) -> str:
-    """The local folder of ``cfg.model`` (:func:`rlplug.models.resolve_model_path`)."""
-    from rlplug.models import resolve_model_path
+    """The local folder of ``cfg.model`` (:func:`rlplug.training.models.resolve_model_path`)."""
+    from rlplug.training.models import resolve_model_path
 
     return resolve_model_path(cfg.model)
 
@@ -21,7 +21,7 @@ def model_path(cfg) -> str:
 @pytest.fixture(scope="module")
 def tok(model_path):
     """The model's tokenizer."""
-    from rlplug.models import load_tokenizer
+    from rlplug.training.models import load_tokenizer
 
     return load_tokenizer(model_path)
 
@@ -29,7 +29,7 @@ def tok(model_path):
 @pytest.fixture(scope="module")
 def ref_model(model_path):
     """The model loaded with transformers (fp32, eval): the reference for outputs and log-probs."""
-    from rlplug.models import load_causal_lm
+    from rlplug.training.models import load_causal_lm
 
     return load_causal_lm(model_path)
 

@@ -31,7 +31,7 @@ RESP_LEN = [6, 6, 1, 1, 1, 2, 6, 6]
 
 def make_cfg(**overrides):
     """RunConfig for the tiny model, fp32 on CPU; ``overrides``: dotted keys."""
-    from rlplug.config import RunConfig
+    from rlplug.config.schema import RunConfig
 
     cfg = OmegaConf.structured(RunConfig)
     cfg.model.source = "tiny"
@@ -57,7 +57,7 @@ def make_cfg(**overrides):
 
 def make_batch(seed: int = 0, vocab: int = 49152):
     """A fixed batch (B=8 rows, P=5, T=6) with ragged prompts and responses (``RESP_LEN``)."""
-    from rlplug.batch import Batch
+    from rlplug.contracts.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     prompt_len = torch.tensor([5, 5, 3, 3, 4, 4, 2, 2])
@@ -118,7 +118,7 @@ def _backend(spec_job: dict, model_path: str, **kw):
 
 def run_step(job: dict, model_path: str) -> dict:
     """Log-probs of the actor and ref, values, then update_critic and update_actor on the batch."""
-    from rlplug.batch import Batch
+    from rlplug.contracts.batch import Batch
 
     batch = Batch(dict(torch.load(job["batch"], weights_only=True)))
     backend = _backend(job, model_path, use_critic=True, use_ref=True)
@@ -156,7 +156,7 @@ def _adam_state(backend, role: str) -> dict[str, torch.Tensor]:
 def run_ckpt(job: dict, model_path: str) -> dict:
     """Update on batch 1, save, update on batch 2 (uninterrupted); then a fresh backend loads the
     checkpoint in the same group and updates on batch 2 (resumed on the same number of ranks)."""
-    from rlplug.batch import Batch
+    from rlplug.contracts.batch import Batch
 
     b1 = Batch(dict(torch.load(job["batch"], weights_only=True)))
     b2 = Batch(dict(torch.load(job["batch2"], weights_only=True)))
@@ -175,7 +175,7 @@ def run_ckpt(job: dict, model_path: str) -> dict:
 
 def run_resume(job: dict, model_path: str) -> dict:
     """A fresh backend loads ``job["ckpt"]`` and updates on batch 2."""
-    from rlplug.batch import Batch
+    from rlplug.contracts.batch import Batch
 
     b2 = Batch(dict(torch.load(job["batch2"], weights_only=True)))
     backend = _backend(job, model_path, use_critic=True, use_ref=False)

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.config import AlgorithmConfig
+from rlplug.config.schema import AlgorithmConfig
 
 # hand values through torch's float32 kernels; the tolerances (allclose's rtol 1e-5 plus atol) are
 # above reduction_tolerance's bound for these few-term chains
@@ -84,7 +84,7 @@ GROUP_INDEX = torch.tensor([7, 7, 7, 3, 3, 9])  # groups: rows 0-2, rows 3-4, si
 
 
 def _outcome_rewards(scores):
-    from rlplug.losses import compute_token_level_scores
+    from rlplug.algorithms.losses import compute_token_level_scores
 
     return compute_token_level_scores(torch.tensor(scores), GROUP_MASK)
 

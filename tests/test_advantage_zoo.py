@@ -2,7 +2,7 @@
 optimal_token_baseline, tir_optimal_token_baseline, and the names grpo_vectorized / rloo_vectorized.
 
 Hand-derived values (derivations in the comments), a naive per-group reference for the optimal
-token baseline on real ``sum_pi_squared`` values (from :func:`rlplug.logprob.token_stats_from_hidden`,
+token baseline on real ``sum_pi_squared`` values (from :func:`rlplug.algorithms.logprob.token_stats_from_hidden`,
 the training backend's producer), properties (padding exactly 0, singleton groups 0, finite on
 all-equal and single-token groups, groups of unequal size in any order), GDPO's config and
 first-step errors, and the conformance kit on each estimator.
@@ -17,12 +17,12 @@ import torch
 from _helpers import fp32_atol
 
 import rlplug
-from rlplug.batch import Fields
-from rlplug.compose import compose
-from rlplug.config import ConfigError
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.batch import Fields
+from rlplug.contracts.types import AdvantageEstimator
+from rlplug.run.validate import validate_config
 from rlplug.testing import REWARD_COMPONENT_NAMES, algorithm_config, check_advantage_estimator, make_batch
-from rlplug.types import AdvantageEstimator
-from rlplug.validate import validate_config
 
 NEW = ["opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
 ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
@@ -138,7 +138,7 @@ def test_gdpo_without_keys_is_grpo_whitened():
     data = make_batch(batch_size=8, response_length=5, group_size=4, seed=4, scores="normal")
     grpo, _ = est("grpo")(data, algorithm_config())
     adv, _ = est("gdpo")(data, algorithm_config())
-    from rlplug.losses import masked_whiten
+    from rlplug.algorithms.losses import masked_whiten
 
     # whitened in float32 over the batch's tokens in another order: their sum at the values' magnitude
     want = masked_whiten(grpo, data["response_mask"])
@@ -171,7 +171,7 @@ def test_gdpo_config_errors_before_any_model_loads():
 
 def test_gdpo_preset_keys_exist_in_the_default_and_tiny_rewards():
     # the preset's keys (correctness, format, shaping/*) against what the two rewards really report
-    from rlplug.reward import RewardManager, components_tensor
+    from rlplug.rewards.manager import RewardManager, components_tensor
 
     rows = [{"data_source": "basic_arithmetic", "ground_truth": "7"}] * 2
     for overrides in ([], ["debug=tiny"]):
@@ -239,7 +239,7 @@ def naive_otb(G, W, mask, index):
 
 def test_otb_with_real_sum_pi_squared():
     # sum_pi_squared and old_log_probs from the training backend's own producer on random logits
-    from rlplug.logprob import token_stats_from_hidden
+    from rlplug.algorithms.logprob import token_stats_from_hidden
 
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 6, 5, 8, 11

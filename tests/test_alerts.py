@@ -1,4 +1,4 @@
-"""trainer.alerts (rlplug.alerts): rule parsing, patience, each action, the metric-name check, the
+"""trainer.alerts (rlplug.run.alerts): rule parsing, patience, each action, the metric-name check, the
 KL guard metric, checkpointed state, and the stop / resume path of a tiny run."""
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ import torch
 from _helpers import TINY_CPU_RUN, fit, run_config
 from omegaconf import OmegaConf
 
-import rlplug.metrics as rl_metrics
-from rlplug.alerts import (
+import rlplug.run.metrics as rl_metrics
+from rlplug.algorithms.kl_control import AdaptiveKLController, FixedKLController
+from rlplug.base.exit_codes import ExitCode
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.run.alerts import (
     KL_SEQ_SUM,
     AlertEngine,
     AlertRule,
@@ -21,10 +25,6 @@ from rlplug.alerts import (
     kl_seq_sum_metrics,
     parse_rules,
 )
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.exit_codes import ExitCode
-from rlplug.kl_control import AdaptiveKLController, FixedKLController
 
 
 def rule(**kw) -> AlertRule:
@@ -249,7 +249,7 @@ def test_state_round_trip_and_old_checkpoints():
 
 
 def test_an_unknown_metric_is_a_config_error_with_close_names():
-    from rlplug.validate import validate_config
+    from rlplug.run.validate import validate_config
 
     cfg = compose([*TINY_CPU_RUN, "trainer.alerts=[{metric:actor/grad_nrm,max:5.0}]"])
     with pytest.raises(ConfigError) as err:
@@ -262,8 +262,8 @@ def test_an_unknown_metric_is_a_config_error_with_close_names():
 
 
 def test_the_preset_keeps_only_the_rules_whose_metric_the_run_logs():
-    from rlplug.registry import get_registry
-    from rlplug.validate import plan_batch
+    from rlplug.contracts.registry import get_registry
+    from rlplug.run.validate import plan_batch
 
     def kept(*overrides: str) -> list[str]:
         cfg = compose([*TINY_CPU_RUN, "alerts=default", *overrides])
@@ -280,8 +280,8 @@ def test_the_preset_keeps_only_the_rules_whose_metric_the_run_logs():
 
 
 def test_run_time_names_are_checked_at_the_first_step_that_logs_their_pattern():
-    from rlplug.registry import get_registry
-    from rlplug.validate import plan_batch
+    from rlplug.contracts.registry import get_registry
+    from rlplug.run.validate import plan_batch
 
     cfg = compose([*TINY_CPU_RUN, "trainer.alerts=[{metric:val-core/basic_arithmetc/acc/mean@1,min:0.1}]"])
     engine = AlertEngine.from_config(cfg, plan_batch(cfg), get_registry())
@@ -294,9 +294,9 @@ def test_run_time_names_are_checked_at_the_first_step_that_logs_their_pattern():
 
 
 def test_scale_lr_needs_a_backend_declaring_the_capability():
+    from rlplug.contracts.registry import get_registry
     from rlplug.plugins.training.local import LocalTrainingBackend
-    from rlplug.registry import get_registry
-    from rlplug.validate import plan_batch
+    from rlplug.run.validate import plan_batch
 
     class NoScale(LocalTrainingBackend):
         capabilities = frozenset({"reuses_on_policy_log_probs"})
@@ -309,9 +309,9 @@ def test_scale_lr_needs_a_backend_declaring_the_capability():
 
 
 def test_a_kl_guard_rule_keeps_the_old_log_prob_pass_when_the_engine_gives_no_log_probs():
-    from rlplug.registry import get_registry
-    from rlplug.trainer import skips_old_log_probs
-    from rlplug.validate import plan_batch
+    from rlplug.contracts.registry import get_registry
+    from rlplug.run.trainer import skips_old_log_probs
+    from rlplug.run.validate import plan_batch
 
     # GRPO on-policy (one epoch, one mini-batch): the old-log-prob pass is skipped ...
     base = [*TINY_CPU_RUN, "algorithm=grpo", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.use_kl_loss=true"]
@@ -328,7 +328,7 @@ def test_a_kl_guard_rule_keeps_the_old_log_prob_pass_when_the_engine_gives_no_lo
 
 
 def test_scale_kl_coef_without_a_kl_term_is_a_config_error():
-    from rlplug.validate import validate_config
+    from rlplug.run.validate import validate_config
 
     cfg = compose([*TINY_CPU_RUN, "trainer.alerts=[{metric:actor/ppo_kl,max:0.1,action:scale_kl_coef,factor:0.5}]"])
     with pytest.raises(ConfigError, match="no KL coefficient is active"):
@@ -362,7 +362,7 @@ def test_kl_seq_sum_is_the_mean_over_responses_of_the_summed_log_ratio():
 
 @pytest.mark.numerics  # the KL guard's 0 at step 1 holds bit for bit on every kernel path
 def test_stop_resume_scale_lr_and_kl_in_a_tiny_run(tmp_path, monkeypatch, capsys):
-    from rlplug.trainer import run
+    from rlplug.run.trainer import run
 
     logged: dict[int, dict[str, float]] = {}
     original = rl_metrics.Trackers.log_metrics

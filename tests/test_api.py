@@ -7,9 +7,9 @@ from _helpers import TINY_CPU_RUN
 
 import rlplug
 from rlplug.cli import main
-from rlplug.registry import Registry
-from rlplug.reward import RewardManager
-from rlplug.reward_contract import BatchedRewardFunction, RewardContractError, as_reward_function
+from rlplug.contracts.registry import Registry
+from rlplug.contracts.reward_contract import BatchedRewardFunction, RewardContractError, as_reward_function
+from rlplug.rewards.manager import RewardManager
 
 # ============================================================================ rlplug reward
 
@@ -28,7 +28,7 @@ from rlplug.reward_contract import BatchedRewardFunction, RewardContractError, a
 )
 def test_reward_command_default_reward(capsys, response, correctness, flexible, total):
     from rlplug.api import score_response
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
 
     result = score_response(compose([]), data_source="basic_arithmetic", response=response, ground_truth="5")
     assert result["total"] == total
@@ -208,13 +208,13 @@ def test_train_with_a_dataset_and_a_trl_reward(tmp_path):
 
 
 def test_train_config_errors(tmp_path):
-    from rlplug.config import ConfigError
+    from rlplug.config.schema import ConfigError
 
     with pytest.raises(TypeError, match="not one string"):
         rlplug.train("algorithm=grpo")
     with pytest.raises(ConfigError, match="eval_dataset=...\\) needs train_dataset"):
         rlplug.train([f"trainer.default_local_dir={tmp_path}"], eval_dataset=[{"prompt": "x"}])
-    from rlplug.data import DatasetError
+    from rlplug.data.dataset import DatasetError
 
     with pytest.raises(DatasetError, match="train_dataset row 0 has no 'prompt'"):
         rlplug.train([f"trainer.default_local_dir={tmp_path}"], train_dataset=[{"question": "x"}])
@@ -232,13 +232,13 @@ def test_train_writes_its_dataset_under_a_content_addressed_name_and_overwrites_
     import subprocess
     import sys
 
-    from rlplug.run_lock import RunDirLocked
+    from rlplug.run.run_lock import RunDirLocked
 
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from rlplug.run_lock import acquire_run_lock\n"
+            "import sys, time; from rlplug.run.run_lock import acquire_run_lock\n"
             "lock = acquire_run_lock(sys.argv[1], rank_zero=True); print('held', flush=True); time.sleep(120)",
             str(tmp_path),
         ],

@@ -14,12 +14,12 @@ import pytest
 import torch
 from _helpers import TINY_CPU_RUN, TINY_VOCAB, fp32_atol, reference_log_probs, run_config, tiny_chain_terms
 
-from rlplug.batch import Batch
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.coordinator import SINGLE_PROCESS
-from rlplug.types import AdvantageEstimator, PolicyLoss
-from rlplug.validate import plan_batch, validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.batch import Batch
+from rlplug.contracts.coordinator import SINGLE_PROCESS
+from rlplug.contracts.types import AdvantageEstimator, PolicyLoss
+from rlplug.run.validate import plan_batch, validate_config
 
 
 def parity_reward(data_source, solution_str, ground_truth, extra_info=None):
@@ -75,7 +75,7 @@ def test_an_estimator_gets_every_field_it_requires_with_real_values(tmp_path, rl
         ),
     )
     registry.register("reward_function", "test_parity", parity_reward)
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     # one mini-batch, one epoch: on-policy, so without the requirement the old-log-prob pass would be skipped
     cfg = run_config(
@@ -256,13 +256,13 @@ def test_a_per_token_quantity_the_backend_does_not_declare_fails_at_config_time(
         validate_config(compose(overrides), registry=registry)
     assert str(info.value) == expected
     # the trainer checks the same before any model loads
-    import rlplug.models
-    from rlplug.trainer import Trainer
+    import rlplug.training.models
+    from rlplug.run.trainer import Trainer
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was resolved before the config check")
 
-    monkeypatch.setattr(rlplug.models, "resolve_model_path", no_model)
+    monkeypatch.setattr(rlplug.training.models, "resolve_model_path", no_model)
     with pytest.raises(ConfigError) as info:
         Trainer(run_config(overrides, tmp_path, validate=False))
     assert str(info.value) == expected

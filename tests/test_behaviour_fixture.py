@@ -106,7 +106,7 @@ def kernel_signature() -> str:
 
 def run_fixture_command(run_dir: Path) -> list[dict[str, Any]]:
     """Run the fixture's command in a child process; its metric records (``metrics.jsonl``), step by step."""
-    from rlplug.metrics import read_metrics_jsonl
+    from rlplug.run.metrics import read_metrics_jsonl
 
     cmd = [sys.executable, "-m", "rlplug", "train", *OVERRIDES, f"trainer.default_local_dir={run_dir}"]
     env = dict(os.environ, **PINNED_ENV)

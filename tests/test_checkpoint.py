@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rlplug import checkpoint
-from rlplug.checkpoint import COMPLETE, LATEST, CheckpointManager, atomic_write_text
-from rlplug.export import export_checkpoint
+from rlplug.run.checkpoint import COMPLETE, LATEST, CheckpointManager, atomic_write_text
+from rlplug.run.export import export_checkpoint
 
 FILES = ("backend/actor/model.safetensors", "backend/actor/optimizer.pt", "trainer_state.json", "rng_state.pt")
 
@@ -93,7 +93,7 @@ def test_pointer_missing_garbage_or_partial_falls_back_to_highest_complete(tmp_p
     # garbage (read as -1), names no checkpoint
     for text, read_as in (("not a number", "-1"), ("7", "7")):
         pointer.write_text(text)
-        with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="rlplug.run.checkpoint"):
             caplog.clear()
             _assert_intact(m.latest(), 2)
         assert f"says {read_as}; using the latest complete checkpoint, step 2" in caplog.text
@@ -109,7 +109,7 @@ def test_an_older_pointer_naming_a_complete_checkpoint_is_followed(tmp_path, cap
     for step in (1, 2):
         m.save(step, _writer(step))
     (tmp_path / LATEST).write_text("1")
-    with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.run.checkpoint"):
         _assert_intact(m.latest(), 1)
     assert f"names step 1, but newer complete checkpoints exist beside it: {tmp_path / 'global_step_2'}" in caplog.text
     assert "Using step 1, as the pointer says" in capsys.readouterr().out
@@ -127,7 +127,7 @@ def test_partial_dirs_are_reported_ignored_and_removed_by_the_next_save(tmp_path
     (marked / COMPLETE).write_text("{}")
     assert m.partial_dirs() == sorted(stale + [marked])
     assert m.complete_steps() == [1]
-    with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.run.checkpoint"):
         _assert_intact(m.latest(), 1)
     assert caplog.text.count("Ignoring incomplete checkpoint") == 3
     (tmp_path / f".{LATEST}.tmp-998").write_text("4")  # an interrupted pointer update
@@ -262,8 +262,8 @@ def test_export_refuses_weights_that_do_not_fit_the_model(tmp_path, damage):
 
     from safetensors.torch import load_file, save_file
 
-    from rlplug.config import TinyModelConfig
-    from rlplug.models import tiny_model_dir
+    from rlplug.config.schema import TinyModelConfig
+    from rlplug.training.models import tiny_model_dir
 
     src = tiny_model_dir(TinyModelConfig())
     ckpt = tmp_path / "global_step_1"
@@ -340,8 +340,8 @@ def test_save_and_load_checkpoint_layout_state_and_rng(tmp_path):
     import torch
     from omegaconf import OmegaConf
 
-    from rlplug.config import ConfigError
-    from rlplug.coordinator import SINGLE_PROCESS
+    from rlplug.config.schema import ConfigError
+    from rlplug.contracts.coordinator import SINGLE_PROCESS
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -452,7 +452,7 @@ def test_save_checkpoint_other_processes_write_their_shards_into_the_main_folder
 def test_stage_times_the_block_then_reaches_its_fault_point(monkeypatch):
     import time
 
-    from rlplug.metrics import stage
+    from rlplug.run.metrics import stage
 
     reached: list[str] = []
     monkeypatch.setattr(checkpoint, "_fault_point", reached.append)

@@ -4,7 +4,7 @@ Each fault is injected for real and the test asserts what is left:
 
 * two runs on one run directory: a second ``rlplug train`` is refused before any model loads, naming
   the live run's pid and host; a crashed run's stale lock is taken over with a warning
-  (``rlplug.run_lock``);
+  (``rlplug.run.run_lock``);
 * a full disk while writing a checkpoint (``ENOSPC``, injected with ``RLPLUG_TEST_KILL_AT=...:ENOSPC``
   or raised by the writer): the partial save is removed, the previous checkpoint stays complete and
   ``latest`` names it, the run stops with exit code 74 and a message naming the space needed and
@@ -36,11 +36,11 @@ import torch
 from _helpers import LENGTH_SHAPING, TINY_CPU_RUN
 
 from rlplug import checkpoint
-from rlplug.checkpoint import CHECKSUMS, COMPLETE, LATEST, CheckpointManager, verify_checkpoint
+from rlplug.base.exit_codes import DiskFullStopped, ExitCode
 from rlplug.cli import main
-from rlplug.config import ConfigError
-from rlplug.exit_codes import DiskFullStopped, ExitCode
-from rlplug.run_lock import LOCK_FILE, acquire_run_lock, lock_holder
+from rlplug.config.schema import ConfigError
+from rlplug.run.checkpoint import CHECKSUMS, COMPLETE, LATEST, CheckpointManager, verify_checkpoint
+from rlplug.run.run_lock import LOCK_FILE, acquire_run_lock, lock_holder
 
 # ============================================================================ helpers
 
@@ -65,7 +65,7 @@ def _dir_bytes(path: Path) -> int:
 
 _HOLDER = r"""
 import sys
-from rlplug.run_lock import acquire_run_lock
+from rlplug.run.run_lock import acquire_run_lock
 lock = acquire_run_lock(sys.argv[1])
 print("LOCKED", flush=True)
 sys.stdin.read()  # hold the lock until the test closes stdin
@@ -86,12 +86,12 @@ def _holder(run_dir: Path) -> subprocess.Popen:
 
 
 def test_a_second_train_on_a_live_runs_directory_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
-    import rlplug.models
+    import rlplug.training.models
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded although the run directory is locked")
 
-    monkeypatch.setattr(rlplug.models, "resolve_model_path", no_model)
+    monkeypatch.setattr(rlplug.training.models, "resolve_model_path", no_model)
     run_dir = tmp_path / "run"
     holder = _holder(run_dir)
     try:
@@ -478,8 +478,8 @@ def test_overwrite_moves_the_earlier_runs_rollout_dumps_aside(tmp_path):
     """Finding 7: trainer.overwrite=true left rollouts/ in place, and the new run's first dump deleted them."""
     from omegaconf import OmegaConf
 
-    from rlplug.checkpoint import set_aside_checkpoints
-    from rlplug.dump import dump_rollouts
+    from rlplug.run.checkpoint import set_aside_checkpoints
+    from rlplug.run.dump import dump_rollouts
 
     manager = CheckpointManager(tmp_path)
     manager.save(3, _writer(FILES))
@@ -542,8 +542,8 @@ class _TwoRanks:
 
 def test_only_rank_zero_verifies_the_checkpoint_it_resumes(tmp_path, monkeypatch):
     """Finding 4: every torchrun rank hashed the checkpoint on resume; now rank 0 verifies and broadcasts."""
-    from rlplug.checkpoint import open_run_dir
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
+    from rlplug.run.checkpoint import open_run_dir
 
     run_dir = tmp_path / "run"
     manager = CheckpointManager(run_dir)
@@ -566,16 +566,16 @@ def test_only_rank_zero_verifies_the_checkpoint_it_resumes(tmp_path, monkeypatch
 
 
 def checkpoint_coordinator():
-    from rlplug.coordinator import SINGLE_PROCESS
+    from rlplug.contracts.coordinator import SINGLE_PROCESS
 
     return SINGLE_PROCESS
 
 
 def test_lora_settings_are_in_the_fingerprint_and_a_backend_load_error_is_a_config_error(tmp_path):
-    """Finding 5: another model.lora_rank/alpha/targets resumed into a raw ValueError from rlplug.lora, and only
+    """Finding 5: another model.lora_rank/alpha/targets resumed into a raw ValueError from rlplug.training.lora, and only
     after the models and the rollout engine loaded."""
-    from rlplug.checkpoint import fingerprint_diff, load_checkpoint, run_fingerprint
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
+    from rlplug.run.checkpoint import fingerprint_diff, load_checkpoint, run_fingerprint
 
     full, lora = run_fingerprint(compose([])), run_fingerprint(compose(["model.lora_rank=8", "model.lora_alpha=32"]))
     assert full["model.lora"] is None and full["critic.model.lora"] is None

@@ -150,7 +150,7 @@ def test_export_without_checkpoint_is_a_message(tmp_path, capsys):
 
 
 def test_dataset_error_is_a_message(monkeypatch, capsys):
-    from rlplug.data import DatasetError
+    from rlplug.data.dataset import DatasetError
 
     def broken(args):
         raise DatasetError("train.parquet, row 3, column 'prompt': is an empty list")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 SCRIPT = r"""
 import os, sys, torch
-from rlplug.training import compile_decoder_layers
+from rlplug.training.backend import compile_decoder_layers
 
 class Layer(torch.nn.Module):  # a decoder-layer stand-in: a bare nn.Linear compiles to a library call only
     def __init__(self):

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError, RunConfig, config_dir, config_get
-from rlplug.coordinator import SINGLE_PROCESS
-from rlplug.registry import Registry
-from rlplug.types import AdvantageEstimator, BatchFilter, KLPenalty, PolicyLoss
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, RunConfig, config_dir, config_get
+from rlplug.contracts.coordinator import SINGLE_PROCESS
+from rlplug.contracts.registry import Registry
+from rlplug.contracts.types import AdvantageEstimator, BatchFilter, KLPenalty, PolicyLoss
+from rlplug.run.validate import validate_config
 
 CONFIGS = config_dir()
 GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
@@ -25,7 +25,7 @@ def _noop(*args, **kwargs):  # stands in for the algorithm and reward plugin obj
 
 
 class _StubRollout:
-    """Stands in for the rollout backends (conforms to rlplug.types.RolloutBackend; builds nothing)."""
+    """Stands in for the rollout backends (conforms to rlplug.contracts.types.RolloutBackend; builds nothing)."""
 
     def __init__(self, *args, **kwargs): ...
     def generate(self, prompt_ids, params): ...
@@ -36,7 +36,7 @@ class _StubRollout:
 
 
 class _StubTraining:
-    """Stands in for the training backends (conforms to rlplug.types.TrainingBackend)."""
+    """Stands in for the training backends (conforms to rlplug.contracts.types.TrainingBackend)."""
 
     consecutive_bad_steps = 0
     coordinator = SINGLE_PROCESS
@@ -56,7 +56,7 @@ class _StubTraining:
 
 
 class _StubTracker:
-    """Stands in for the trackers (conforms to rlplug.types.Tracker)."""
+    """Stands in for the trackers (conforms to rlplug.contracts.types.Tracker)."""
 
     def __init__(self, *args, **kwargs): ...
     def log_params(self, params): ...

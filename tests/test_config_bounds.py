@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
+from rlplug.base.exit_codes import ExitCode
 from rlplug.cli import main
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.exit_codes import ExitCode
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.run.validate import validate_config
 
-#: key -> the message after "<key>=<value>: " (rlplug.validate.COUNT_KEYS)
+#: key -> the message after "<key>=<value>: " (rlplug.run.validate.COUNT_KEYS)
 EXPECTED = {
     "trainer.total_training_steps": (
         "the number of training steps must be an integer >= 1 (e.g. 100, or null to train trainer.total_epochs "

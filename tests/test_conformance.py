@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import rlplug
-from rlplug.losses import agg_loss, masked_mean
-from rlplug.registry import get_registry
+from rlplug.algorithms.losses import agg_loss, masked_mean
+from rlplug.contracts.registry import get_registry
+from rlplug.contracts.types import AdvantageEstimator, KLPenalty, PolicyLoss
 from rlplug.testing import (
     algorithm_config,
     check_advantage_estimator,
@@ -22,7 +23,6 @@ from rlplug.testing import (
     check_training_backend,
     make_batch,
 )
-from rlplug.types import AdvantageEstimator, KLPenalty, PolicyLoss
 
 
 def _names(kind: str) -> list[str]:
@@ -42,7 +42,7 @@ def test_packaged_advantage_estimators(name, norm):
 def test_packaged_policy_losses(name):
     from omegaconf import OmegaConf
 
-    from rlplug.config import ActorConfig
+    from rlplug.config.schema import ActorConfig
 
     # rlplug's defaults, plus the one hyperparameter without a default (dro's, verl's dro_beta: null)
     check_policy_loss(name, OmegaConf.structured(ActorConfig(dro_beta=0.1)))
@@ -97,16 +97,16 @@ def test_packaged_factories_build_conforming_classes(kind):
 
 @pytest.fixture(scope="module")
 def tiny_model_path() -> str:
-    from rlplug.config import TinyModelConfig
-    from rlplug.models import tiny_model_dir
+    from rlplug.config.schema import TinyModelConfig
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 
 
 def test_hf_rollout_instance_passes_the_kit(tiny_model_path):
-    from rlplug.compose import compose
-    from rlplug.models import load_tokenizer
+    from rlplug.config.compose import compose
     from rlplug.plugins.rollout.hf import HFRollout
+    from rlplug.training.models import load_tokenizer
 
     cfg = compose(["model=tiny", "rollout.dtype=fp32", "trainer.seed=3"])
     torch.set_num_threads(1)
@@ -116,8 +116,8 @@ def test_hf_rollout_instance_passes_the_kit(tiny_model_path):
 def test_local_training_backend_instance_passes_the_kit(tiny_model_path):
     from omegaconf import OmegaConf
 
-    from rlplug.batch import Batch
-    from rlplug.config import RunConfig
+    from rlplug.config.schema import RunConfig
+    from rlplug.contracts.batch import Batch
     from rlplug.plugins.training.local import LocalTrainingBackend
 
     cfg = OmegaConf.structured(RunConfig)
@@ -150,7 +150,7 @@ def test_local_training_backend_instance_passes_the_kit(tiny_model_path):
 
 @pytest.mark.parametrize("name", ["console", "mlflow"])
 def test_packaged_tracker_instances_pass_the_kit(name, tmp_path, monkeypatch):
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
 
     monkeypatch.chdir(tmp_path)
     cfg = compose(["debug=tiny", f"trainer.default_local_dir={tmp_path / 'run'}"])

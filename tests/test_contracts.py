@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import rlplug
-from rlplug.contracts import CONTRACTS, check_object, protocol_members
-from rlplug.registry import PluginContractError, PluginError, Registry
-from rlplug.types import AdvantageEstimator, PolicyLoss, RolloutOutput
+from rlplug.contracts.kinds import CONTRACTS, check_object, protocol_members
+from rlplug.contracts.registry import PluginContractError, PluginError, Registry
+from rlplug.contracts.types import AdvantageEstimator, PolicyLoss, RolloutOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def _registry_with(kind: str, obj, **extra) -> Registry:
 
 
 def test_every_kind_has_a_protocol_with_members():
-    from rlplug.registry import KINDS
+    from rlplug.contracts.registry import KINDS
 
     assert set(CONTRACTS) == set(KINDS)
     methods, attrs = protocol_members(CONTRACTS["rollout_backend"].protocol)
@@ -102,7 +102,7 @@ def test_missing_method_names_method_kind_and_distribution():
     msg = str(exc.value)
     assert msg.startswith(
         "The rollout backend 'thing' (rlplug-thing 0.3.0, plugin <direct>) does not implement "
-        "rlplug.types.RolloutBackend: "
+        "rlplug.contracts.types.RolloutBackend: "
     )
     assert "Half has no method sleep()" in msg and "Half has no method wake_up()" in msg
     assert exc.value.problems == ["Half has no method sleep()", "Half has no method wake_up()"]
@@ -256,7 +256,7 @@ def test_third_party_plugin_missing_a_method_fails_at_train_resolve_time(tmp_pat
     assert proc.returncode != 0, out
     assert (
         "rollout.name=halfroll: The rollout backend 'halfroll' (rlplug-halfroll 0.2.0, plugin halfroll) does not "
-        "implement rlplug.types.RolloutBackend: HalfRollout has no method sleep(); HalfRollout has no method "
+        "implement rlplug.contracts.types.RolloutBackend: HalfRollout has no method sleep(); HalfRollout has no method "
         "wake_up() (found 'wakeup': misnamed?)"
     ) in out, out
     assert "Traceback" not in out, out
@@ -267,7 +267,7 @@ def test_third_party_plugin_missing_a_method_fails_at_train_resolve_time(tmp_pat
 
 
 def test_rlplug_types_protocols_are_runtime_checkable():
-    from rlplug.types import RolloutBackend
+    from rlplug.contracts.types import RolloutBackend
 
     assert isinstance(GoodRollout(None, "", None), RolloutBackend)
     assert not isinstance(object(), RolloutBackend)

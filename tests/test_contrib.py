@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlplug.registry import Registry
+from rlplug.contracts.registry import Registry
 from rlplug.testing import algorithm_config, assert_advantage_contract, make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ def test_make_batch_rejects_bad_arguments(kwargs, message):
 
 
 def _broken_estimators():
-    from rlplug.types import AdvantageEstimator
+    from rlplug.contracts.types import AdvantageEstimator
 
     def unmasked(data, config):  # forgets the mask
         a = data["token_level_rewards"].sum(-1, keepdim=True).expand_as(data["response_mask"]).clone()
@@ -222,7 +222,7 @@ def test_fixtures_install_and_restore_the_registry(tmp_path):
     # run a small test file in a separate pytest: the fixtures come from the pytest11 entry point
     (tmp_path / "test_fixtures.py").write_text(
         "import rlplug\n"
-        "from rlplug.registry import get_registry\n"
+        "from rlplug.contracts.registry import get_registry\n"
         "SEEN = []\n"
         "def test_clean(rlplug_registry):\n"
         "    SEEN.append(rlplug_registry)\n"

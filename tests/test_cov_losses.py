@@ -17,11 +17,12 @@ from _helpers import assert_updates_close, fp32_atol
 from test_local_backend import UPDATE_TERMS, make_cfg
 
 import rlplug
-from rlplug.batch import Batch
-from rlplug.compose import compose
-from rlplug.config import ActorConfig, ConfigError, TinyModelConfig
-from rlplug.losses import agg_normalizer
-from rlplug.objective import actor_objective
+from rlplug.algorithms.losses import agg_normalizer
+from rlplug.algorithms.objective import actor_objective
+from rlplug.config.compose import compose
+from rlplug.config.schema import ActorConfig, ConfigError, TinyModelConfig
+from rlplug.contracts.batch import Batch
+from rlplug.contracts.types import MiniBatchContext, PolicyLoss
 from rlplug.plugins.algorithms.policy_loss import (
     clip_cov_minibatch_stats,
     clip_cov_policy_loss,
@@ -29,9 +30,8 @@ from rlplug.plugins.algorithms.policy_loss import (
     kl_cov_policy_loss,
     validate_kl_cov,
 )
+from rlplug.run.validate import validate_config
 from rlplug.testing import check_policy_loss, make_batch
-from rlplug.types import MiniBatchContext, PolicyLoss
-from rlplug.validate import validate_config
 
 LN = math.log
 
@@ -383,7 +383,7 @@ B, P, T, N_SAMPLES, PAD = 8, 5, 6, 2, 2
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 
 import rlplug
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.registry import get_registry
-from rlplug.validate import plan_batch, validate_config
-from rlplug.verl_keys import file_overrides, merge_file_and_command_line
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.config.verl_keys import file_overrides, merge_file_and_command_line
+from rlplug.contracts.registry import get_registry
+from rlplug.run.validate import plan_batch, validate_config
 
 PPO_YAML = "configs/algorithm/ppo.yaml"
 GRPO_LINE = (
@@ -79,7 +79,7 @@ def test_a_critic_enable_the_user_gives_is_kept(tmp_path, capsys):
     ]
     validate_config(cfg)
     # the experiment that trains a critic in its GRPO phase keeps it there
-    from rlplug.schedule import compose_phases
+    from rlplug.run.schedule import compose_phases
 
     cfg = compose(["experiment=grpo_to_ppo"])
     assert cfg.critic.enable is True and [p.cfg.critic.enable for p in compose_phases(cfg)] == [True, True, True]
@@ -115,7 +115,7 @@ class _Steps:
 
 def test_a_tiny_run_builds_no_critic_and_updates_the_actor_at_step_1(tmp_path):
     # not debug=tiny: that preset sets trainer.critic_warmup=0 itself; here the ppo preset's 3 must go
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     cfg = compose(
         [

@@ -21,12 +21,12 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from rlplug import models
-from rlplug.checkpoint import CheckpointManager, run_fingerprint
-from rlplug.compose import compose
-from rlplug.config import ConfigError, RunConfig
-from rlplug.export import export_checkpoint
-from rlplug.models import ModelPreparationError, load_tokenizer, resolve_critic_model_path, resolve_model_path
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, RunConfig
+from rlplug.run.checkpoint import CheckpointManager, run_fingerprint
+from rlplug.run.export import export_checkpoint
+from rlplug.run.validate import validate_config
+from rlplug.training.models import ModelPreparationError, load_tokenizer, resolve_critic_model_path, resolve_model_path
 
 #: a critic twice as wide as debug=tiny's actor (hidden 64, intermediate 128), one layer
 CRITIC_TINY = {"num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256}
@@ -67,7 +67,7 @@ def _copy_with_tokenizer(src: str, dst: Path, edit) -> Path:
 
 
 def _fit(cfg):
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:

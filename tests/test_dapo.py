@@ -18,8 +18,15 @@ from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, run_config
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.batch import Fields
-from rlplug.batch_filter import (
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.batch import Fields
+from rlplug.contracts.coordinator import SINGLE_PROCESS
+from rlplug.contracts.registry import get_registry
+from rlplug.contracts.types import BatchFilter, RolloutOutput, SamplingParams
+from rlplug.data.dataset import StatefulDataLoader
+from rlplug.rewards.manager import RewardConfigError, RewardManager, overlong_config, overlong_penalty
+from rlplug.run.batch_filter import (
     SEED_STRIDE,
     BatchFilterLimitError,
     ScoredRollout,
@@ -27,15 +34,8 @@ from rlplug.batch_filter import (
     collect_rollouts,
     kept_groups,
 )
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.coordinator import SINGLE_PROCESS
-from rlplug.data import StatefulDataLoader
-from rlplug.registry import get_registry
-from rlplug.reward import RewardConfigError, RewardManager, overlong_config, overlong_penalty
+from rlplug.run.validate import validate_config
 from rlplug.testing import algorithm_config, check_batch_filter
-from rlplug.types import BatchFilter, RolloutOutput, SamplingParams
-from rlplug.validate import validate_config
 
 
 def _fields(index, seq_scores, components: dict[str, list[float]], T: int = 3) -> Fields:
@@ -322,7 +322,9 @@ def test_conformance_kit_packaged_and_third_party(rlplug_registry):
         check_batch_filter(BatchFilter(lambda data, config: data["response_mask"].sum(-1) > 2))
     with pytest.raises(AssertionError, match=r"must return a \(B,\) = \(8,\) bool tensor, got torch.float32"):
         check_batch_filter(BatchFilter(lambda data, config: data["response_mask"].sum(-1)))
-    with pytest.raises(rlplug.PluginContractError, match="does not implement rlplug.types.BatchFilterProtocol"):
+    with pytest.raises(
+        rlplug.PluginContractError, match="does not implement rlplug.contracts.types.BatchFilterProtocol"
+    ):
         rlplug_registry.register("batch_filter", "bad", BatchFilter(lambda data: data["index"] > 0))
         rlplug_registry.get("batch_filter", "bad")
 
@@ -345,7 +347,7 @@ class _Recorder:
 
 
 def _run(cfg, stop_after=None):
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     rec = _Recorder(stop_after)
     get_registry().pm.register(rec)

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlplug.config import RewardConfig
-from rlplug.data import DatasetError, StatefulDataLoader, read_dataset
-from rlplug.reward import RewardManager
+from rlplug.config.schema import RewardConfig
+from rlplug.data.dataset import DatasetError, StatefulDataLoader, read_dataset
+from rlplug.rewards.manager import RewardManager
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
@@ -316,7 +316,7 @@ def test_overlong_prompts_filtered_and_counted(tmp_path, caplog):
     # contents of 3, 6, 7 and 20 characters -> 22, 25, 26, 39 tokens (19 + L); limit 25 keeps two
     p = write(tmp_path / "a.parquet", simple_rows(contents=["abc", "abcdef", "abcdefg", "a" * 20]))
     tok = char_tokenizer()
-    with caplog.at_level(logging.WARNING, logger="rlplug.data"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.data.dataset"):
         ds = read_dataset(p, tokenizer=tok, max_prompt_length=25)
     assert len(ds) == 2 and ds.num_filtered == 2
     assert [len(r["prompt_ids"]) for r in ds] == [22, 25]

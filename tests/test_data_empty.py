@@ -13,9 +13,9 @@ import pytest
 from _helpers import TINY_CPU_RUN
 from omegaconf import OmegaConf
 
-from rlplug.compose import compose
-from rlplug.data import DatasetError, read_dataset, read_run_datasets
-from rlplug.data_prepare import parquet_schema
+from rlplug.config.compose import compose
+from rlplug.data.dataset import DatasetError, read_dataset, read_run_datasets
+from rlplug.data.prepare import parquet_schema
 
 VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 
@@ -80,7 +80,7 @@ def test_rlplug_train_refuses_an_empty_file_before_building_a_model(tmp_path, mo
     """``rlplug train`` with an empty train or validation file: exit code BAD_INPUT and the message,
     from the config-time check, before the (tiny) model is built or the tokenizer is loaded."""
     from rlplug import cli, models
-    from rlplug.exit_codes import ExitCode
+    from rlplug.base.exit_codes import ExitCode
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the empty file was refused")
@@ -108,7 +108,7 @@ def test_rlplug_train_refuses_an_empty_file_before_building_a_model(tmp_path, mo
 
 
 def test_an_empty_file_of_a_weighted_mix_is_refused_at_config_time(tmp_path):
-    from rlplug.validate import validate_config
+    from rlplug.run.validate import validate_config
 
     good = write_rows(tmp_path / "good.parquet", ["What is 1+1?", "What is 2+2?"])
     empty = tmp_path / "empty.parquet"

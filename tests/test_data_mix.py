@@ -16,8 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from rlplug.config import ConfigError
-from rlplug.data import StatefulDataLoader, WeightedMixLoader, check_train_weights, make_train_loader, read_dataset
+from rlplug.config.schema import ConfigError
+from rlplug.data.dataset import (
+    StatefulDataLoader,
+    WeightedMixLoader,
+    check_train_weights,
+    make_train_loader,
+    read_dataset,
+)
 
 
 def _source(name: str, n: int) -> list[dict]:
@@ -112,8 +118,8 @@ def test_bad_weights_are_config_errors(files, weights, message):
 
 
 def test_bad_weights_fail_in_validate_config_before_anything_loads(tmp_path):
-    from rlplug.compose import compose
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.run.validate import validate_config
 
     cfg = compose(
         ["debug=tiny", "data=files", "data.train_files=[a.parquet,b.parquet]", "data.val_files=[]",

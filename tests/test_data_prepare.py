@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 import reasoning_gym
 
-from rlplug.config import RewardConfig
-from rlplug.data import read_dataset
-from rlplug.data_prepare import GSM8K_INSTRUCTION, TASKS, parquet_schema, prepare_dataset
-from rlplug.reward import RewardManager
+from rlplug.config.schema import RewardConfig
+from rlplug.data.dataset import read_dataset
+from rlplug.data.prepare import GSM8K_INSTRUCTION, TASKS, parquet_schema, prepare_dataset
+from rlplug.rewards.manager import RewardManager
 
 
 def _rows(path):

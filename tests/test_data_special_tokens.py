@@ -17,9 +17,9 @@ import pytest
 from _helpers import TINY_CPU_RUN
 from omegaconf import OmegaConf
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.data import DatasetError, read_dataset, read_run_datasets
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.data.dataset import DatasetError, read_dataset, read_run_datasets
 
 IM_START, IM_END = 1, 2  # SmolLM2's ids of <|im_start|> and <|im_end|>
 #: the special ids the ChatML template itself writes for [system, user] + the generation prompt
@@ -66,7 +66,7 @@ def rendered(tok, messages: list[dict]) -> str:
 
 
 def test_special_token_strings_are_the_special_and_the_added_special_tokens(tok):
-    from rlplug.data import special_token_strings
+    from rlplug.data.dataset import special_token_strings
 
     strings = special_token_strings(tok)
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(strings)
@@ -76,10 +76,10 @@ def test_special_token_strings_are_the_special_and_the_added_special_tokens(tok)
 
 
 def test_keep_counts_the_rows_and_warns_once(data, tok, caplog):
-    with caplog.at_level(logging.INFO, logger="rlplug.data"):
+    with caplog.at_level(logging.INFO, logger="rlplug.data.dataset"):
         ds = read_dataset(data, tokenizer=tok)
     assert ds.special_token_rows == len(SPECIAL_ROWS) == 3
-    warnings = [r for r in caplog.records if r.name == "rlplug.data" and r.levelno == logging.WARNING]
+    warnings = [r for r in caplog.records if r.name == "rlplug.data.dataset" and r.levelno == logging.WARNING]
     assert len(warnings) == 1
     msg = warnings[0].getMessage()
     assert msg.startswith(f"3 of 6 rows of {data} have a control token of the tokenizer in their text")
@@ -95,10 +95,10 @@ def test_keep_counts_the_rows_and_warns_once(data, tok, caplog):
 def test_escape_renders_the_data_text_as_plain_text(data, tok, caplog):
     keep = read_dataset(data, tokenizer=tok)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="rlplug.data"):
+    with caplog.at_level(logging.INFO, logger="rlplug.data.dataset"):
         ds = read_dataset(data, tokenizer=tok, special_tokens_in_text="escape")
     assert ds.special_token_rows == 3
-    assert not [r for r in caplog.records if r.name == "rlplug.data" and r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.name == "rlplug.data.dataset" and r.levelno >= logging.WARNING]
     assert any("rendered as plain text" in r.getMessage() for r in caplog.records)
     for i, (row, messages) in enumerate(zip(ds, PROMPTS)):
         ids = row["prompt_ids"]
@@ -149,7 +149,7 @@ def test_a_system_prompt_setting_with_a_control_token_is_named(tmp_path, tok):
 
 
 def test_the_run_setting_takes_effect_and_a_bad_value_is_refused(tmp_path, data, tok):
-    from rlplug.validate import validate_config
+    from rlplug.run.validate import validate_config
 
     run = compose([*TINY_CPU_RUN, "data.task=null", f"data.train_files=[{data}]", "data.special_tokens_in_text=escape"])
     train, _ = read_run_datasets(run, tok)

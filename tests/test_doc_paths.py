@@ -279,10 +279,10 @@ def all_texts() -> list[Text]:
 
 def test_the_texts_are_found(all_texts):
     files = {t.file.relative_to(ROOT).as_posix() for t in all_texts}
-    assert {"README.md", "CONTRIBUTING.md", "docs/verl.md", "core/trainer.py", "plugins/training/fsdp2.py"} <= files
+    assert {"README.md", "CONTRIBUTING.md", "docs/verl.md", "core/run/trainer.py", "plugins/training/fsdp2.py"} <= files
     assert "configs/trainer/fsdp2.yaml" in files
-    # the module docstring of core/trainer.py and a comment of a config file are read, with their lines
-    trainer = [t for t in all_texts if t.file == ROOT / "core" / "trainer.py"]
+    # the module docstring of core/run/trainer.py and a comment of a config file are read, with their lines
+    trainer = [t for t in all_texts if t.file == ROOT / "core" / "run" / "trainer.py"]
     assert trainer[0].line == 1 and trainer[0].text.strip()
     fsdp2 = [t for t in all_texts if t.file == ROOT / "configs" / "trainer" / "fsdp2.yaml"]
     assert fsdp2[0].line == 1 and fsdp2[0].text.startswith("# @package")
@@ -321,7 +321,7 @@ def test_the_checks_catch_a_stale_path(tmp_path):
     text = Text(
         ROOT / "docs" / "x.md",
         10,
-        "See `core/trainer.py`, rlplug/training.py and `plugins/training/fsdp2.py`.\n"
+        "See `core/run/trainer.py`, rlplug/training/backend.py and `plugins/training/fsdp2.py`.\n"
         "Gone: core/no_such.py, `tests/` and `tests/test_doc_paths.py/` (a file, not a folder);\n"
         "results/fused_adamw.md, results/nope.md and trainer/{local,nope}.yaml; [a link](nope.md), [ok](alerts.md).\n"
         "Skipped: <run_dir>/x.md, checkpoints/a/b.json, ~/.cache/x.py, /srv/x.py, configs/alerts/*.yaml,\n"
@@ -329,8 +329,8 @@ def test_the_checks_catch_a_stale_path(tmp_path):
         markdown=True,
     )
     assert [(w, check_path(w, text.file.parent, folders) is None) for _, w in path_tokens(text.text)][:4] == [
-        ("core/trainer.py", True),
-        ("rlplug/training.py", True),
+        ("core/run/trainer.py", True),
+        ("rlplug/training/backend.py", True),
         ("plugins/training/fsdp2.py", True),
         ("core/no_such.py", False),
     ]
@@ -359,25 +359,25 @@ def test_the_tracker_names_are_written_by_the_code():
 
 
 def test_the_checks_catch_a_stale_reference():
-    text = "`rlplug.checkpoint._fault_point`, rlplug.training.TrainingBackendBase, rlplug.types.RolloutOutput, "
-    text += "rlplug.nowhere.x, rlplug.training.NoSuchBase, contrib/grafana/rlplug.json, rlplug.egg-info, "
-    text += "rlplug.reward.RewardManager.trainer_state_fn, rlplug.reward.RewardManager.no_such, the tag rlplug.attempt."
+    text = "`rlplug.run.checkpoint._fault_point`, rlplug.training.backend.TrainingBackendBase, rlplug.contracts.types.RolloutOutput, "
+    text += "rlplug.nowhere.x, rlplug.training.backend.NoSuchBase, contrib/grafana/rlplug.json, rlplug.egg-info, "
+    text += "rlplug.rewards.manager.RewardManager.trainer_state_fn, rlplug.rewards.manager.RewardManager.no_such, the tag rlplug.attempt."
     refs = [ref for _, ref in dotted_references(text)]
     assert refs == [
-        "rlplug.checkpoint._fault_point",
-        "rlplug.training.TrainingBackendBase",
-        "rlplug.types.RolloutOutput",
+        "rlplug.run.checkpoint._fault_point",
+        "rlplug.training.backend.TrainingBackendBase",
+        "rlplug.contracts.types.RolloutOutput",
         "rlplug.nowhere.x",
-        "rlplug.training.NoSuchBase",
-        "rlplug.reward.RewardManager.trainer_state_fn",
-        "rlplug.reward.RewardManager.no_such",
+        "rlplug.training.backend.NoSuchBase",
+        "rlplug.rewards.manager.RewardManager.trainer_state_fn",
+        "rlplug.rewards.manager.RewardManager.no_such",
     ]
     assert [resolve_reference(r) for r in refs] == [
         None,
         None,
         None,
         "rlplug has no 'nowhere'",
-        "rlplug.training has no 'NoSuchBase'",
+        "rlplug.training.backend has no 'NoSuchBase'",
         None,  # assigned in RewardManager.__init__
-        "rlplug.reward.RewardManager has no 'no_such'",
+        "rlplug.rewards.manager.RewardManager has no 'no_such'",
     ]

@@ -348,8 +348,8 @@ def tiny_script_argv(words: list[str], workdir: Path) -> list[str]:
 
 
 def tiny_model_dir() -> Path:
-    from rlplug.config import TinyModelConfig
-    from rlplug.models import tiny_model_dir as make
+    from rlplug.config.schema import TinyModelConfig
+    from rlplug.training.models import tiny_model_dir as make
 
     return make(TinyModelConfig())
 
@@ -492,7 +492,7 @@ def is_rlplug(command: str) -> bool:
 def shell_env(workdir: Path) -> dict[str, str]:
     """The environment of the examples' shell: ``$HOME`` in the working directory (verl's ``$HOME/data``),
     the model of verl's example, its engine, and the venv first on ``PATH``."""
-    from rlplug.config import default_cache_dir
+    from rlplug.config.schema import default_cache_dir
 
     env = dict(os.environ)
     env.update(
@@ -735,8 +735,8 @@ def test_security_md_says_how_the_prometheus_host_is_read() -> None:
     """An empty host serves on loopback; ``null`` is refused at config time (the page said it fell back)."""
     from omegaconf import OmegaConf
 
-    from rlplug.compose import compose
-    from rlplug.config import ConfigError
+    from rlplug.config.compose import compose
+    from rlplug.config.schema import ConfigError
     from rlplug.plugins.tracking.prometheus_tracker import PrometheusTracker
 
     row = _table_row("docs/security.md", "the Prometheus endpoint")
@@ -754,8 +754,8 @@ def test_security_md_says_how_the_prometheus_host_is_read() -> None:
 
 def test_verl_md_says_reward_models_work(artifacts) -> None:
     """verl's reward-model keys, current and legacy, compose and turn the reward model on."""
-    from rlplug.compose import compose
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.run.validate import validate_config
 
     rm = _tiny_rm(artifacts)
     for keys in (

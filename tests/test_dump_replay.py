@@ -1,4 +1,4 @@
-"""Rollout dumps (``trainer.dump_rollouts``) and ``rlplug replay`` (:mod:`rlplug.dump`).
+"""Rollout dumps (``trainer.dump_rollouts``) and ``rlplug replay`` (:mod:`rlplug.run.dump`).
 
 Tiny CPU runs (random 1-layer model, 2 prompts per step, 8-token responses, 2 steps) dump every step;
 replaying a dump with the run's own config must give back the dumped advantages bit for bit (same
@@ -18,7 +18,7 @@ import torch
 from _helpers import TINY_CPU_RUN, fit, run_config
 
 from rlplug.cli import main
-from rlplug.dump import DumpError, dump_files, read_dump, replay, replay_config
+from rlplug.run.dump import DumpError, dump_files, read_dump, replay, replay_config
 
 # the score: correctness (0 for a random model) + length_penalty -chars/500 (not floored in 8 tokens), so
 # the responses of a group score differently; two mini-batches, so the old-log-prob pass runs
@@ -120,7 +120,7 @@ def test_replay_refuses_what_the_dump_cannot_give(grpo_run, tmp_path):
     with pytest.raises(DumpError, match="No rollout dump"):
         replay(tmp_path)
     d = read_dump(dump_files(run_dir)[0])
-    from rlplug.config import ConfigError
+    from rlplug.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="selects a config group"):
         replay_config(d.config, ["algorithm=rloo"])
@@ -169,9 +169,9 @@ def test_replay_gae_reproduces_exactly(tmp_path):
 
 
 def test_dump_freq_is_checked():
-    from rlplug.compose import compose
-    from rlplug.config import ConfigError
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.config.schema import ConfigError
+    from rlplug.run.validate import validate_config
 
     with pytest.raises(ConfigError, match=r"trainer.dump_rollouts_freq=0: dump every N-th training step"):
         validate_config(compose(["trainer.dump_rollouts_freq=0"]))

@@ -18,11 +18,11 @@ import torch
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.checkpoint import CheckpointManager
-from rlplug.compose import compose
-from rlplug.registry import get_registry
-from rlplug.trainer import Trainer
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.contracts.registry import get_registry
+from rlplug.run.checkpoint import CheckpointManager
+from rlplug.run.trainer import Trainer
+from rlplug.run.validate import validate_config
 
 BASE = [
     "debug=tiny",
@@ -132,7 +132,7 @@ def _train(overrides: list[str]):
 def test_preset_trains_three_steps(preset, recorder, tmp_path):
     from safetensors.torch import load_file
 
-    from rlplug.models import resolve_model_path
+    from rlplug.training.models import resolve_model_path
 
     cfg, status, use_critic = _train(BASE + [f"algorithm={preset}", f"trainer.default_local_dir={tmp_path}"])
     assert status == "finished"

@@ -169,7 +169,7 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def cfg():
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
 
     return compose(OVERRIDES)
 
@@ -178,8 +178,8 @@ def cfg():
 def test_vllm_rollout_survives_its_engine_child_being_killed(cfg, model_path, tok, monkeypatch, tmp_path):
     from safetensors.torch import load_file
 
+    from rlplug.contracts.types import SamplingParams
     from rlplug.plugins.rollout.vllm import VLLMRollout
-    from rlplug.types import SamplingParams
 
     monkeypatch.setattr(VLLMRollout, "engine_argv", FAKE_ARGV)
     monkeypatch.setenv("FAKE_ENGINE_DIE", "")
@@ -250,7 +250,7 @@ def test_a_push_holds_at_most_one_weights_file_and_a_failed_push_leaves_none(mod
     import safetensors.torch
     from safetensors.torch import load_file
 
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
     from rlplug.plugins.rollout.vllm import VLLMRollout
 
     wdir = tmp_path / "weights"
@@ -297,9 +297,9 @@ def test_real_vllm_engine_killed_mid_generation_restarts_with_the_pushed_weights
     after the batch was done (CI: ``restarts == 0``)."""
     from safetensors.torch import load_file
 
+    from rlplug.contracts.types import SamplingParams
     from rlplug.plugins.rollout import vllm as vllm_mod
     from rlplug.plugins.rollout.vllm import VLLMRollout
-    from rlplug.types import SamplingParams
 
     weights = {
         k: v * 1.01 if v.dim() == 2 else v for k, v in load_file(str(Path(model_path) / "model.safetensors")).items()
@@ -335,7 +335,7 @@ def test_real_vllm_engine_killed_mid_generation_restarts_with_the_pushed_weights
         assert got == want
     # nothing of the killed child, its successor or the pushed weights is left in shared memory (the
     # in-process engine's semaphores are unlinked at creation; a vLLM *server* leaves psm_* segments,
-    # which core/serving.py's supervisor removes: tests/test_server_shm.py)
+    # which core/rollout/serving.py's supervisor removes: tests/test_server_shm.py)
     # (machine-wide: the slow tests run one at a time, so no other test's engine makes entries meanwhile)
     left = sorted(set(os.listdir(shm)) - before) if shm.is_dir() else []
     assert not [n for n in left if n.startswith(("psm_", "sem.", vllm_mod.weights_file_prefix()))], left

@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from rlplug.host_memory import _glibc, rss_bytes
+from rlplug.base.host_memory import _glibc, rss_bytes
 
 glibc_only = pytest.mark.skipif(_glibc() is None, reason="needs glibc's mallinfo2")
 
@@ -25,7 +25,7 @@ def test_heap_mib_counts_blocks_in_use_and_held_free():
     shrinking). Run in a child so this process's heap does not blur the figures."""
     code = """
 import ctypes, json
-from rlplug.host_memory import heap_mib
+from rlplug.base.host_memory import heap_mib
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -94,7 +94,7 @@ def test_the_real_engine_child_reports_its_memory_before_init(env_trim, expected
 def test_the_engine_child_trims_as_trainer_malloc_trim_says(model_path, tok, monkeypatch, trim, expected):
     from test_engine_child_death import FAKE_ARGV, OVERRIDES
 
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
     from rlplug.plugins.rollout.vllm import VLLMRollout
 
     monkeypatch.setattr(VLLMRollout, "engine_argv", FAKE_ARGV)
@@ -111,7 +111,7 @@ def test_the_engine_child_trims_as_trainer_malloc_trim_says(model_path, tok, mon
 def cfg():
     from test_engine_child_death import OVERRIDES
 
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
 
     return compose(OVERRIDES)
 
@@ -122,7 +122,7 @@ def test_the_trainer_logs_the_rollout_engines_resident_memory():
     ``pid`` (hf, server URLs) logs none."""
     from omegaconf import OmegaConf
 
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     code = "import sys, time; b = bytearray(256 << 20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -146,7 +146,7 @@ def test_the_trainer_logs_the_rollout_engines_resident_memory():
 def test_heap_mib_is_nan_without_glibc(monkeypatch):
     import math
 
-    import rlplug.host_memory as hm
+    import rlplug.base.host_memory as hm
 
     monkeypatch.setattr(hm, "_mallinfo2", lambda: None)
     assert all(math.isnan(x) for x in hm.heap_mib())

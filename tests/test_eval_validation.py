@@ -1,6 +1,6 @@
 """``rlplug eval`` and the trainer's validation agree (issue 14, item 5).
 
-Both run :func:`rlplug.evaluate.score_responses` and :func:`rlplug.metrics.validation_metrics`: the
+Both run :func:`rlplug.run.evaluate.score_responses` and :func:`rlplug.run.metrics.validation_metrics`: the
 headline metric is ``acc`` only when the reward reports an accuracy (an ``acc`` key, or a function
 declared binary), otherwise it is the score, named ``reward`` (verl's name). Before, validation
 called the score ``acc`` and eval counted a response only at ``acc >= 1``, so the same checkpoint
@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 from _helpers import TINY_CPU_RUN, run_config
 
-from rlplug.reward import RewardManager
+from rlplug.rewards.manager import RewardManager
 
 # ============================================================================ the naming rule
 
 
 def _scored(src: str, prompt: int, score: float, acc: float, reported: bool) -> Any:
-    from rlplug.metrics import ScoredResponse
+    from rlplug.run.metrics import ScoredResponse
 
     return ScoredResponse({"data_source": src}, prompt, "text", score, acc, reported)
 
 
 def test_acc_only_when_the_reward_reports_it_else_reward():
-    from rlplug.metrics import core_metric, validation_metrics
+    from rlplug.run.metrics import core_metric, validation_metrics
 
     scored = [
         # "math": a reward that reports acc; 2 prompts x 2 responses
@@ -86,7 +86,7 @@ _broken_reward.binary = True  # type: ignore[attr-defined]
 def test_reward_manager_reports_which_responses_have_an_accuracy(rlplug_registry):
     import types
 
-    from rlplug.reward import ACC_REPORTED
+    from rlplug.rewards.manager import ACC_REPORTED
 
     module = types.ModuleType("acc_rewards")
 
@@ -123,8 +123,8 @@ def test_packaged_correctness_rewards_report_acc_and_shaping_does_not():
 def test_eval_prints_the_validation_number_of_the_same_checkpoint(tmp_path: Path):
     """One training step, then validation (in the trainer) and ``rlplug eval`` (from the checkpoint)
     with a continuous reward: the same metric name and the same value."""
-    from rlplug.evaluate import evaluate
-    from rlplug.trainer import Trainer
+    from rlplug.run.evaluate import evaluate
+    from rlplug.run.trainer import Trainer
 
     cfg = run_config(
         TINY_CPU_RUN,

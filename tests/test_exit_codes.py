@@ -1,13 +1,13 @@
-"""The exit codes are one table: ``rlplug.exit_codes.ExitCode``, its module docstring and README.md."""
+"""The exit codes are one table: ``rlplug.base.exit_codes.ExitCode``, its module docstring and README.md."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import rlplug.exit_codes as exit_codes
+import rlplug.base.exit_codes as exit_codes
+from rlplug.base.exit_codes import ExitCode
 from rlplug.cli import main
-from rlplug.exit_codes import ExitCode
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -1,7 +1,7 @@
-"""Faithful exports (``rlplug.export``): train -> ``rlplug export`` keeps the source model folder.
+"""Faithful exports (``rlplug.run.export``): train -> ``rlplug export`` keeps the source model folder.
 
 The source is a tiny bf16 model whose ``generation_config.json`` lists two EOS ids and sampling
-defaults, as the Qwen and Llama-3 chat models ship. Before rlplug.export, the export regenerated
+defaults, as the Qwen and Llama-3 chat models ship. Before rlplug.run.export, the export regenerated
 that file from ``config.json`` (one EOS id, no sampling defaults), re-serialised the tokenizer
 (with the training-time ``padding_side="left"``) and wrote fp32 weights. Now every non-weight file
 is the source's byte for byte, the weights are in the source's dtype (or ``--dtype``), and the
@@ -24,8 +24,8 @@ import torch
 from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 
 from rlplug import cli
-from rlplug.trainer import Trainer
-from rlplug.types import SamplingParams
+from rlplug.contracts.types import SamplingParams
+from rlplug.run.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -109,8 +109,8 @@ def source(tmp_path_factory) -> Path:
     CONTINUATIONS of PROBES with logit gaps of at least MIN_MARGIN along its greedy path."""
     from transformers import AutoModelForCausalLM
 
-    from rlplug.config import TinyModelConfig
-    from rlplug.models import tiny_model_dir
+    from rlplug.config.schema import TinyModelConfig
+    from rlplug.training.models import tiny_model_dir
 
     tiny = tiny_model_dir(TinyModelConfig(num_hidden_layers=1))
     src = tmp_path_factory.mktemp("source") / "chat-model"
@@ -230,7 +230,7 @@ def test_export_dtype_fp32_changes_only_the_config_dtype(source, trained, tmp_pa
 
 
 def test_checkpoint_records_the_source_and_refuses_a_damaged_copy(source, trained, tmp_path, capsys):
-    from rlplug.export import export_checkpoint
+    from rlplug.run.export import export_checkpoint
 
     run_dir, _ = trained
     meta = run_dir / "global_step_1" / "hf_meta"
@@ -255,7 +255,7 @@ def test_checkpoint_records_the_source_and_refuses_a_damaged_copy(source, traine
 
 def test_checkpoint_without_a_manifest_still_exports_with_a_warning(trained, tmp_path, caplog):
     # a checkpoint written before source.json: what hf_meta holds is exported, and the loss is said
-    from rlplug.export import export_checkpoint
+    from rlplug.run.export import export_checkpoint
 
     run_dir, _ = trained
     ckpt = tmp_path / "global_step_1"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from _helpers import TINY_CPU_RUN, run_config
 
-from rlplug.checkpoint import CheckpointManager
-from rlplug.export import export_checkpoint
+from rlplug.run.checkpoint import CheckpointManager
+from rlplug.run.export import export_checkpoint
 
 
 def _mode(path: Path) -> int:
@@ -37,7 +37,7 @@ def umask():
 
 
 def test_exported_final_and_checkpointed_model_files_follow_the_umask(tmp_path: Path, umask) -> None:
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     umask(0o022)
     cfg = run_config(TINY_CPU_RUN, tmp_path / "run", "trainer.logger=[]")
@@ -67,7 +67,7 @@ def test_exported_final_and_checkpointed_model_files_follow_the_umask(tmp_path: 
 
 
 def test_apply_umask_sets_matching_files_only(tmp_path: Path, umask) -> None:
-    from rlplug.checkpoint import apply_umask
+    from rlplug.run.checkpoint import apply_umask
 
     umask(0o002)  # a group-writable umask: 0o666 & ~0o002 = 0o664
     (tmp_path / "sub").mkdir()

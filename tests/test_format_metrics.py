@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlplug.metrics import ScoredResponse, validation_metrics
-from rlplug.registry import get_registry
-from rlplug.reward import RewardManager
+from rlplug.contracts.registry import get_registry
+from rlplug.rewards.manager import RewardManager
+from rlplug.run.metrics import ScoredResponse, validation_metrics
 
 
 def test_the_reward_manager_passes_the_format_diagnostics_on_as_components():

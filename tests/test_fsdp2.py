@@ -19,8 +19,8 @@ import torch
 from _helpers import TINY_VOCAB, assert_updates_close, fp32_atol, tiny_chain_terms
 
 import rlplug
-from rlplug.config import TinyModelConfig
-from rlplug.losses import agg_loss
+from rlplug.algorithms.losses import agg_loss
+from rlplug.config.schema import TinyModelConfig
 from rlplug.plugins.training.local import LocalTrainingBackend
 from rlplug.testing import reduction_tolerance
 
@@ -90,13 +90,13 @@ def assert_metrics_match(got: dict, want: dict, actor_terms: int, critic_terms: 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 
 
 def test_registered_and_config_group():
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
     from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
 
     assert rlplug.get_plugin("training_backend", "fsdp2") is FSDP2TrainingBackend
@@ -106,7 +106,7 @@ def test_registered_and_config_group():
 
 def test_meets_the_training_backend_protocol():
     from rlplug.plugins.training.fsdp2 import FSDP2TrainingBackend
-    from rlplug.training import TrainingBackendBase
+    from rlplug.training.backend import TrainingBackendBase
 
     rlplug.get_registry().registration("training_backend", "fsdp2")  # raises when a member is missing
     assert issubclass(FSDP2TrainingBackend, TrainingBackendBase)
@@ -394,7 +394,7 @@ def _run_cli(args: list[str], nproc: int, timeout: int = 300) -> subprocess.Comp
 def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
     from safetensors.torch import load_file
 
-    from rlplug.export import export_checkpoint
+    from rlplug.run.export import export_checkpoint
 
     run_dir = tmp_path / "run"
     common = [

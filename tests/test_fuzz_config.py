@@ -3,22 +3,22 @@
 * verl key aliases: random mixes of verl's spellings (``actor_rollout_ref.*``, ``*_per_gpu``, the legacy
   ``reward_model.*`` / ``custom_reward_function.*``, a legacy section given whole) with the rlplug key
   of the same meaning, with equal or different values. Composing gives the value in the rlplug key, or
-  a :class:`~rlplug.config.ConfigError` naming two spellings given with different values; never another
+  a :class:`~rlplug.config.schema.ConfigError` naming two spellings given with different values; never another
   exception type, never a silent pick of one of two values.
 * ``reward.custom_reward_function`` files that cannot work (syntax error, raising at import, no such
   function, a non-callable, a wrong signature, ``reward_kwargs`` it does not take, no file, a directory,
-  not ``.py``): :func:`rlplug.validate.validate_config` raises a ``ConfigError`` naming the file and what
+  not ``.py``): :func:`rlplug.run.validate.validate_config` raises a ``ConfigError`` naming the file and what
   to do (before any model loads: validation builds none).
 * reward models returning NaN / inf / None / junk (a stub scorer, and the real
-  :class:`~rlplug.reward_model.RewardModelScorer` over a stub forward): counted failed samples, finite
+  :class:`~rlplug.rewards.reward_model.RewardModelScorer` over a stub forward): counted failed samples, finite
   scores, finite GRPO advantages with the failed rows at 0.
-* preference-pair files (:func:`rlplug.pairs.read_pairs`): missing or duplicated columns, wrong
+* preference-pair files (:func:`rlplug.rewards.pairs.read_pairs`): missing or duplicated columns, wrong
   types, empty / None / huge strings, bad roles, chosen == rejected: a
-  :class:`~rlplug.reward_model.RewardModelError` naming the file, or valid pairs.
+  :class:`~rlplug.rewards.reward_model.RewardModelError` naming the file, or valid pairs.
 * ``algorithm.schedule`` / ``rollout.n_schedule`` and ``trainer.alerts``: malformed phase lists and rule
   dicts are rejected with a ``ConfigError`` naming the setting (the phase ``algorithm.schedule[i]``, the
-  rule ``trainer.alerts[i]``), or accepted; accepted ones build their :class:`~rlplug.schedule.Schedule`
-  / :class:`~rlplug.alerts.AlertEngine` and evaluate hostile metric values without error.
+  rule ``trainer.alerts[i]``), or accepted; accepted ones build their :class:`~rlplug.run.schedule.Schedule`
+  / :class:`~rlplug.run.alerts.AlertEngine` and evaluate hostile metric values without error.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf, open_dict
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.verl_keys import hydra_value
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.config.verl_keys import hydra_value
 
 
 def _settings(n: int):
@@ -67,7 +67,7 @@ def _fresh_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def registry():
-    from rlplug.registry import get_registry
+    from rlplug.contracts.registry import get_registry
 
     return get_registry()
 
@@ -256,7 +256,7 @@ def tiny_cfg():
 
 @pytest.mark.parametrize("kind", sorted(REWARD_FILES))  # every kind: a finite set, so all of them
 def test_reward_files_that_cannot_work_are_config_errors_at_validation(tiny_cfg, registry, kind):
-    from rlplug.validate import validate_config
+    from rlplug.run.validate import validate_config
 
     text, name, kwargs, message = REWARD_FILES[kind]
     folder = _fresh_dir()
@@ -271,10 +271,10 @@ def test_reward_files_that_cannot_work_are_config_errors_at_validation(tiny_cfg,
         crf = cfg.reward.custom_reward_function
         crf.path, crf.name, crf.reward_kwargs = str(path), name, kwargs
         cfg.reward.shaping = []  # the score is the file's function alone
-    with mock.patch("rlplug.models.load_tokenizer", side_effect=AssertionError("a model loaded")):
+    with mock.patch("rlplug.training.models.load_tokenizer", side_effect=AssertionError("a model loaded")):
         if message is None:
             validate_config(cfg, registry)
-            from rlplug.reward import RewardManager
+            from rlplug.rewards.manager import RewardManager
 
             manager = RewardManager(cfg.reward, registry=registry)
             scores, extra, _ = manager.score([{"data_source": "anything", "ground_truth": "1"}], ["x"])
@@ -323,7 +323,7 @@ class _StubModel:
 
 @pytest.fixture(scope="module")
 def rm_folder():
-    """A folder :func:`rlplug.reward_model.check_reward_model_folder` accepts (no weights are read here)."""
+    """A folder :func:`rlplug.rewards.reward_model.check_reward_model_folder` accepts (no weights are read here)."""
     d = _fresh_dir()
     (d / "config.json").write_text('{"architectures": ["GPT2ForSequenceClassification"], "num_labels": 1}')
     (d / "tokenizer.json").write_text("{}")
@@ -366,11 +366,11 @@ def test_a_reward_model_returning_nan_inf_none_or_a_float32_overflow_fails_those
 
 
 def _check_rm(rm_folder, group, n_groups, mode, cw, fallback, mb, values):
-    from rlplug.batch import Batch, estimate_on_rows
-    from rlplug.losses import compute_token_level_scores
-    from rlplug.registry import Registry, get_registry
-    from rlplug.reward import FAILED, RewardManager, scored_rows
-    from rlplug.reward_model import RewardModelFunction, RewardModelScorer
+    from rlplug.algorithms.losses import compute_token_level_scores
+    from rlplug.contracts.batch import Batch, estimate_on_rows
+    from rlplug.contracts.registry import Registry, get_registry
+    from rlplug.rewards.manager import FAILED, RewardManager, scored_rows
+    from rlplug.rewards.reward_model import RewardModelFunction, RewardModelScorer
 
     n = group * n_groups
     reg = Registry(load_entry_points=False)
@@ -399,7 +399,7 @@ def _check_rm(rm_folder, group, n_groups, mode, cw, fallback, mb, values):
         scorer = SimpleNamespace(score=lambda messages, responses: values)
     rows = [{"data_source": "src", "ground_truth": "1", "messages": [{"role": "user", "content": "q"}]}] * n
     manager = RewardManager(cfg, registry=reg)
-    with mock.patch("rlplug.reward_model.get_scorer", return_value=scorer):
+    with mock.patch("rlplug.rewards.reward_model.get_scorer", return_value=scorer):
         scores, extra, metrics = manager.score(rows, [f"response {i}" for i in range(n)])
 
     if mode in ("not_a_list", "wrong_length"):
@@ -506,9 +506,9 @@ def pair_tables(draw):
 @example(table=(1, ["prompt", "chosen", "rejected"], [pa.array([[{"role": None, "content": "q"}]], pa.list_(MSG_T)), pa.array(["a"]), pa.array(["b"])]))  # fmt: skip
 @example(table=(1, ["prompt", "chosen", "rejected"], [pa.array([[{"role": "user", "content": 5}]], pa.list_(pa.struct([("role", pa.string()), ("content", pa.int64())]))), pa.array(["a"]), pa.array(["b"])]))  # fmt: skip
 def test_hostile_pair_files_end_in_a_clear_error_or_valid_pairs(table):
-    from rlplug.data import ALLOWED_ROLES
-    from rlplug.pairs import read_pairs
-    from rlplug.reward_model import RewardModelError
+    from rlplug.data.dataset import ALLOWED_ROLES
+    from rlplug.rewards.pairs import read_pairs
+    from rlplug.rewards.reward_model import RewardModelError
 
     n, names, arrays = table
     path = _fresh_dir() / "pairs.parquet"
@@ -602,8 +602,8 @@ N_SCHEDULE = st.one_of(
 @example(schedule=[{"until": 1, "bogus": 2}], n_schedule=None, base=["algorithm=ppo"], steps=2)
 @example(schedule=[{"until": 1, "algorithm": "../config"}, {}], n_schedule=None, base=["algorithm=ppo"], steps=2)
 def test_hostile_schedules_are_rejected_naming_the_phase_or_build(registry, schedule, n_schedule, base, steps):
-    from rlplug.schedule import Schedule
-    from rlplug.validate import plan_batch, validate_config
+    from rlplug.run.schedule import Schedule
+    from rlplug.run.validate import plan_batch, validate_config
 
     overrides = ["debug=tiny", *base, f"trainer.total_training_steps={hydra_value(steps)}"]
     if schedule:
@@ -679,8 +679,8 @@ def alert_bases():
 @example(rules=[{"metric": "actor/ppo_kl", "max": 1, "patience": 1.5}], base="ppo", values=[0.0] * 8)
 @example(rules=[{"metric": "actor/ppo_kl", "max": 1, "optional": "no"}], base="ppo", values=[0.0] * 8)
 def test_hostile_alert_rules_are_rejected_naming_the_rule_or_evaluate(registry, alert_bases, rules, base, values):
-    from rlplug.alerts import ALERT_ACTIONS, AlertEngine
-    from rlplug.validate import plan_batch, validate_config
+    from rlplug.run.alerts import ALERT_ACTIONS, AlertEngine
+    from rlplug.run.validate import plan_batch, validate_config
 
     cfg = OmegaConf.merge(alert_bases[base], {"trainer": {"alerts": rules}})  # compose's structured merge
     try:
@@ -710,7 +710,7 @@ def test_hostile_alert_rules_are_rejected_naming_the_rule_or_evaluate(registry, 
 def test_an_int_beyond_any_float_is_a_failed_sample_not_an_overflow():
     # review finding: float(10**400) raises OverflowError, which the score check did not catch, and
     # math.isfinite(10**400) raises it too inside a dict's extra values
-    from rlplug.reward import RewardManager
+    from rlplug.rewards.manager import RewardManager
 
     score, extra, error = RewardManager._interpret("ok", 10**400)
     assert (score, extra) == (0.0, {}) and error == "returned an int of 401 digits, beyond float32's range"

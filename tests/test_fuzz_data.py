@@ -1,12 +1,12 @@
 """Hostile input: generated bad rows for the data reader and the reward functions (hypothesis).
 
-Data reader (``rlplug.data.read_dataset`` with the real SmolLM2 tokenizer): parquet files with
+Data reader (``rlplug.data.dataset.read_dataset`` with the real SmolLM2 tokenizer): parquet files with
 missing, extra or duplicated columns, wrong column types, null values, empty and whitespace
 prompts, 100k-character prompts, control characters, invalid UTF-8, chat messages with unknown
 roles or non-text content, ground truths that are not strings (ints, floats including NaN/inf,
 bools, lists, structs), huge numbers. Every file must end in exactly one of two ways:
 
-* a :class:`~rlplug.data.DatasetError` whose message names the file (and the row/column when the
+* a :class:`~rlplug.data.dataset.DatasetError` whose message names the file (and the row/column when the
   problem is in one), raised before any training; or
 * a dataset whose rows all satisfy the row contract, with every dropped (overlong) prompt
   counted in ``num_filtered``.
@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from rlplug.data import ALLOWED_ROLES, DatasetError, RLDataset, read_dataset
+from rlplug.data.dataset import ALLOWED_ROLES, DatasetError, RLDataset, read_dataset
 
 SETTINGS = settings(
     max_examples=40,
@@ -297,8 +297,8 @@ def _check_error(err: DatasetError, path: str, n_rows: int) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from rlplug.compose import compose
-    from rlplug.models import load_tokenizer, resolve_model_path
+    from rlplug.config.compose import compose
+    from rlplug.training.models import load_tokenizer, resolve_model_path
 
     return load_tokenizer(resolve_model_path(compose(["debug=tiny", "model.tiny.num_hidden_layers=1"]).model))
 
@@ -479,7 +479,7 @@ def reward_manager():
     """Worker-process mode: a reward that never returns (C-level big-number arithmetic holds the GIL,
     so no thread-based timeout can stop it) is killed by the manager's backstop instead of
     freezing this test run."""
-    from rlplug.reward import RewardManager
+    from rlplug.rewards.manager import RewardManager
 
     with RewardManager({**REWARD_CONFIG, "num_workers": 1}, backstop_slack_s=10.0) as manager:
         yield manager
@@ -527,7 +527,7 @@ def test_rewards_never_raise_out_of_the_manager(reward_manager, data):
 def test_math_verify_does_not_hang_on_number_bombs(response):
     """Serial scoring (the default) cannot interrupt big-number arithmetic in C: math_verify must
     refuse to evaluate such expressions instead of computing them."""
-    from rlplug.reward import RewardManager
+    from rlplug.rewards.manager import RewardManager
 
     manager = RewardManager({"reward_fn_map": {"math": "math_verify"}, "timeout_s": 30.0})
     start = time.perf_counter()

@@ -12,14 +12,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlplug import hookspecs
-from rlplug.config import RunConfig
-from rlplug.registry import KINDS
+from rlplug.config.schema import RunConfig
+from rlplug.contracts.registry import KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_ATTR = f"{hookspecs.PROJECT}_spec"
 SPECS = {name: fn for name, fn in vars(hookspecs).items() if inspect.isfunction(fn) and hasattr(fn, SPEC_ATTR)}
 
-#: the config key that selects plugins of each kind (as read by rlplug.validate)
+#: the config key that selects plugins of each kind (as read by rlplug.run.validate)
 SELECTED_BY = {
     "advantage_estimator": "algorithm.adv_estimator",
     "policy_loss": "actor.policy_loss",

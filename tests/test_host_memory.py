@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from rlplug.host_memory import _glibc, malloc_trim, rss_bytes
+from rlplug.base.host_memory import _glibc, malloc_trim, rss_bytes
 
 glibc_only = pytest.mark.skipif(_glibc() is None, reason="needs glibc's malloc_trim")
 
@@ -30,7 +30,7 @@ def test_malloc_trim_returns_fragmented_free_heap_to_the_os():
     code = textwrap.dedent(
         """
         import ctypes, json
-        from rlplug.host_memory import malloc_trim, rss_bytes
+        from rlplug.base.host_memory import malloc_trim, rss_bytes
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc.restype = ctypes.c_void_p
         libc.malloc.argtypes = [ctypes.c_size_t]
@@ -70,9 +70,9 @@ def test_malloc_trim_reports_its_time():
 def test_a_tiny_run_logs_rss_and_trim_time_and_the_switch_turns_the_trim_off(tmp_path):
     from test_reward_prepare import tiny_run_cfg
 
-    from rlplug.metrics import read_metrics_jsonl
-    from rlplug.trainer import Trainer
-    from rlplug.validate import validate_config
+    from rlplug.run.metrics import read_metrics_jsonl
+    from rlplug.run.trainer import Trainer
+    from rlplug.run.validate import validate_config
 
     def run(sub: str, *extra: str) -> list[dict]:
         cfg = tiny_run_cfg(

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError, RunConfig, config_dir
-from rlplug.models import ModelPreparationError, resolve_model_path, tiny_model_dir
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, RunConfig, config_dir
+from rlplug.run.validate import validate_config
+from rlplug.training.models import ModelPreparationError, resolve_model_path, tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,7 @@ def test_algorithms_doc_names_only_existing_config_keys():
 
 
 def test_files_example_composes_and_tilde_is_expanded_where_files_are_read(tmp_path, monkeypatch):
-    from rlplug.data_prepare import prepared_data_files
+    from rlplug.data.prepare import prepared_data_files
 
     text = (config_dir() / "data" / "files.yaml").read_text()
     (line,) = [ln for ln in text.splitlines() if "rlplug train" in ln]
@@ -113,8 +113,8 @@ def test_an_unquoted_tilde_gets_a_hint_to_quote_it():
 def test_resume_error_does_not_end_a_sentence_twice(tmp_path):
     import torch
 
-    from rlplug.checkpoint import RNG_FILE, STATE_FILE, load_checkpoint, rng_state
-    from rlplug.data import StatefulDataLoader
+    from rlplug.data.dataset import StatefulDataLoader
+    from rlplug.run.checkpoint import RNG_FILE, STATE_FILE, load_checkpoint, rng_state
 
     rows = [{"i": i} for i in range(8)]
     saved = StatefulDataLoader(rows, batch_size=4).state_dict()

@@ -16,7 +16,7 @@ new subpackage of core/ or plugins/ cannot be left out of a release silently. Ho
 * The fresh interpreter imports, as its ``rlplug...`` name, every folder of the copy's core/ and plugins/ that
   holds an ``__init__.py`` (core/a/b/ is ``rlplug.a.b``, plugins/a/ is ``rlplug.plugins.a``) and every module
   there (core/a/m.py is ``rlplug.a.m``; not ``__main__``); each must come from the fresh environment. The installed ``.py`` files are those of core/ and plugins/, the ``.yaml`` files
-  those of configs/, and ``rlplug.config.config_dir()`` is the installed ``rlplug.configs``, from which a config
+  those of configs/, and ``rlplug.config.schema.config_dir()`` is the installed ``rlplug.configs``, from which a config
   composes (``trainer=fsdp2``).
 """
 
@@ -52,13 +52,13 @@ for name in json.loads(sys.argv[1]):
         found["files"][name] = importlib.import_module(name).__file__
     except Exception as exc:
         found["errors"][name] = f"{type(exc).__name__}: {exc}"
-import rlplug.compose
-import rlplug.config
+import rlplug.config.compose
+import rlplug.config.schema
 
 root = Path(rlplug.__file__).parent
 found["installed"] = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".py", ".yaml"))
-found["config_dir"] = str(rlplug.config.config_dir())
-found["backend"] = rlplug.compose.compose(["trainer=fsdp2"]).trainer.backend
+found["config_dir"] = str(rlplug.config.schema.config_dir())
+found["backend"] = rlplug.config.compose.compose(["trainer=fsdp2"]).trainer.backend
 print(json.dumps(found))
 """
 
@@ -147,7 +147,7 @@ def test_the_packages_of_the_copy_are_checked(installed):
 def test_every_package_and_module_imports_from_the_installed_copy(installed):
     assert installed["errors"] == {}
     assert sorted(installed["files"]) == sorted(installed["packages"] + installed["modules"])
-    assert {"rlplug.trainer", "rlplug.plugins.training.fsdp2"} <= set(installed["modules"])
+    assert {"rlplug.run.trainer", "rlplug.plugins.training.fsdp2"} <= set(installed["modules"])
     venv = installed["venv"].resolve()
     outside = {n: f for n, f in installed["files"].items() if not Path(f).resolve().is_relative_to(venv)}
     assert outside == {}, f"imported from outside the fresh virtualenv {venv}"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from fake_openai_server import serve
 
+from rlplug.contracts.registry import Registry
 from rlplug.plugins.rewards.judge import (
     JudgeParseError,
     JudgeSettings,
@@ -23,8 +24,7 @@ from rlplug.plugins.rewards.judge import (
     judge_stats,
     parse_score,
 )
-from rlplug.registry import Registry
-from rlplug.reward import FAILED, RewardConfigError, RewardManager
+from rlplug.rewards.manager import FAILED, RewardConfigError, RewardManager
 
 HERE = Path(__file__).resolve().parent
 
@@ -276,7 +276,7 @@ def test_judge_with_a_real_vllm_server_rlplug_starts():
     ``RewardManager.prepare`` (which ``score`` calls first), not inside the first sample's call, so its
     minutes of loading are not charged to the reward manager's timeout (``reward.timeout_s``, 10 s per
     response: 40 s for the batch; the judge's own HTTP ``timeout_s`` is 120 s): no request times out."""
-    from rlplug.models import default_model_dir
+    from rlplug.training.models import default_model_dir
 
     model_path = str(default_model_dir())  # the converted default model (model.path is null until resolved)
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]

@@ -4,7 +4,7 @@ Each run is ``rlplug train debug=tiny ...`` in its own process (PPO with a criti
 penalty in the reward with the adaptive controller, hf rollout, local backend; 4 steps of 2
 prompts, 2 steps per epoch, a checkpoint every step, at most 2 kept, validation every 2 steps).
 ``RLPLUG_TEST_KILL_AT=<label>:<n>`` makes the process SIGKILL itself the ``n``-th time it
-reaches ``_fault_point("<label>")`` (rlplug.checkpoint).
+reaches ``_fault_point("<label>")`` (rlplug.run.checkpoint).
 
 Startup: importing torch + transformers + the plugins takes ~5 s of CPU per process, which for
 ~30 runs would dominate. So the runs are forked from a "zygote": a Python process started once
@@ -50,7 +50,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlplug.checkpoint import CheckpointManager
+from rlplug.run.checkpoint import CheckpointManager
 
 OVERRIDES = [
     "debug=tiny",
@@ -115,8 +115,8 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM":
 # The fork server: imports everything once, then forks one child per JSON request line.
 ZYGOTE = r"""
 import json, os, signal, sys, traceback
-import rlplug.cli, rlplug.trainer, rlplug.plugins.training.local, rlplug.plugins.rollout.hf
-from rlplug.registry import get_registry
+import rlplug.cli, rlplug.run.trainer, rlplug.plugins.training.local, rlplug.plugins.rollout.hf
+from rlplug.contracts.registry import get_registry
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # the lazy imports
 get_registry()
 print("READY", flush=True)
@@ -284,9 +284,9 @@ CHAIN_SHORT = [CHAIN_A[i] for i in (0, 2, 3, 4, 7, 8, 12, 13, 14)]
 
 
 def _kill_chains_match_uninterrupted(tmp_path: Path, chains: dict[str, list]) -> list[str]:
-    from rlplug.compose import compose
-    from rlplug.data_prepare import prepared_data_files
-    from rlplug.models import resolve_model_path
+    from rlplug.config.compose import compose
+    from rlplug.data.prepare import prepared_data_files
+    from rlplug.training.models import resolve_model_path
 
     # build the tiny model and the data once, before the processes run in parallel
     cfg = compose(OVERRIDES)

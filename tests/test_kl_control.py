@@ -6,8 +6,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from rlplug.config import KLControlConfig
-from rlplug.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
+from rlplug.algorithms.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
+from rlplug.config.schema import KLControlConfig
 
 
 def test_fixed_controller_never_moves():

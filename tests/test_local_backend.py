@@ -16,8 +16,8 @@ from _helpers import TINY_VOCAB, assert_updates_close, fp32_atol, tiny_chain_ter
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.batch import Batch
-from rlplug.config import RunConfig, TinyModelConfig
+from rlplug.config.schema import RunConfig, TinyModelConfig
+from rlplug.contracts.batch import Batch
 from rlplug.plugins.training.local import LocalTrainingBackend, build_lr_lambda
 from rlplug.testing import reduction_tolerance
 
@@ -37,7 +37,7 @@ CRITIC_UPDATE_TERMS = tiny_chain_terms(P + T, backward_tokens=B * (P + T))
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 
@@ -205,8 +205,8 @@ def test_compute_log_probs_sum_pi_squared_matches_full_logits(model_path):
 
 
 def test_meets_the_training_backend_protocol(model_path):
-    from rlplug.coordinator import SINGLE_PROCESS
-    from rlplug.types import PER_TOKEN_QUANTITIES, TrainingBackend
+    from rlplug.contracts.coordinator import SINGLE_PROCESS
+    from rlplug.contracts.types import PER_TOKEN_QUANTITIES, TrainingBackend
 
     reg = rlplug.get_registry()
     reg.registration("training_backend", "local")  # raises PluginContractError when a member is missing
@@ -227,7 +227,7 @@ def test_policy_loss_requires_reaches_the_loss_row_aligned(model_path):
     # A policy loss that requires a batch field gets, in every micro-batch, the rows of that field
     # that match the other inputs (micro-batches are regrouped by length): here the field is
     # 2 * advantages, so the loss can check the alignment. Without the field: a clear error.
-    from rlplug.types import PolicyLoss
+    from rlplug.contracts.types import PolicyLoss
 
     calls = []
 
@@ -459,7 +459,7 @@ def test_one_step_against_hand_computed_adamw(model_path):
     g = torch.Generator().manual_seed(7)
     batch["ref_log_probs"] = batch["old_log_probs"] + 0.2 * torch.randn(B, T, generator=g)
 
-    from rlplug.models import load_causal_lm
+    from rlplug.training.models import load_causal_lm
 
     model = load_causal_lm(model_path)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -655,7 +655,7 @@ def test_save_load_continues_bitwise(model_path, tmp_path):
 def test_export_hf_loads_with_identical_logits(model_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlplug.models import load_tokenizer
+    from rlplug.training.models import load_tokenizer
 
     backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
     backend.update_actor(prepared_batch(backend))
@@ -675,14 +675,14 @@ def test_export_hf_loads_with_identical_logits(model_path, tmp_path):
 
 
 def test_saved_actor_is_what_rlplug_export_reads(model_path, tmp_path):
-    # rlplug.export.export_checkpoint rebuilds the HF model from backend/actor/model.safetensors
+    # rlplug.run.export.export_checkpoint rebuilds the HF model from backend/actor/model.safetensors
     # plus hf_meta/ (config + tokenizer); the result must reproduce the trained actor exactly.
     import shutil
 
     from transformers import AutoModelForCausalLM
 
-    from rlplug.export import export_checkpoint
-    from rlplug.models import load_tokenizer
+    from rlplug.run.export import export_checkpoint
+    from rlplug.training.models import load_tokenizer
 
     backend = LocalTrainingBackend(make_cfg(), model_path, use_critic=False, use_ref=False, total_steps=1)
     backend.update_actor(prepared_batch(backend))

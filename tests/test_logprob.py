@@ -1,4 +1,4 @@
-"""Chunked log-probs / entropy (rlplug.logprob) against the naive full-logits computation."""
+"""Chunked log-probs / entropy (rlplug.algorithms.logprob) against the naive full-logits computation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from _helpers import fp32_atol
 
-from rlplug.logprob import (
+from rlplug.algorithms.logprob import (
     lm_head_of,
     log_probs_from_hidden,
     response_log_probs,

@@ -1,4 +1,4 @@
-"""LoRA (``model.lora_rank > 0``, :mod:`rlplug.lora`) on the tiny random model, CPU, fp32.
+"""LoRA (``model.lora_rank > 0``, :mod:`rlplug.training.lora`) on the tiny random model, CPU, fp32.
 
 * config: verl's keys map onto ``model.lora_*``; a negative rank, target modules that match nothing
   (the error lists the linear layer names) and a backend without LoRA (``fsdp2``) fail before any
@@ -29,17 +29,17 @@ from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.batch import Batch
-from rlplug.compose import compose
-from rlplug.config import ConfigError, RunConfig, TinyModelConfig
-from rlplug.lora import (
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, RunConfig, TinyModelConfig
+from rlplug.contracts.batch import Batch
+from rlplug.run.validate import validate_config
+from rlplug.training.lora import (
     ADAPTER_DIR,
     BASE_POINTER_FILE,
     base_fingerprint,
     check_target_modules,
     lora_settings,
 )
-from rlplug.validate import validate_config
 
 B, P, T, N_SAMPLES = 8, 5, 6, 2
 PAD = 2
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig(num_hidden_layers=1)))
 
@@ -155,13 +155,13 @@ def test_target_modules_that_match_nothing_list_the_linear_layers(model_path):
 
 
 def test_the_backend_rejects_unmatched_targets_before_loading_weights(model_path, monkeypatch):
-    import rlplug.models
+    import rlplug.training.models
     from rlplug.plugins.training.local import LocalTrainingBackend
 
     def no_load(*a, **k):
         raise AssertionError("weights were loaded before the target modules were checked")
 
-    monkeypatch.setattr(rlplug.models, "load_causal_lm", no_load)
+    monkeypatch.setattr(rlplug.training.models, "load_causal_lm", no_load)
     cfg = make_cfg(**{"model.target_modules": ["attn"]})
     with pytest.raises(ConfigError, match=r"model\.target_modules=\['attn'\] matches no layer"):
         LocalTrainingBackend(cfg, model_path, use_critic=False, use_ref=True, total_steps=1)
@@ -183,7 +183,7 @@ def trained(model_path):
 
 
 def test_only_the_adapters_train_and_one_copy_of_the_base_is_held(trained, model_path):
-    from rlplug.models import load_causal_lm
+    from rlplug.training.models import load_causal_lm
 
     backend, metrics = trained
     base = load_causal_lm(model_path)
@@ -212,8 +212,8 @@ def test_only_the_adapters_train_and_one_copy_of_the_base_is_held(trained, model
 
 
 def test_ref_log_probs_are_the_base_models_bit_for_bit(trained, model_path):
-    from rlplug.logprob import response_token_stats
-    from rlplug.models import load_causal_lm
+    from rlplug.algorithms.logprob import response_token_stats
+    from rlplug.training.models import load_causal_lm
 
     backend, _ = trained
     batch = make_batch(1)
@@ -230,9 +230,9 @@ def test_ref_log_probs_are_the_base_models_bit_for_bit(trained, model_path):
 
 
 def test_rollout_gets_merged_weights_equal_to_merge_and_unload(trained, model_path):
-    from rlplug.models import load_tokenizer
+    from rlplug.contracts.types import SamplingParams
     from rlplug.plugins.rollout.hf import HFRollout
-    from rlplug.types import SamplingParams
+    from rlplug.training.models import load_tokenizer
 
     backend, _ = trained
     before = {n: p.detach().clone() for n, p in backend.actor.model.named_parameters()}
@@ -388,8 +388,8 @@ class _Recorder:
 
 
 def _fit(run_dir: Path, stop_after: int | None = None) -> tuple[str, dict[int, dict[str, float]]]:
-    from rlplug.registry import get_registry
-    from rlplug.trainer import Trainer
+    from rlplug.contracts.registry import get_registry
+    from rlplug.run.trainer import Trainer
 
     rec = _Recorder(stop_after)
     pm = get_registry().pm

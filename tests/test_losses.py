@@ -1,4 +1,4 @@
-"""rlplug.losses: masked statistics, aggregation modes, value loss, entropy, token-level scores,
+"""rlplug.algorithms.losses: masked statistics, aggregation modes, value loss, entropy, token-level scores,
 the in-reward KL penalty. Values are derived by hand in the comments."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 from _helpers import fp32_atol
 
-from rlplug.losses import (
+from rlplug.algorithms.losses import (
     LOSS_AGG_MODES,
     agg_loss,
     agg_normalizer,

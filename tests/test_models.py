@@ -1,4 +1,4 @@
-"""rlplug.models: default-model conversion, tiny model, path resolution, tokenizer, value model.
+"""rlplug.training.models: default-model conversion, tiny model, path resolution, tokenizer, value model.
 
 The default model is converted once into the real cache (``RLPLUG_CACHE`` or ``~/.cache/rlplug``,
 ~15 s the first time) so later tests and runs reuse it.
@@ -19,8 +19,8 @@ from _helpers import fp32_atol, tiny_chain_terms
 from safetensors.torch import load_file
 
 from rlplug import models
-from rlplug.config import ModelConfig, TinyModelConfig
-from rlplug.models import (
+from rlplug.config.schema import ModelConfig, TinyModelConfig
+from rlplug.training.models import (
     ModelPreparationError,
     ValueModel,
     default_model_dir,

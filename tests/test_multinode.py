@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlplug.metrics import read_metrics_jsonl
-from rlplug.serving import free_port
+from rlplug.rollout.serving import free_port
+from rlplug.run.metrics import read_metrics_jsonl
 
 PY = sys.executable
 

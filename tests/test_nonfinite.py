@@ -6,7 +6,7 @@ response tokens with a poison value: NaN or inf (the loss is non-finite) or 1e30
 finite but the gradient norm overflows float32). The local backend must skip those optimizer
 steps (weights and Adam state untouched), count them in ``<role>/nonfinite_skipped`` and log the
 stage; ``trainer.max_consecutive_bad_steps`` skipped optimizer steps in a row stop the run with
-exit code 3 from ``rlplug.trainer.run``, and the checkpoints already written stay intact.
+exit code 3 from ``rlplug.run.trainer.run``, and the checkpoints already written stay intact.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 
 import rlplug
-from rlplug.checkpoint import CheckpointManager
-from rlplug.registry import get_registry
-from rlplug.trainer import Trainer, run
-from rlplug.types import AdvantageEstimator
+from rlplug.contracts.registry import get_registry
+from rlplug.contracts.types import AdvantageEstimator
+from rlplug.run.checkpoint import CheckpointManager
+from rlplug.run.trainer import Trainer, run
 
 BASE = TINY_CPU_RUN + [
     "actor.ppo_mini_batch_size=1",  # 2 optimizer steps per training step

@@ -1,4 +1,4 @@
-"""rlplug.objective: the actor and critic objectives as pure tensor functions.
+"""rlplug.algorithms.objective: the actor and critic objectives as pure tensor functions.
 
 Hand values (derivations in the comments), the truncated-IS weights' single owner (the objective
 computes them, the policy loss applies them), ``PolicyLoss.requires``, and bitwise equivalence
@@ -14,9 +14,9 @@ import torch
 from _helpers import fp32_atol
 
 import rlplug
-from rlplug.losses import agg_loss, agg_normalizer, masked_mean, value_loss
-from rlplug.objective import actor_input_fields, actor_objective, critic_objective, truncated_is_weights
-from rlplug.types import MissingInputError, PolicyLoss
+from rlplug.algorithms.losses import agg_loss, agg_normalizer, masked_mean, value_loss
+from rlplug.algorithms.objective import actor_input_fields, actor_objective, critic_objective, truncated_is_weights
+from rlplug.contracts.types import MissingInputError, PolicyLoss
 
 LN = math.log
 
@@ -368,7 +368,7 @@ def test_actor_input_fields():
 # --------------------------------------------------------------------------- the old closure, bitwise
 def _old_local_micro_loss(log_probs, entropy, tensors, *, policy_loss, kl_loss, cfg, mode, normalizer, mrl, reuse):
     """The ``micro_loss`` of ``LocalTrainingBackend.update_actor`` before the objective moved to
-    rlplug.objective (commit 47749ff), verbatim but for the names; the reference for the
+    rlplug.algorithms.objective (commit 47749ff), verbatim but for the names; the reference for the
     no-TIS path, which must stay bitwise identical."""
     entropy_coeff = float(cfg.get("entropy_coeff", 0.0))
     kl_coef = float(cfg.get("kl_loss_coef", 0.0))

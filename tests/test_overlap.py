@@ -8,7 +8,7 @@ import time
 import pytest
 from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, TINY_VOCAB, assert_updates_close, run_config, tiny_chain_terms
 
-from rlplug.trainer import Trainer
+from rlplug.run.trainer import Trainer
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])

@@ -13,15 +13,15 @@ import torch
 from _helpers import TINY_VOCAB, assert_updates_close, fp32_atol, tiny_chain_terms
 from omegaconf import OmegaConf
 
-from rlplug.config import RunConfig, TinyModelConfig
+from rlplug.config.schema import RunConfig, TinyModelConfig
 from rlplug.plugins.training.local import LocalTrainingBackend
-from rlplug.training import compile_decoder_layers
+from rlplug.training.backend import compile_decoder_layers
 
 FAULTS = textwrap.dedent(
     """
     import json, resource, sys
     import torch
-    from rlplug.host_memory import keep_freed_memory
+    from rlplug.base.host_memory import keep_freed_memory
     took = keep_freed_memory() if sys.argv[1] == "keep" else None
     for _ in range(3):  # warm-up: the heap may grow a block or two before it is big enough
         torch.empty(64 * 2**20 // 4).fill_(1.0)
@@ -62,7 +62,7 @@ def test_keep_freed_memory_stops_the_page_faults_of_reused_large_blocks() -> Non
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 
@@ -114,7 +114,7 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path) -> N
     # the same weights and micro-batch through the eager and the compiled backend: log-probs, values
     # and every gradient agree to float32 rounding (inductor reorders reductions, nothing else).
     # Under ATEN_CPU_CAPABILITY, conftest.py gives inductor a cache folder of its own.
-    from rlplug.batch import Batch
+    from rlplug.contracts.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 400, (3, 12), generator=g)
@@ -131,7 +131,7 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path) -> N
         lp = b.compute_log_probs(batch)["log_probs"]
         model = b.actor.model
         with b._autocast():
-            from rlplug.logprob import response_token_stats
+            from rlplug.algorithms.logprob import response_token_stats
 
             out = response_token_stats(model, batch.tensors, 5, temperature=0.8, with_entropy=True)
         (out["log_probs"].sum() + out["entropy"].sum()).backward()
@@ -155,7 +155,7 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(model_path) -> N
 def _critic_batch(rows: int, prompt: int, length: int):
     """A fresh critic-update batch of the tiny model (the same tensors on every call): ``rows`` x (``prompt`` + ``length``) tokens, left
     padding in row 0 and a shorter response in row 1 (when there are 3 or more rows), random returns."""
-    from rlplug.batch import Batch
+    from rlplug.contracts.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 400, (rows, prompt + length), generator=g)
@@ -184,7 +184,7 @@ def test_fused_adamw_is_the_default_where_supported_and_updates_as_the_loop(mode
     # and with the default for-loop implementation end at the same weights to float32 rounding. AdamW
     # eps = 1 keeps the update Lipschitz in the gradient (with eps = 1e-8 it is ~lr * sign(g): the
     # second step's rounding-level gradient differences are amplified where g is small).
-    from rlplug.training import fused_adamw_supported
+    from rlplug.training.backend import fused_adamw_supported
 
     weights = {}
     for fused in (None, False):

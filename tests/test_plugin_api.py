@@ -6,7 +6,7 @@
 * a tracker and a training backend built by a run get a :class:`rlplug.plugin.RunContext` with the
   run's directory and the step it resumed after (a tiny run of one step, then a resumed second step);
 * the older tracker factory forms (``factory(config)``, ``factory(config, resume_step=N)``) still work;
-* :func:`rlplug.plugin.fault_point` is the crash tests' hook and counts with ``rlplug.checkpoint``'s.
+* :func:`rlplug.plugin.fault_point` is the crash tests' hook and counts with ``rlplug.run.checkpoint``'s.
 """
 
 from __future__ import annotations
@@ -103,14 +103,14 @@ def test_plugins_import_the_plugin_api():
     [
         ("import rlplug\n", "plugins/x/a.py", ["plugins/x/a.py:1: import rlplug"]),
         (
-            "from rlplug.checkpoint import _fault_point\n",
+            "from rlplug.run.checkpoint import _fault_point\n",
             "plugins/x/a.py",
-            ["plugins/x/a.py:1: from rlplug.checkpoint import _fault_point (use rlplug.plugin)"],
+            ["plugins/x/a.py:1: from rlplug.run.checkpoint import _fault_point (use rlplug.plugin)"],
         ),
         (
-            "def f():\n    from rlplug.metrics import tracker_name\n",
+            "def f():\n    from rlplug.run.metrics import tracker_name\n",
             "contrib/p/a.py",
-            ["contrib/p/a.py:2: from rlplug.metrics import tracker_name (use rlplug.plugin)"],
+            ["contrib/p/a.py:2: from rlplug.run.metrics import tracker_name (use rlplug.plugin)"],
         ),
         (  # plugins/x/a.py is rlplug.plugins.x.a: three dots reach rlplug itself
             "from ...trainer import run_dir_for\n",
@@ -125,14 +125,14 @@ def test_plugins_import_the_plugin_api():
                 "plugins/x/a.py:1: from rlplug.plugin import nothing_such (not exported)",
             ],
         ),
-        ("import importlib\nimportlib.import_module('rlplug.trainer')\n", "plugins/x/a.py", None),
+        ("import importlib\nimportlib.import_module('rlplug.run.trainer')\n", "plugins/x/a.py", None),
         ("from rlplug.plugin import hookimpl, tracker_name\nfrom .rewards import f\n", "contrib/p/a.py", []),
     ],
 )
 def test_the_import_scan_finds_each_kind_of_violation(source, rel, expected):
     found = import_violations(source, ROOT / rel)
     if expected is None:
-        expected = [f"{rel}:2: import_module('rlplug.trainer')"]
+        expected = [f"{rel}:2: import_module('rlplug.run.trainer')"]
     assert found == expected
 
 
@@ -141,11 +141,11 @@ def test_the_import_scan_finds_each_kind_of_violation(source, rel, expected):
 
 def test_every_exported_name_resolves_to_its_source_object():
     import rlplug
-    import rlplug.checkpoint
-    import rlplug.faults
-    import rlplug.metrics
+    import rlplug.base.faults
+    import rlplug.run.checkpoint
+    import rlplug.run.metrics
     import rlplug.testing
-    import rlplug.training
+    import rlplug.training.backend
 
     names = rlplug.plugin.__all__
     assert len(names) == len(set(names)) and not [n for n in names if n.startswith("_")]
@@ -156,12 +156,12 @@ def test_every_exported_name_resolves_to_its_source_object():
     assert set(namespace) - {"__builtins__"} == set(names)
     # re-exports, not copies: the plugin API hands out the engine's own objects
     assert rlplug.plugin.hookimpl is rlplug.hookimpl
-    assert rlplug.plugin.TrainingBackendBase is rlplug.training.TrainingBackendBase
-    assert rlplug.plugin.tracker_name is rlplug.metrics.tracker_name
+    assert rlplug.plugin.TrainingBackendBase is rlplug.training.backend.TrainingBackendBase
+    assert rlplug.plugin.tracker_name is rlplug.run.metrics.tracker_name
     assert rlplug.plugin.make_batch is rlplug.testing.make_batch  # imported on first use
     assert rlplug.plugin.check_tracker is rlplug.testing.check_tracker
-    assert rlplug.plugin.fault_point is rlplug.faults.fault_point
-    assert rlplug.plugin.apply_umask is rlplug.checkpoint.apply_umask  # its old home keeps working
+    assert rlplug.plugin.fault_point is rlplug.base.faults.fault_point
+    assert rlplug.plugin.apply_umask is rlplug.run.checkpoint.apply_umask  # its old home keeps working
     with pytest.raises(AttributeError, match="no attribute 'run_dir_for'"):
         rlplug.plugin.run_dir_for  # noqa: B018 - the run layer's own helpers are not part of the API
 
@@ -190,8 +190,8 @@ def test_run_context_is_frozen_and_checked():
 
 
 def test_build_tracker_passes_the_run_context_to_factories_that_declare_run():
-    from rlplug.metrics import build_tracker
-    from rlplug.run_context import takes_run_context
+    from rlplug.base.run_context import takes_run_context
+    from rlplug.run.metrics import build_tracker
 
     run = RunContext(Path("/runs/r"), 5)
 
@@ -314,16 +314,16 @@ def test_the_packaged_trackers_use_the_run_context_they_are_given(tmp_path):
 
 
 def test_fault_point_of_the_plugin_api_is_the_crash_tests_hook(monkeypatch):
-    import rlplug.checkpoint
-    import rlplug.faults
+    import rlplug.base.faults
+    import rlplug.run.checkpoint
 
-    monkeypatch.setattr(rlplug.faults, "fault_counts", {})
-    monkeypatch.setattr(rlplug.checkpoint, "_fault_counts", rlplug.faults.fault_counts)
+    monkeypatch.setattr(rlplug.base.faults, "fault_counts", {})
+    monkeypatch.setattr(rlplug.run.checkpoint, "_fault_counts", rlplug.base.faults.fault_counts)
     monkeypatch.delenv(rlplug.plugin.FAULT_ENV, raising=False)
     rlplug.plugin.fault_point("myplugin_write")  # unset: nothing happens, nothing is counted
-    assert rlplug.faults.fault_counts == {}
+    assert rlplug.base.faults.fault_counts == {}
     monkeypatch.setenv("RLPLUG_TEST_KILL_AT", "myplugin_write:2:ENOSPC")
     rlplug.plugin.fault_point("myplugin_write")
     with pytest.raises(OSError, match=r"No space left on device \(RLPLUG_TEST_KILL_AT at myplugin_write:2\)"):
-        rlplug.checkpoint._fault_point("myplugin_write")  # the old name counts in the same place
-    assert rlplug.faults.fault_counts == {"myplugin_write": 2}
+        rlplug.run.checkpoint._fault_point("myplugin_write")  # the old name counts in the same place
+    assert rlplug.base.faults.fault_counts == {"myplugin_write": 2}

@@ -10,7 +10,7 @@ from _helpers import fp32_atol
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.losses import LOSS_AGG_MODES, agg_loss, agg_normalizer
+from rlplug.algorithms.losses import LOSS_AGG_MODES, agg_loss, agg_normalizer
 from rlplug.plugins.algorithms.policy_loss import dual_clip_policy_loss, vanilla_policy_loss
 
 LN = math.log

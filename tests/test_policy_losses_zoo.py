@@ -18,12 +18,12 @@ from _helpers import fp32_atol
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.compose import compose
-from rlplug.config import ActorConfig, ConfigError
-from rlplug.losses import LOSS_AGG_MODES, agg_normalizer
-from rlplug.objective import actor_objective
+from rlplug.algorithms.losses import LOSS_AGG_MODES, agg_normalizer
+from rlplug.algorithms.objective import actor_objective
+from rlplug.config.compose import compose
+from rlplug.config.schema import ActorConfig, ConfigError
+from rlplug.run.validate import validate_config
 from rlplug.testing import check_policy_loss
-from rlplug.validate import validate_config
 
 LN = math.log
 NEW_LOSSES = ("gspo", "sapo", "gpg", "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl")

@@ -1,4 +1,4 @@
-"""``auto`` compute dtype: bf16 only where bf16 matmuls are fast (rlplug.precision)."""
+"""``auto`` compute dtype: bf16 only where bf16 matmuls are fast (rlplug.base.precision)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 from omegaconf import OmegaConf
 
 from rlplug import precision
-from rlplug.compose import compose
-from rlplug.config import ConfigError, RunConfig
-from rlplug.models import tiny_model_dir
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, RunConfig
 from rlplug.plugins.rollout.hf import HFRollout
 from rlplug.plugins.training.local import LocalTrainingBackend
-from rlplug.validate import validate_config
+from rlplug.run.validate import validate_config
+from rlplug.training.models import tiny_model_dir
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_the_real_probe_matches_the_cpu_flags() -> None:
 
 
 def test_explicit_bf16_on_a_slow_cpu_warns_once(slow_bf16, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="rlplug.precision"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.base.precision"):
         assert precision.resolve_dtype("bf16", "cpu", "rollout.dtype") == "bf16"
         assert precision.resolve_dtype("bf16", "cpu", "rollout.dtype") == "bf16"
     warnings = [r.getMessage() for r in caplog.records if "100x slower" in r.getMessage()]
@@ -80,7 +80,7 @@ def test_backends_compute_in_fp32_on_a_slow_cpu_and_bf16_on_a_fast_one(slow_bf16
     path = str(tiny_model_dir(compose(["model=tiny"]).model.tiny))
     cfg = OmegaConf.structured(RunConfig)
     cfg.model.source, cfg.trainer.device = "tiny", "cpu"
-    from rlplug.models import load_tokenizer
+    from rlplug.training.models import load_tokenizer
 
     tok = load_tokenizer(path)
     with HFRollout(cfg, path, tok) as rollout:

@@ -34,7 +34,7 @@ def test_the_page_has_these_examples():
         "import rlplug",
         "import rlplug",
         "import rlplug",
-        "from rlplug.reward_contract import as_reward_function",
+        "from rlplug.contracts.reward_contract import as_reward_function",
     ]
 
 

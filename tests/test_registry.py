@@ -12,7 +12,7 @@ import pluggy
 import pytest
 
 import rlplug
-from rlplug.registry import (
+from rlplug.contracts.registry import (
     KINDS,
     PluginConflictError,
     PluginLoadError,
@@ -22,7 +22,7 @@ from rlplug.registry import (
     get_registry,
     plugin_names,
 )
-from rlplug.types import AdvantageEstimator
+from rlplug.contracts.types import AdvantageEstimator
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -72,7 +72,7 @@ def test_register_and_lookup(rlplug_registry):
 
 
 class _NullTracker:
-    """A tracker that conforms to rlplug.types.Tracker (the registry checks it when resolved)."""
+    """A tracker that conforms to rlplug.contracts.types.Tracker (the registry checks it when resolved)."""
 
     def __init__(self, config=None): ...
     def log_params(self, params): ...  # noqa: E704

@@ -1,4 +1,4 @@
-"""Rollout replicas (``rollout.server_urls`` / ``rollout.num_replicas``, :mod:`rlplug.replicas`) on loopback.
+"""Rollout replicas (``rollout.server_urls`` / ``rollout.num_replicas``, :mod:`rlplug.rollout.replicas`) on loopback.
 
 Two fake servers (tests/fake_sglang_server.py, which speaks both the SGLang and the vLLM protocol),
 started by rlplug (``rollout.num_replicas=2`` with ``rollout.server_cmd``) or by the test (external
@@ -32,9 +32,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from rlplug.compose import compose
-from rlplug.serving import ServerError, free_port, server_urls
-from rlplug.types import SamplingParams
+from rlplug.config.compose import compose
+from rlplug.contracts.types import SamplingParams
+from rlplug.rollout.serving import ServerError, free_port, server_urls
 
 torch.set_num_threads(1)
 
@@ -171,8 +171,8 @@ def test_server_urls_alias_and_errors(model_dir) -> None:
 
 
 def test_the_replica_metrics_are_declared_for_alert_rules() -> None:
-    from rlplug.config import ConfigError
-    from rlplug.validate import validate_config
+    from rlplug.config.schema import ConfigError
+    from rlplug.run.validate import validate_config
 
     rule = "trainer.alerts=[{name:replica_lost,metric:rollout/live_replicas,min:2,action:warn}]"
     validate_config(compose(["debug=tiny", "rollout=sglang", "rollout.server_url=http://127.0.0.1:1", rule]))
@@ -184,7 +184,7 @@ def test_the_replica_metrics_are_declared_for_alert_rules() -> None:
 
 
 def test_acquire_routes_to_the_fewest_in_flight_then_the_fewest_sent() -> None:
-    from rlplug.replicas import Replica, ReplicaSet
+    from rlplug.rollout.replicas import Replica, ReplicaSet
 
     reps = [Replica(i, f"http://127.0.0.1:{9000 + i}", external=True) for i in range(2)]
     rs = ReplicaSet(
@@ -312,7 +312,7 @@ def test_external_replica_dying_is_dropped_rejoins_and_all_dead_is_a_clear_error
         want = [expected(p, 5) for p in PROMPTS for _ in range(2)]
         result: dict = {}
         t = threading.Thread(target=lambda: result.update(out=b.generate(PROMPTS, params)))
-        with caplog.at_level(logging.WARNING, logger="rlplug.serving"):
+        with caplog.at_level(logging.WARNING, logger="rlplug.rollout.serving"):
             t.start()
             assert wait_until(lambda: sum(r["pid"] == a.proc.pid for r in requests_log(log, "/generate")) >= 4, 30)
             a.kill()
@@ -365,9 +365,9 @@ def test_trainer_logs_replica_metrics_and_goes_on_when_a_replica_dies(tmp_path) 
     (once): step 2 re-sends its request, the replica is restarted, and both steps log the counters."""
     from omegaconf import OmegaConf
 
-    from rlplug.metrics import read_metrics_jsonl
-    from rlplug.trainer import Trainer
-    from rlplug.validate import validate_config
+    from rlplug.run.metrics import read_metrics_jsonl
+    from rlplug.run.trainer import Trainer
+    from rlplug.run.validate import validate_config
 
     log, once = tmp_path / "requests.jsonl", tmp_path / "died"
     cfg = compose(
@@ -418,9 +418,9 @@ def test_trainer_logs_replica_metrics_and_goes_on_when_a_replica_dies(tmp_path) 
 def test_two_real_vllm_servers_match_the_inprocess_greedy_and_both_get_weights() -> None:  # pragma: no cover - slow
     """Two vLLM servers (rollout.num_replicas=2) on the tiny model: greedy outputs equal the HF rollout's,
     the requests are spread over both, and a weight push reaches both (all outputs change the same way)."""
-    from rlplug.models import load_tokenizer, resolve_model_path
     from rlplug.plugins.rollout.hf import HFRollout
     from rlplug.plugins.rollout.vllm import create_vllm_rollout
+    from rlplug.training.models import load_tokenizer, resolve_model_path
 
     cfg = compose(
         [

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _helpers import TINY_CPU_RUN, fit, run_config
 
-from rlplug.report import (
+from rlplug.run.report import (
     FIGURES,
     REPORT_FILE,
     VALIDATION_SAMPLES_FILE,
@@ -201,7 +201,7 @@ def test_the_report_renders_in_a_real_browser(report):
 
 
 def test_metrics_of_the_run_are_in_the_report_table(report, run_dir):
-    from rlplug.metrics import read_metrics_jsonl
+    from rlplug.run.metrics import read_metrics_jsonl
 
     last = read_metrics_jsonl(run_dir)[-1]
     page = report.read_text()
@@ -211,7 +211,7 @@ def test_metrics_of_the_run_are_in_the_report_table(report, run_dir):
 
 
 def test_overwrite_moves_the_samples_aside_with_the_metric_log(tmp_path):
-    from rlplug.checkpoint import CheckpointManager, set_aside_checkpoints
+    from rlplug.run.checkpoint import CheckpointManager, set_aside_checkpoints
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "wall_time": 1.0}\n')
     log_validation_samples(_Trackers(main=True), tmp_path, [{"prompt": "old run"}], 1)

@@ -31,10 +31,10 @@ import torch
 from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, run_config
 
 import rlplug
-from rlplug.checkpoint import CheckpointManager
-from rlplug.registry import get_registry
-from rlplug.trainer import Trainer
-from rlplug.types import AdvantageEstimator
+from rlplug.contracts.registry import get_registry
+from rlplug.contracts.types import AdvantageEstimator
+from rlplug.run.checkpoint import CheckpointManager
+from rlplug.run.trainer import Trainer
 
 BASE = TINY_CPU_RUN + [  # on CPU: bitwise comparisons need its deterministic kernels
     "actor.ppo_mini_batch_size=1",
@@ -209,7 +209,7 @@ def test_resume_path_from_an_older_checkpoint_replays_the_same_steps(tmp_path):
 
 
 def test_resume_path_to_an_incomplete_checkpoint_is_a_config_error(tmp_path):
-    from rlplug.config import ConfigError
+    from rlplug.config.schema import ConfigError
 
     partial = tmp_path / "global_step_1.partial-1"
     partial.mkdir(parents=True)
@@ -229,16 +229,16 @@ def test_resume_path_to_an_incomplete_checkpoint_is_a_config_error(tmp_path):
 def test_training_starts_from_the_seeded_rng_state_whatever_construction_draws(tmp_path, monkeypatch):
     """Libraries may draw from the global RNGs while the trainer builds things (the first tokenizer
     load in a process changes Python's ``random`` state): the run must not depend on that."""
-    import rlplug.models
-    from rlplug.checkpoint import rng_state, seed_everything
+    import rlplug.training.models
+    from rlplug.run.checkpoint import rng_state, seed_everything
 
-    real_load = rlplug.models.load_tokenizer
+    real_load = rlplug.training.models.load_tokenizer
 
     def load_tokenizer_that_draws(*args, **kwargs):
         random.random(), np.random.rand(), torch.rand(1)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(rlplug.models, "load_tokenizer", load_tokenizer_that_draws)
+    monkeypatch.setattr(rlplug.training.models, "load_tokenizer", load_tokenizer_that_draws)
     cfg = run_config(BASE, tmp_path, "algorithm=grpo", "rollout.n=2", "trainer.seed=7", validate=False)
     trainer = Trainer(cfg)
     try:

@@ -8,7 +8,7 @@ scheduler's saved rates won over the config, silently.
 Runs are in-process (``Trainer(cfg).fit()``), the tiny 1-layer model, hf rollout, local backend
 (``fsdp2`` on one in-process rank for its own load path), as in ``tests/test_resume.py``. A module
 fixture trains each base run once; every test resumes a copy of its run directory. Expected values
-are derived by hand in the comments (the LR schedule: :func:`rlplug.training.build_lr_lambda`).
+are derived by hand in the comments (the LR schedule: :func:`rlplug.training.backend.build_lr_lambda`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch
 from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, run_config
 
 import rlplug
-from rlplug.checkpoint import CheckpointManager, open_run_dir
-from rlplug.config import ConfigError
-from rlplug.registry import get_registry
-from rlplug.trainer import Trainer
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.registry import get_registry
+from rlplug.run.checkpoint import CheckpointManager, open_run_dir
+from rlplug.run.trainer import Trainer
 
 BASE = TINY_CPU_RUN + [  # CPU: deterministic kernels, so an unchanged resume is bitwise the same
     "algorithm=ppo",
@@ -266,12 +266,12 @@ def test_a_scale_lr_alert_in_force_at_the_checkpoint_is_kept_on_the_new_base(tmp
     ],
 )
 def test_a_setting_a_resume_cannot_change_is_refused_naming_it(ppo_run, tmp_path, monkeypatch, override, old, new):
-    import rlplug.models
+    import rlplug.training.models
 
     key = override.split("=")[0]
     run_dir = _copy(ppo_run, tmp_path, "run")
     cfg = run_config(BASE + ["trainer.total_training_steps=4", override], run_dir, validate=False)
-    monkeypatch.setattr(rlplug.models, "load_tokenizer", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(rlplug.training.models, "load_tokenizer", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(ConfigError) as info:
         Trainer(cfg)
     msg = str(info.value)
@@ -320,7 +320,7 @@ def test_following_the_alert_stop_advice_lowers_the_learning_rate_on_resume(tmp_
     """README, exit code 5: a trainer.alerts stop rule saves and stops; its message says to lower the learning
     rate and rerun the command. Done literally (the override it prints added to the same command), the resumed
     step trains at that rate."""
-    from rlplug.trainer import run
+    from rlplug.run.trainer import run
 
     guard = ["trainer.alerts=[{name:guard,metric:actor/grad_norm,max:1.0e-12,action:stop}]"]  # fires at step 1
     command = BASE + guard + ["trainer.total_training_steps=3"]
@@ -346,8 +346,8 @@ def test_following_the_alert_stop_advice_lowers_the_learning_rate_on_resume(tmp_
 def test_the_exit_code_3_message_gives_the_override_to_resume_with(tmp_path):
     from omegaconf import OmegaConf
 
-    from rlplug.exit_codes import TrainingStopped
-    from rlplug.trainer import check_bad_steps
+    from rlplug.base.exit_codes import TrainingStopped
+    from rlplug.run.trainer import check_bad_steps
 
     cfg = OmegaConf.create({"actor": {"optim": {"lr": 1e-4}}, "trainer": {"max_consecutive_bad_steps": 2}})
     with pytest.raises(TrainingStopped) as info:
@@ -364,7 +364,7 @@ def test_the_exit_code_3_message_gives_the_override_to_resume_with(tmp_path):
 def _backend(cls, **overrides):
     import fsdp2_worker as W
 
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     cfg = W.make_cfg(**{"trainer.backend": "local", **overrides})
     return cls(cfg, str(tiny_model_dir(cfg.model.tiny)), use_critic=True, use_ref=False, total_steps=4)
@@ -425,7 +425,7 @@ def test_fsdp2_on_two_ranks_applies_a_new_actor_lr_on_resume(tmp_path):
     import subprocess
     import sys
 
-    from rlplug.metrics import read_metrics_jsonl
+    from rlplug.run.metrics import read_metrics_jsonl
 
     run_dir = tmp_path / "run"
     common = [

@@ -17,14 +17,14 @@ import torch
 from _helpers import TINY_CPU_RUN, fit, run_config
 
 import rlplug
-from rlplug.batch import Batch, estimate_on_rows, rows_left_out
-from rlplug.checkpoint import CheckpointManager
-from rlplug.exit_codes import ExitCode
-from rlplug.metrics import step_metrics
-from rlplug.registry import Registry, get_registry
-from rlplug.reward import FAILED, RewardFailureGuard, RewardManager, scored_rows
-from rlplug.trainer import run
-from rlplug.types import AdvantageEstimator, RolloutOutput
+from rlplug.base.exit_codes import ExitCode
+from rlplug.contracts.batch import Batch, estimate_on_rows, rows_left_out
+from rlplug.contracts.registry import Registry, get_registry
+from rlplug.contracts.types import AdvantageEstimator, RolloutOutput
+from rlplug.rewards.manager import FAILED, RewardFailureGuard, RewardManager, scored_rows
+from rlplug.run.checkpoint import CheckpointManager
+from rlplug.run.metrics import step_metrics
+from rlplug.run.trainer import run
 
 # ----------------------------------------------------------------------------- reward functions
 
@@ -162,7 +162,7 @@ def test_the_guard_counts_steps_without_a_scored_response_and_stops_at_the_limit
     assert guard.allows_update(none, 3, "first") is False
     restored = RewardFailureGuard(limit=2)
     restored.load_state_dict(guard.state_dict())
-    with pytest.raises(rlplug.exit_codes.RewardFailuresStopped, match=r"2 steps in a row.*First error: first"):
+    with pytest.raises(rlplug.base.exit_codes.RewardFailuresStopped, match=r"2 steps in a row.*First error: first"):
         restored.allows_update(none, 4, "second")
 
 
@@ -300,8 +300,8 @@ def test_remax_with_failing_rewards_never_sees_a_failed_baseline(tmp_path, rewar
 
 
 def test_the_in_reward_kl_counts_scored_responses_and_a_skipped_step_leaves_the_controller():
-    from rlplug.kl_control import make_kl_controller
-    from rlplug.trainer import token_level_rewards
+    from rlplug.algorithms.kl_control import make_kl_controller
+    from rlplug.run.trainer import token_level_rewards
 
     kl = get_registry().get("kl_penalty", "kl")
     batch = _batch([1.0, 1.0], [0, 0], T=2)

@@ -1,6 +1,6 @@
 """Reward faults in worker processes (issue 21): a reward that hangs, a worker killed with SIGKILL.
 
-Every call goes to one worker of :class:`rlplug.reward.RewardWorkerPool`, so a fault fails its own
+Every call goes to one worker of :class:`rlplug.rewards.manager.RewardWorkerPool`, so a fault fails its own
 sample only: that sample gets ``reward.fallback_score`` and is counted (``reward/failures``,
 ``reward/timeouts``, ``reward/worker_restarts``), every other sample gets its real score, and no
 sample is scored twice or dropped. The reward functions below append the response they score to
@@ -22,9 +22,9 @@ import torch
 from _helpers import TINY_CPU_RUN, fit, run_config
 
 import rlplug
-from rlplug.batch import Batch, estimate_on_rows
-from rlplug.registry import Registry, get_registry
-from rlplug.reward import FAILED, RewardFailureGuard, RewardManager, RewardWorkerPool, scored_rows
+from rlplug.contracts.batch import Batch, estimate_on_rows
+from rlplug.contracts.registry import Registry, get_registry
+from rlplug.rewards.manager import FAILED, RewardFailureGuard, RewardManager, RewardWorkerPool, scored_rows
 from rlplug.testing import REWARD_COMPONENT_NAMES, algorithm_config, make_batch
 
 
@@ -294,7 +294,7 @@ def test_a_call_that_started_is_never_sent_again_even_when_its_report_is_read_la
     """The parent polls a worker's pipe while the call is still unpickling (nothing to read), is held up,
     and meanwhile the worker reports starting, runs the call and dies. Its report is still in the pipe:
     the call ran, so it fails once and is not sent to the replacement (a second run would log it twice)."""
-    import rlplug.reward as reward_mod
+    import rlplug.rewards.manager as reward_mod
 
     log = tmp_path / "calls.txt"
     real_poll = reward_mod._poll

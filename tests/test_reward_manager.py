@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from rlplug.contracts.registry import Registry
 from rlplug.plugins.rewards import rules as packaged
-from rlplug.registry import Registry
-from rlplug.reward import RewardConfigError, RewardManager
+from rlplug.rewards.manager import RewardConfigError, RewardManager
 
 # Test reward functions live at module level so worker processes can import them by reference.
 
@@ -175,7 +175,7 @@ def test_raising_and_nonfinite_rewards_get_fallback_are_counted_and_logged_once(
     reg = registry_with(raises=raises, nan_reward=nan_reward)
     m = RewardManager(cfg(reward_fn_map={"r": "raises", "n": "nan_reward"}, fallback_score=-1.0), registry=reg)
     rows = [{"data_source": "r", "ground_truth": ""}] * 3 + [{"data_source": "n", "ground_truth": ""}] * 3
-    with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.rewards.manager"):
         scores, extra, metrics = m.score(rows, ["boom", "ok", "boom", "nan", "inf", "ok"])
         m.score(rows[:1], ["boom"])  # same message again: not logged again
     assert scores == [-1.0, 1.0, -1.0, -1.0, -1.0, 1.0]
@@ -283,7 +283,7 @@ def test_unpicklable_reward_in_pool_is_a_counted_failure_with_advice(caplog):
         cfg(default="lam", num_workers=1), registry=registry_with(lam=lambda *a, **k: 1.0), start_method="fork"
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
+        with caplog.at_level(logging.WARNING, logger="rlplug.rewards.manager"):
             scores, _, metrics = m.score([{"data_source": "s", "ground_truth": ""}], ["x"])
         assert scores == [0.0] and metrics["reward/failures"] == 1.0
         assert any("module-level" in r.getMessage() and "num_workers=0" in r.getMessage() for r in caplog.records)
@@ -294,7 +294,7 @@ def test_unpicklable_reward_in_pool_is_a_counted_failure_with_advice(caplog):
 def test_score_async_scores_on_one_background_thread_and_close_waits_for_it():
     import threading
 
-    from rlplug.reward import components_tensor
+    from rlplug.rewards.manager import components_tensor
 
     m = RewardManager(cfg(default="exact"), registry=registry_with(exact=exact))
     rows = [{"data_source": "x", "ground_truth": "4"}, {"data_source": "x", "ground_truth": "5"}]
@@ -334,7 +334,7 @@ def test_score_async_scores_on_one_background_thread_and_close_waits_for_it():
 
 
 def test_components_tensor_marks_unreported_values_nan():
-    from rlplug.reward import components_tensor
+    from rlplug.rewards.manager import components_tensor
 
     t, names = components_tensor({"acc": [1.0, 0.0], "format": [math.nan, 1.0], "other": [None, 2.5]}, 2)
     assert names == ("acc", "format", "other")

@@ -20,19 +20,19 @@ import torch
 from _helpers import TINY_CPU_RUN, fit, fp32_atol, run_config
 from omegaconf import OmegaConf
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.losses import compute_token_level_scores
-from rlplug.pairs import build_pairs, corrected_answer, read_pairs, reference_answer, write_pairs
-from rlplug.reward import RewardManager, validation_reward
-from rlplug.reward_model import (
+from rlplug.algorithms.losses import compute_token_level_scores
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.rewards.manager import RewardManager, validation_reward
+from rlplug.rewards.pairs import build_pairs, corrected_answer, read_pairs, reference_answer, write_pairs
+from rlplug.rewards.reward_model import (
     RewardModelError,
     RewardModelFunction,
     check_reward_model_config,
     check_reward_model_folder,
     shaping_entries,
 )
-from rlplug.rm_train import train_reward_model
+from rlplug.training.rm_train import train_reward_model
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
 CORPUS = ["What is 2 + 3 ?", "#### 5", "#### 4", "good answer", "bad answer", "the sum is", "Calculate 37 - 5."] * 20
@@ -257,17 +257,17 @@ def test_validation_keeps_the_rule_reward_unless_val_reward_model(rm_dir):
 
 
 def test_a_tiny_run_trains_on_the_reward_model_and_validates_with_the_rules(rm_dir, tmp_path, monkeypatch):
-    import rlplug.evaluate
+    import rlplug.run.evaluate
 
     seen = []  # (validation's reward manager, its scored responses)
-    real = rlplug.evaluate.score_responses
+    real = rlplug.run.evaluate.score_responses
 
     def spy(rows, generate, decode, reward, **kw):
         out = real(rows, generate, decode, reward, **kw)
         seen.append((reward, out))
         return out
 
-    monkeypatch.setattr(rlplug.evaluate, "score_responses", spy)
+    monkeypatch.setattr(rlplug.run.evaluate, "score_responses", spy)
     cfg = run_config(
         TINY_CPU_RUN,
         tmp_path / "run",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rlplug.contracts.registry import Registry
 from rlplug.plugins.rewards.judge import close_judges, judge
-from rlplug.registry import Registry
-from rlplug.reward import RewardManager
+from rlplug.rewards.manager import RewardManager
 
 HERE = Path(__file__).parent
 
@@ -39,7 +39,7 @@ class SlowStart:
 
 def tiny_run_cfg(run_dir, *extra: str):
     """A one-step tiny PPO run in ``run_dir`` (console only, one thread), with Hydra overrides ``extra``."""
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
 
     return compose(
         [
@@ -133,7 +133,7 @@ def test_a_failing_prepare_raises_unchanged_and_unused_functions_are_not_started
 
 def test_the_trainer_prepares_its_reward_managers_at_setup_before_any_rollout(tmp_path, monkeypatch):
     """A reward function that cannot start fails the run at setup, and the trainer closes what it built."""
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     cfg = tiny_run_cfg(tmp_path)
     calls: list[str] = []

@@ -20,11 +20,11 @@ import textwrap
 import pytest
 from omegaconf import OmegaConf
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError, map_entry_override, open_map_fields, rewrite_overrides
-from rlplug.registry import Registry
-from rlplug.reward import FileRewardFunction, RewardConfigError, RewardManager, load_custom_reward_function
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, map_entry_override, open_map_fields, rewrite_overrides
+from rlplug.contracts.registry import Registry
+from rlplug.rewards.manager import FileRewardFunction, RewardConfigError, RewardManager, load_custom_reward_function
+from rlplug.run.validate import validate_config
 
 DEFAULT_MAP = {
     "openai/gsm8k": "gsm8k",
@@ -123,7 +123,7 @@ def test_unknown_key_explanation_never_suggests_an_existing_key():
     # sends for maps): before, both ended in "Did you mean '<that same key>'?"
     from hydra.errors import ConfigCompositionException
 
-    from rlplug.compose import explain_compose_error as _explain_compose_error
+    from rlplug.config.compose import explain_compose_error as _explain_compose_error
 
     def explain(key):
         return _explain_compose_error(ConfigCompositionException(f"Could not override '{key}'."))
@@ -202,7 +202,7 @@ def test_precedence_custom_then_map_then_default(reward_file, caplog):
     m = RewardManager(
         section(reward_fn_map={"mapped": "second"}, default="first", custom_reward_function=crf), registry=reg
     )
-    with caplog.at_level(logging.INFO, logger="rlplug.reward"):
+    with caplog.at_level(logging.INFO, logger="rlplug.rewards.manager"):
         scores, extra, _ = m.score(rows, ["abc", "abc"])
     assert scores == [6.0, 6.0] and extra["acc"] == [0.0, 0.0]
     assert m.fn_name_for("anything") == "custom_reward_function(my_reward.py:compute_score)"
@@ -224,7 +224,7 @@ def test_one_line_per_data_source_says_which_function_and_why(caplog):
         section(reward_fn_map={"a/b": "second"}, default="first", shaping=[{"name": "first", "weight": 0.5}]),
         registry=registry(),
     )
-    with caplog.at_level(logging.INFO, logger="rlplug.reward"):
+    with caplog.at_level(logging.INFO, logger="rlplug.rewards.manager"):
         m.check_data_sources({"a/b", "c"})
         m.check_data_sources({"a/b", "c"})  # already reported: nothing new
     assert [r.getMessage() for r in caplog.records] == [
@@ -237,7 +237,7 @@ def test_one_line_per_data_source_says_which_function_and_why(caplog):
 def test_shadowed_default_warns_once_with_the_winning_mapping_and_a_fix_that_composes(caplog):
     # before: reward.default=my_reward was accepted and silently did nothing for mapped sources
     m = RewardManager(section(reward_fn_map={"openai/gsm8k": "second"}, default="first"), registry=registry())
-    with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.rewards.manager"):
         m.check_data_sources({"openai/gsm8k"})
         m.check_data_sources({"openai/gsm8k"})
     (msg,) = [r.getMessage() for r in caplog.records]
@@ -251,7 +251,7 @@ def test_shadowed_default_warns_once_with_the_winning_mapping_and_a_fix_that_com
     assert compose([fix]).reward.reward_fn_map["openai/gsm8k"] == "first"
     # a default that some source reaches: no warning
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.rewards.manager"):
         RewardManager(section(reward_fn_map={"a": "second"}, default="first"), registry=registry()).check_data_sources(
             {"a", "b"}
         )
@@ -262,7 +262,7 @@ def test_kwargs_for_a_function_nothing_uses_are_reported(caplog):
     m = RewardManager(
         section(reward_fn_map={"a": "first"}, kwargs={"second": {"bonus": 1.0}, "first": {}}), registry=registry()
     )
-    with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.rewards.manager"):
         m.check_data_sources({"a"})
     assert [r.getMessage() for r in caplog.records] == [
         "reward.kwargs.second is set but no data source or reward.shaping entry uses the reward function second "
@@ -274,7 +274,7 @@ def test_kwargs_for_a_function_nothing_uses_are_reported(caplog):
         section(reward_fn_map={"a": "first"}, kwargs={"second": {"bonus": 1.0}}, shaping=[{"name": "second"}]),
         registry=registry(),
     )
-    with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.rewards.manager"):
         assert m.score([{"data_source": "a", "ground_truth": ""}], ["x"])[0] == [1.0 + 3.0]
     assert caplog.records == []
 
@@ -358,13 +358,13 @@ def test_a_default_equal_to_every_winning_function_is_not_reported(caplog):
     cfg = compose(["reward=math_verify", "reward.shaping=[]"])
     reg = Registry(load_entry_points=False)
     reg.register("reward_function", "math_verify", _first)
-    with caplog.at_level(logging.WARNING, logger="rlplug.reward"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.rewards.manager"):
         RewardManager(cfg.reward, registry=reg).check_data_sources({"basic_arithmetic", "openai/gsm8k"})
     assert caplog.records == []
 
 
 def test_a_custom_file_function_declared_binary_reports_an_accuracy(tmp_path):
-    from rlplug.reward import ACC_REPORTED
+    from rlplug.rewards.manager import ACC_REPORTED
 
     path = tmp_path / "binary_reward.py"
     path.write_text(

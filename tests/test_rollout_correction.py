@@ -1,6 +1,6 @@
 """Rollout correction (verl's ``algorithm.rollout_correction``) and the ``bypass_mode`` loss (issue 16).
 
-Hand-derived weights, rejection masks and metrics of :mod:`rlplug.rollout_correction`; the config
+Hand-derived weights, rejection masks and metrics of :mod:`rlplug.algorithms.rollout_correction`; the config
 checks; the ``actor.rollout_is_threshold`` alias against the per-micro-batch path it replaced; the
 ``bypass_mode`` loss against the two-pass update; tiny runs with the correction and with bypass mode.
 
@@ -17,12 +17,7 @@ from _helpers import TINY_CPU_RUN, TINY_VOCAB, fit, fp32_atol, run_config, tiny_
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.batch import Batch
-from rlplug.compose import compose
-from rlplug.config import ConfigError, RunConfig, TinyModelConfig
-from rlplug.conformance import check_policy_loss
-from rlplug.registry import get_registry
-from rlplug.rollout_correction import (
+from rlplug.algorithms.rollout_correction import (
     apply_rollout_correction,
     compute_rollout_correction,
     offpolicy_metrics,
@@ -32,8 +27,13 @@ from rlplug.rollout_correction import (
     rollout_rejection_mask,
     use_rollout_log_probs_as_old,
 )
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, RunConfig, TinyModelConfig
+from rlplug.conformance import check_policy_loss
+from rlplug.contracts.batch import Batch
+from rlplug.contracts.registry import get_registry
+from rlplug.run.validate import plan_batch, validate_config
 from rlplug.testing import reduction_tolerance
-from rlplug.validate import plan_batch, validate_config
 
 LN = math.log
 RC = "algorithm.rollout_correction"
@@ -325,7 +325,7 @@ B, P, T, N = 8, 5, 6, 2
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 
@@ -479,8 +479,8 @@ class _Metrics:
 
 
 def _run(tmp_path, *extra: str) -> list[dict[str, float]]:
-    import rlplug.step_pipeline
-    from rlplug.step_pipeline import SyncStepPipeline
+    import rlplug.run.step_pipeline
+    from rlplug.run.step_pipeline import SyncStepPipeline
 
     cfg = run_config(
         [*TINY_CPU_RUN, "trainer.total_training_steps=2", "trainer.logger=[]", "rollout.calculate_log_probs=true"],
@@ -493,7 +493,7 @@ def _run(tmp_path, *extra: str) -> list[dict[str, float]]:
     calls: list[str] = []
     magnitudes: list[float] = []
     original = SyncStepPipeline.old_log_probs
-    as_old = rlplug.step_pipeline.use_rollout_log_probs_as_old
+    as_old = rlplug.run.step_pipeline.use_rollout_log_probs_as_old
 
     def counting(self, trainer, batch, metrics):
         calls.append("old")
@@ -505,11 +505,11 @@ def _run(tmp_path, *extra: str) -> list[dict[str, float]]:
 
     try:
         SyncStepPipeline.old_log_probs = counting  # type: ignore[method-assign]
-        rlplug.step_pipeline.use_rollout_log_probs_as_old = recording
+        rlplug.run.step_pipeline.use_rollout_log_probs_as_old = recording
         assert fit(cfg) == "finished"
     finally:
         SyncStepPipeline.old_log_probs = original  # type: ignore[method-assign]
-        rlplug.step_pipeline.use_rollout_log_probs_as_old = as_old
+        rlplug.run.step_pipeline.use_rollout_log_probs_as_old = as_old
         pm.unregister(seen)
     for m in seen.steps:
         m["_old_log_prob_passes"] = float(len(calls))
@@ -582,8 +582,8 @@ def test_bypass_mode_loss_reads_the_actor_rollout_is_threshold_alias():
 
 
 def test_a_third_party_bypass_loss_is_recognised_by_its_attribute_not_its_name():
-    from rlplug.rollout_correction import validate_rollout_correction
-    from rlplug.types import PolicyLoss
+    from rlplug.algorithms.rollout_correction import validate_rollout_correction
+    from rlplug.contracts.types import PolicyLoss
 
     assert get_registry().get("policy_loss", "bypass_mode").bypass_mode is True
     assert PolicyLoss(lambda *a, **k: None).bypass_mode is False

@@ -9,10 +9,10 @@ import torch
 from _helpers import PROMPTS, TINY_VOCAB, fp32_atol, manual_greedy, reference_log_probs, tiny_chain_terms
 
 import rlplug
-from rlplug.compose import compose
-from rlplug.models import load_causal_lm
+from rlplug.config.compose import compose
+from rlplug.contracts.types import SamplingParams
 from rlplug.plugins.rollout.hf import HFRollout, create_hf_rollout
-from rlplug.types import SamplingParams
+from rlplug.training.models import load_causal_lm
 
 torch.set_num_threads(1)
 

@@ -17,10 +17,10 @@ import torch
 from _helpers import PROMPTS, TINY_VOCAB, fp32_atol, manual_greedy, reference_log_probs, tiny_chain_terms
 
 import rlplug
-from rlplug.compose import compose
-from rlplug.models import load_causal_lm, resolve_model_path
+from rlplug.config.compose import compose
+from rlplug.contracts.types import SamplingParams
 from rlplug.plugins.rollout.vllm import EngineError
-from rlplug.types import SamplingParams
+from rlplug.training.models import load_causal_lm, resolve_model_path
 
 pytestmark = [
     pytest.mark.vllm,

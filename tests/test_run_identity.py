@@ -3,7 +3,7 @@
 * Presets do not leak: ``rlplug train algorithm=grpo`` gets a run directory of its own (the default
   experiment no longer names it ``ppo_arithmetic``) and no critic warm-up (it comes with the PPO
   presets; ``critic_warmup > 0`` without a critic is a config error).
-* Every checkpoint records a :func:`rlplug.checkpoint.run_fingerprint`; resuming one written by
+* Every checkpoint records a :func:`rlplug.run.checkpoint.run_fingerprint`; resuming one written by
   another algorithm, reward, model or data is refused before any model loads, naming the keys.
 * A fresh start (``trainer.resume_mode=disable``) in a directory that holds checkpoints is refused
   unless ``trainer.overwrite=true``, which moves them aside; resume and ``rlplug export`` follow
@@ -25,7 +25,9 @@ import torch
 from _helpers import TINY_CPU_RUN, fit, run_config
 from safetensors.torch import load_file
 
-from rlplug.checkpoint import (
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.run.checkpoint import (
     FINGERPRINT_FILE,
     LATEST,
     CheckpointManager,
@@ -34,10 +36,8 @@ from rlplug.checkpoint import (
     run_fingerprint,
     set_aside_checkpoints,
 )
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.trainer import Trainer, run_dir_for
-from rlplug.validate import validate_config
+from rlplug.run.trainer import Trainer, run_dir_for
+from rlplug.run.validate import validate_config
 
 PPO = TINY_CPU_RUN + [
     "algorithm=ppo",
@@ -76,13 +76,13 @@ def used_dir(ppo_run, tmp_path) -> Path:
 def _no_model_loads(monkeypatch) -> None:
     """Make loading the tokenizer or resolving the model fail loudly: a check that raises
     ConfigError before them ran before any model loads."""
-    import rlplug.models
+    import rlplug.training.models
 
     def boom(*args, **kwargs):
         raise AssertionError("a model was loaded before the run directory was checked")
 
-    monkeypatch.setattr(rlplug.models, "load_tokenizer", boom)
-    monkeypatch.setattr(rlplug.models, "resolve_model_path", boom)
+    monkeypatch.setattr(rlplug.training.models, "load_tokenizer", boom)
+    monkeypatch.setattr(rlplug.training.models, "resolve_model_path", boom)
 
 
 # ============================================================================ item 2: presets do not leak
@@ -275,7 +275,7 @@ def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(used_dir, cap
     # even another algorithm: there is no fingerprint to compare with (its config.yaml still holds the settings a
     # resume cannot change, such as rollout.n, which REINFORCE++ keeps at 1: tests/test_resume_changes.py)
     cfg = run_config([o if o != "algorithm=ppo" else "algorithm=reinforce_pp" for o in PPO], used_dir)
-    with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.run.checkpoint"):
         _, start = open_run_dir(cfg, used_dir)
     assert start.resume_from == used_dir / "global_step_3"
     expected = (
@@ -322,7 +322,7 @@ def test_overwrite_moves_the_old_run_aside_and_starts_fresh(used_dir, capsys):
     steps = ["global_step_1", "global_step_2", "global_step_3", "global_step_9.partial-1"]
     assert sorted(p.name for p in aside.iterdir()) == sorted([LATEST, "final_model", "metrics.jsonl", *steps])
     # the earlier run's metric log went aside whole (steps 1..3); the new run's log holds its one step
-    from rlplug.metrics import read_metrics_jsonl
+    from rlplug.run.metrics import read_metrics_jsonl
 
     assert [r["step"] for r in read_metrics_jsonl(aside)] == [1, 2, 3]
     assert [r["step"] for r in read_metrics_jsonl(used_dir)] == [1]
@@ -355,7 +355,7 @@ def test_latest_follows_the_pointer_and_warns_loudly_about_newer_steps(tmp_path,
     for step in (2, 4, 6):
         manager.save(step, lambda d: (d / "x").write_text("x"))
     (tmp_path / LATEST).write_text("2")
-    with caplog.at_level(logging.WARNING, logger="rlplug.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlplug.run.checkpoint"):
         assert manager.latest() == tmp_path / "global_step_2"  # was global_step_6
     expected = (
         f"WARNING: the checkpoint pointer {tmp_path / LATEST} names step 2, but newer complete checkpoints exist "

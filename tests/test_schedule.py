@@ -1,4 +1,4 @@
-"""Training schedules (:mod:`rlplug.schedule`): ``algorithm.schedule`` phases and ``rollout.n_schedule``.
+"""Training schedules (:mod:`rlplug.run.schedule`): ``algorithm.schedule`` phases and ``rollout.n_schedule``.
 
 Pure pieces first (phase boundaries, the n schedule, Monte-Carlo value targets, phase lookup without
 models), then every validation error with its message, then tiny in-process runs (the 1-layer random
@@ -22,13 +22,13 @@ from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, run_config
 from omegaconf import OmegaConf
 
 import rlplug
-from rlplug.checkpoint import run_fingerprint
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.registry import get_registry
-from rlplug.schedule import Schedule, mc_returns, n_schedule_value, phase_ends, value_targets
-from rlplug.trainer import Trainer
-from rlplug.validate import plan_batch, validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.registry import get_registry
+from rlplug.run.checkpoint import run_fingerprint
+from rlplug.run.schedule import Schedule, mc_returns, n_schedule_value, phase_ends, value_targets
+from rlplug.run.trainer import Trainer
+from rlplug.run.validate import plan_batch, validate_config
 
 BASE = TINY_CPU_RUN + [
     "actor.ppo_mini_batch_size=1",
@@ -437,8 +437,8 @@ def test_sigkill_around_a_phase_boundary_then_resume_matches_uninterrupted(tmp_p
     rates and schedule base rates equal an uninterrupted run's bit for bit."""
     from test_kill_resume import Zygote, _describe, _resumed_step, _train_fresh
 
-    from rlplug.data_prepare import prepared_data_files
-    from rlplug.models import resolve_model_path
+    from rlplug.data.prepare import prepared_data_files
+    from rlplug.training.models import resolve_model_path
 
     cfg = compose(KILL_OVERRIDES)
     resolve_model_path(cfg.model)

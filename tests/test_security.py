@@ -28,7 +28,7 @@ import pytest
 from _helpers import TINY_CPU_RUN, run_config
 from omegaconf import OmegaConf
 
-from rlplug.compose import compose
+from rlplug.config.compose import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "core").rglob("*.py"), *(ROOT / "plugins").rglob("*.py")])
@@ -124,7 +124,7 @@ def test_every_host_setting_defaults_to_loopback():
             for arg, default in zip(args, defaults, strict=True):
                 if arg.arg == "host" and default is not None:
                     assert isinstance(default, ast.Constant) and default.value == LOOPBACK, f"{name}:{fn.name}"
-    assert ("core/serving.py", "rollout.server_host") in {(n, k) for n, _, k in found}
+    assert ("core/rollout/serving.py", "rollout.server_host") in {(n, k) for n, _, k in found}
     # no wildcard address anywhere in the code but in prose (docstrings, comments, error messages)
     for name, tree in _trees():
         docstrings = {
@@ -240,7 +240,7 @@ def test_every_torch_load_passes_weights_only_true():
         for name, tree in _trees()
         if any(_dotted(n.func) == "torch.load" for n in ast.walk(tree) if isinstance(n, ast.Call))
     }
-    assert {"core/checkpoint.py", "core/training.py", "plugins/training/fsdp2.py"} <= used
+    assert {"core/run/checkpoint.py", "core/training/backend.py", "plugins/training/fsdp2.py"} <= used
 
 
 def test_pickle_is_only_loaded_from_rlplugs_own_in_memory_data():
@@ -252,7 +252,7 @@ def test_pickle_is_only_loaded_from_rlplugs_own_in_memory_data():
         for n in ast.walk(tree)
         if isinstance(n, ast.Call) and _dotted(n.func) in ("pickle.load", "pickle.loads", "torch.serialization.load")
     }
-    assert loads <= {"core/reward.py", "core/conformance.py"}, loads
+    assert loads <= {"core/rewards/manager.py", "core/conformance.py"}, loads
     calls = [
         (name, n.lineno)
         for name, tree in _trees()
@@ -290,7 +290,7 @@ def test_every_model_load_of_a_trainer_passes_trust_remote_code_false(tmp_path, 
     # actor, reference (KL loss), a separate critic model and the rollout engine: every from_pretrained call
     import transformers
 
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     seen: list[tuple[str, str, object]] = []
     for cls_name in ("AutoModelForCausalLM", "AutoModel", "AutoTokenizer", "AutoConfig"):

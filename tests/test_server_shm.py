@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlplug.serving import ServerProcess
+from rlplug.rollout.serving import ServerProcess
 
 pytestmark = pytest.mark.skipif(
     not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) and os.path.isdir("/proc/self/fd")),

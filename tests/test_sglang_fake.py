@@ -32,10 +32,10 @@ import torch
 from safetensors.torch import save_file
 
 import rlplug
-from rlplug.compose import compose
+from rlplug.config.compose import compose
+from rlplug.contracts.types import SamplingParams
 from rlplug.plugins.rollout.sglang import SGLangRollout, create_sglang_rollout
-from rlplug.serving import ServerError
-from rlplug.types import SamplingParams
+from rlplug.rollout.serving import ServerError
 
 torch.set_num_threads(1)
 
@@ -340,7 +340,7 @@ def test_no_orphan_server_when_the_trainer_dies_or_forgets_close(ending, model_d
         import json, os, signal, sys
         from types import SimpleNamespace
         from safetensors.torch import load_file
-        from rlplug.compose import compose
+        from rlplug.config.compose import compose
         from rlplug.plugins.rollout.sglang import SGLangRollout
         cfg = compose(["rollout=sglang", "trainer.device=cpu"])
         cfg.rollout.server_cmd = ["{{python}}", {str(FAKE)!r}, "--model-path", "{{model_path}}", "--host", "{{host}}", "--port", "{{port}}"]
@@ -391,8 +391,8 @@ def test_trainer_runs_with_the_sglang_backend(tmp_path) -> None:
     """Two PPO steps of the real loop on the tiny model with the fake server: weights pushed after each update."""
     from omegaconf import OmegaConf
 
-    from rlplug.trainer import Trainer
-    from rlplug.validate import validate_config
+    from rlplug.run.trainer import Trainer
+    from rlplug.run.validate import validate_config
 
     log = tmp_path / "requests.jsonl"
     cfg = compose(
@@ -442,8 +442,8 @@ def test_trainer_runs_with_the_sglang_backend(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 def test_real_sglang_greedy_matches_hf() -> None:  # pragma: no cover - needs SGLang (GPU machines)
-    from rlplug.models import load_tokenizer, resolve_model_path
     from rlplug.plugins.rollout.hf import HFRollout
+    from rlplug.training.models import load_tokenizer, resolve_model_path
 
     cfg = compose(["model=tiny", "rollout=sglang", "rollout.dtype=fp32"])
     path = resolve_model_path(cfg.model)

@@ -1,9 +1,9 @@
 """SIGTERM / Ctrl-C: finish the current step, write a checkpoint, exit 0 with a resume hint.
 
 Signals are sent at exact places with the testing aid ``RLPLUG_TEST_KILL_AT=<label>:<n>:<SIGNAL>``
-(see ``rlplug.checkpoint._fault_point``): the process signals itself there, so the trainer's
+(see ``rlplug.run.checkpoint._fault_point``): the process signals itself there, so the trainer's
 handler runs in the middle of that stage. One test uses a real ``python -m rlplug train``
-subprocess; the others run ``rlplug.trainer.run(cfg)`` in this process (the handlers are
+subprocess; the others run ``rlplug.run.trainer.run(cfg)`` in this process (the handlers are
 installed for the duration of ``fit`` and restored afterwards).
 """
 
@@ -18,8 +18,8 @@ import sys
 import pytest
 from _helpers import TINY_CPU_RUN, run_config
 
-from rlplug.checkpoint import CheckpointManager
-from rlplug.trainer import run
+from rlplug.run.checkpoint import CheckpointManager
+from rlplug.run.trainer import run
 
 OVERRIDES = TINY_CPU_RUN + [
     "algorithm=grpo",
@@ -123,8 +123,8 @@ def test_one_signal_delivered_twice_is_one_request_and_a_later_second_stops_at_o
     signal, stops now."""
     import types
 
-    import rlplug.trainer as trainer_mod
-    from rlplug.trainer import Trainer
+    import rlplug.run.trainer as trainer_mod
+    from rlplug.run.trainer import Trainer
 
     clock = [100.0]
     monkeypatch.setattr(trainer_mod.time, "monotonic", lambda: clock[0])

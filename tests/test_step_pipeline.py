@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from _helpers import TINY_CPU_RUN, run_config
 
-from rlplug.metrics import read_metrics_jsonl
-from rlplug.step_pipeline import StepPipeline, SyncStepPipeline
-from rlplug.trainer import Trainer
+from rlplug.run.metrics import read_metrics_jsonl
+from rlplug.run.step_pipeline import StepPipeline, SyncStepPipeline
+from rlplug.run.trainer import Trainer
 
 
 class GenerateOnly:

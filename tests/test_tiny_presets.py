@@ -16,10 +16,10 @@ import pytest
 from _helpers import fit
 
 import rlplug
-from rlplug.compose import compose
-from rlplug.config import config_dir
-from rlplug.registry import get_registry
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import config_dir
+from rlplug.contracts.registry import get_registry
+from rlplug.run.validate import validate_config
 
 PRESETS = sorted(p.stem for p in (config_dir() / "algorithm").glob("*.yaml"))
 
@@ -52,7 +52,7 @@ def test_tiny_reward_has_spread_without_overrides():
     cfg = compose(["debug=tiny"])
     shaping = [dict(s) for s in cfg.reward.shaping]
     assert [s["name"] for s in shaping] == ["length_penalty"]
-    from rlplug.reward import RewardManager
+    from rlplug.rewards.manager import RewardManager
 
     rows = [{"data_source": "basic_arithmetic", "ground_truth": "7"}] * 3
     # -len/100: 5 chars -> -0.05, 30 -> -0.30, 250 -> -2.50 (no floor in reach of 16 tokens)

@@ -17,18 +17,18 @@ import torch
 from _helpers import TINY_VOCAB, assert_updates_close, fp32_atol, tiny_chain_terms
 from test_local_backend import P, T, make_batch, make_cfg, params, prepared_batch
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError
+from rlplug.algorithms.token_budget import pack_rows, packed_cost, row_lengths
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.registry import get_registry
 from rlplug.plugins.training.local import LocalTrainingBackend
-from rlplug.registry import get_registry
-from rlplug.token_budget import pack_rows, packed_cost, row_lengths
-from rlplug.validate import validate_config
+from rlplug.run.validate import validate_config
 
 
 @pytest.fixture(scope="module")
 def tiny_path() -> str:
-    from rlplug.config import TinyModelConfig
-    from rlplug.models import tiny_model_dir
+    from rlplug.config.schema import TinyModelConfig
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 
@@ -169,7 +169,7 @@ def test_log_probs_values_and_critic_update_equal_fixed_micro_batches(tiny_path)
 
 
 def test_micro_batches_follow_the_budget():
-    from rlplug.training import TrainingBackendBase
+    from rlplug.training.backend import TrainingBackendBase
 
     batch = make_batch()
     micros, order = TrainingBackendBase._micro_batches(batch, 4, 20)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlplug.metrics import MetricsLog, read_metrics_jsonl
+from rlplug.run.metrics import MetricsLog, read_metrics_jsonl
 
 FIRST = {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4}
 SECOND = {3: 3.0, 4: 4.0}
@@ -223,9 +223,9 @@ def test_trackers_use_the_step_the_trainer_resumed_from_after_a_fallback(tmp_pat
     pytest.importorskip("mlflow")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rlplug.metrics import Trackers
     from rlplug.plugins.tracking.tensorboard_tracker import TensorBoardTracker
     from rlplug.plugins.tracking.trackers import MlflowTracker, clean_history
+    from rlplug.run.metrics import Trackers
 
     class Registry:
         def get(self, kind, name):
@@ -256,7 +256,7 @@ def test_trackers_use_the_step_the_trainer_resumed_from_after_a_fallback(tmp_pat
 
 
 def test_build_tracker_passes_resume_step_only_to_factories_that_take_it():
-    from rlplug.metrics import build_tracker
+    from rlplug.run.metrics import build_tracker
 
     def plain(config):
         return ("plain", config)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlplug.compose import compose
+from rlplug.config.compose import compose
 from rlplug.plugins.tracking.trackers import (
     MAX_NAME_LENGTH,
     MAX_PARAM_VALUE_LENGTH,
@@ -67,7 +67,7 @@ def test_run_dir(tmp_path):
     assert run_dir(cfg) == tmp_path / "here"
     cfg = compose(["trainer.project_name=p", "trainer.experiment_name=e"])
     # same folder the trainer writes checkpoints to
-    from rlplug.trainer import run_dir_for
+    from rlplug.run.trainer import run_dir_for
 
     assert run_dir(cfg) == Path(run_dir_for(cfg)) and run_dir(cfg).parts[-2:] == ("p", "e")
 
@@ -246,7 +246,7 @@ def test_mlflow_tracking_uri_env_overrides_the_local_store(mlflow_cfg, tmp_path,
     ],
 )
 def test_tracker_name_is_one_core_mapping(name, kwargs, expected):
-    from rlplug.metrics import tracker_name
+    from rlplug.run.metrics import tracker_name
 
     assert tracker_name(name, **kwargs) == expected
     if not kwargs:  # the MLflow tracker maps with it
@@ -313,7 +313,7 @@ def test_training_run_logs_rollouts_validation_tables_and_a_final_model_pointer(
     import mlflow
     from _helpers import TINY_CPU_RUN, run_config
 
-    from rlplug.trainer import Trainer
+    from rlplug.run.trainer import Trainer
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = run_config(

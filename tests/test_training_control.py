@@ -1,12 +1,12 @@
 """Training controls of issue 17: reward normalisation, the LR schedule's hold, the Huber critic loss.
 
-* ``reward.normalize`` (:mod:`rlplug.reward_norm`): EMA statistics by hand over three steps, the
+* ``reward.normalize`` (:mod:`rlplug.algorithms.reward_norm`): EMA statistics by hand over three steps, the
   clipping, failed rows left out, ReMax baselines, the state round trip, a tiny run and a
   stop/resume that reproduces an uninterrupted run bit for bit;
-* ``optim.lr_hold_ratio`` (:func:`rlplug.training.build_lr_lambda`, :class:`rlplug.training.Role`):
+* ``optim.lr_hold_ratio`` (:func:`rlplug.training.backend.build_lr_lambda`, :class:`rlplug.training.backend.Role`):
   hand values, the old schedule unchanged at 0, verl's warmup rule, the logged LR is the one used,
   validation of the ratios;
-* ``critic.loss_type=huber`` (:func:`rlplug.losses.value_loss`): hand values in both regimes and
+* ``critic.loss_type=huber`` (:func:`rlplug.algorithms.losses.value_loss`): hand values in both regimes and
   with clipping, the mse path unchanged, micro-batch invariance; ``critic/value_r2`` by hand.
 """
 
@@ -23,23 +23,23 @@ from _helpers import LENGTH_SHAPING, TINY_CPU_RUN, WALL_CLOCK, assert_updates_cl
 from test_local_backend import CRITIC_UPDATE_TERMS, make_batch, make_cfg, params, prepared_batch
 
 import rlplug
-from rlplug.batch import Batch
-from rlplug.checkpoint import run_fingerprint
-from rlplug.compose import compose
-from rlplug.config import ConfigError, TinyModelConfig
-from rlplug.losses import value_loss
-from rlplug.metrics import step_metrics
-from rlplug.registry import get_registry
-from rlplug.reward_norm import ScoreNormalizer
-from rlplug.trainer import Trainer
-from rlplug.training import Role, build_lr_lambda
-from rlplug.types import RolloutOutput
-from rlplug.validate import validate_config
+from rlplug.algorithms.losses import value_loss
+from rlplug.algorithms.reward_norm import ScoreNormalizer
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, TinyModelConfig
+from rlplug.contracts.batch import Batch
+from rlplug.contracts.registry import get_registry
+from rlplug.contracts.types import RolloutOutput
+from rlplug.run.checkpoint import run_fingerprint
+from rlplug.run.metrics import step_metrics
+from rlplug.run.trainer import Trainer
+from rlplug.run.validate import validate_config
+from rlplug.training.backend import Role, build_lr_lambda
 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from rlplug.models import tiny_model_dir
+    from rlplug.training.models import tiny_model_dir
 
     return str(tiny_model_dir(TinyModelConfig()))
 

@@ -16,10 +16,10 @@ from _helpers import TINY_CPU_RUN
 
 import rlplug
 from rlplug.cli import main
-from rlplug.config import ConfigError
-from rlplug.registry import Registry
-from rlplug.reward import FAILED, RewardManager
-from rlplug.reward_contract import BatchedRewardFunction, RewardContractError, as_reward_function
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.registry import Registry
+from rlplug.contracts.reward_contract import BatchedRewardFunction, RewardContractError, as_reward_function
+from rlplug.rewards.manager import FAILED, RewardManager
 
 # ============================================================================ the forms TRL accepts
 
@@ -353,7 +353,7 @@ def test_a_trl_function_from_a_file(tmp_path, capsys):
     assert "total: 0.5" in out  # 0.1 x 5 characters (the prompt is chat messages: completions are too)
 
     path.write_text("def reward_len(completions):\n    return [0.0 for c in completions]\n")
-    from rlplug.reward import _FILE_MODULES
+    from rlplug.rewards.manager import _FILE_MODULES
 
     _FILE_MODULES.clear()
     assert main(args) == 2

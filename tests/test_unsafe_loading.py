@@ -22,11 +22,11 @@ import pytest
 import torch
 from _helpers import TINY_CPU_RUN, fit, run_config
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.registry import KINDS, UnknownPluginError, get_registry
-from rlplug.trainer import Trainer
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.registry import KINDS, UnknownPluginError, get_registry
+from rlplug.run.trainer import Trainer
+from rlplug.run.validate import validate_config
 
 BASE = TINY_CPU_RUN + [
     "algorithm=grpo",
@@ -65,7 +65,7 @@ def _tampered_copy(one_step_checkpoint: Path, tmp_path: Path, rel: str, payload_
     shutil.copytree(one_step_checkpoint, run_dir)
     (run_dir / "global_step_1" / rel).write_bytes(payload_bytes)
     # checksums.json is no signature: a tamperer rewrites it too, so the load itself must refuse the payload
-    from rlplug.checkpoint import write_checksums
+    from rlplug.run.checkpoint import write_checksums
 
     write_checksums(run_dir / "global_step_1")
     return run_dir
@@ -126,7 +126,7 @@ def test_untampered_checkpoint_resumes(one_step_checkpoint, tmp_path):
 @pytest.fixture
 def model_with_code(tmp_path) -> tuple[Path, Path]:
     """A model folder (the tiny model) whose config.json maps Auto* classes to its own module."""
-    from rlplug.models import resolve_model_path
+    from rlplug.training.models import resolve_model_path
 
     tiny = Path(resolve_model_path(compose(BASE).model))
     folder, marker = tmp_path / "model_with_code", tmp_path / "code_ran"

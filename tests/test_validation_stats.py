@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlplug.evaluate import majority_values, prompt_statistics, source_statistics, subset_sizes
-from rlplug.metrics import ScoredResponse, validation_metrics
+from rlplug.run.evaluate import majority_values, prompt_statistics, source_statistics, subset_sizes
+from rlplug.run.metrics import ScoredResponse, validation_metrics
 
 
 def test_subset_sizes_are_verls_powers_of_two_then_n():
@@ -119,7 +119,7 @@ def test_gsm8k_reports_the_extracted_answer_and_validation_votes_on_it():
 
 
 def test_reward_manager_passes_the_pred_to_validation():
-    from rlplug.reward import PRED, RewardManager
+    from rlplug.rewards.manager import PRED, RewardManager
 
     section = {"reward_fn_map": {"gsm8k": "gsm8k"}, "default": None, "kwargs": {}, "shaping": [], "num_workers": 0}
     with RewardManager(section) as manager:

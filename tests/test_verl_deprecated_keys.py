@@ -15,10 +15,10 @@ import re
 
 import pytest
 
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.validate import validate_config
-from rlplug.verl_keys import DEPRECATED, TABLE, merge_file_and_command_line, translate_overrides
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.config.verl_keys import DEPRECATED, TABLE, merge_file_and_command_line, translate_overrides
+from rlplug.run.validate import validate_config
 
 A = "actor_rollout_ref.actor"
 

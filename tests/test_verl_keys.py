@@ -1,7 +1,7 @@
 """verl's key names, YAML files and reward files (issue 19, "verl drop-in").
 
 * every leaf key of verl's ``_generated_ppo_trainer.yaml`` at 1dda039b9 is classified by
-  ``rlplug.verl_keys.TABLE`` (``tests/fixtures/verl_ppo_trainer_keys.txt`` is that file's key list
+  ``rlplug.config.verl_keys.TABLE`` (``tests/fixtures/verl_ppo_trainer_keys.txt`` is that file's key list
   with defaults, checked against the verl mirror when there is one);
 * every mapped key lands on its rlplug key with its value; every inert key composes with verl's
   default and prints its note once; a value rlplug cannot honour is rejected with the reason;
@@ -25,9 +25,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlplug import verl_keys
-from rlplug.compose import compose
-from rlplug.config import ConfigError
-from rlplug.verl_keys import DEPRECATED, INERT, MAPPED, REJECTED, TABLE, hydra_value, lookup, translate_overrides
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError
+from rlplug.config.verl_keys import DEPRECATED, INERT, MAPPED, REJECTED, TABLE, hydra_value, lookup, translate_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -353,7 +353,7 @@ def other(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_the_legacy_custom_reward_function_spelling_loads_a_reward_file(tmp_path):
-    from rlplug.reward import RewardManager
+    from rlplug.rewards.manager import RewardManager
 
     path = tmp_path / "my_reward.py"
     path.write_text(textwrap.dedent(REWARD_FILE))
@@ -452,8 +452,8 @@ def merged_actor(tmp_path: Path) -> Path:
     fsdp``, ``save_hf_model_and_tokenizer``): ``save_pretrained`` of the bf16 weights and the tokenizer."""
     import torch
 
-    from rlplug.config import TinyModelConfig
-    from rlplug.models import load_causal_lm, load_tokenizer, tiny_model_dir
+    from rlplug.config.schema import TinyModelConfig
+    from rlplug.training.models import load_causal_lm, load_tokenizer, tiny_model_dir
 
     tiny = tiny_model_dir(TinyModelConfig())
     target = tmp_path / "verl_ckpt" / "global_step_1" / "actor_merged"
@@ -477,7 +477,7 @@ def test_an_unmerged_verl_fsdp_checkpoint_is_rejected_with_the_merge_recipe(tmp_
 def example_args(tmp_path: Path) -> list[str]:
     """verl's run_qwen3_8b_fsdp.sh arguments with its paths on local files (the model: a verl checkpoint
     merged by verl's model merger) and the hf engine."""
-    from rlplug.data_prepare import prepare_dataset
+    from rlplug.data.prepare import prepare_dataset
 
     model = str(merged_actor(tmp_path))
     files = {}
@@ -538,7 +538,7 @@ def test_verls_ppo_example_composes_and_trains_two_tiny_steps(tmp_path, monkeypa
 
 def test_docs_verl_md_shows_the_table_of_the_code():
     doc = (ROOT / "docs" / "verl.md").read_text()
-    assert verl_keys.render_doc(doc) == doc, "regenerate: python -m rlplug.verl_keys --write docs/verl.md"
+    assert verl_keys.render_doc(doc) == doc, "regenerate: python -m rlplug.config.verl_keys --write docs/verl.md"
     assert verl_keys.VERL_COMMIT in doc
     assert "docs/verl.md" in (ROOT / "README.md").read_text()
 
@@ -546,7 +546,7 @@ def test_docs_verl_md_shows_the_table_of_the_code():
 def test_command_line_wins_over_a_config_file_in_any_spelling():
     """A file's override is dropped when the command line sets the same rlplug key, whatever the
     spelling, so a verl file holding both grad-clip spellings takes a command-line grad_clip."""
-    from rlplug.verl_keys import merge_file_and_command_line, override_target
+    from rlplug.config.verl_keys import merge_file_and_command_line, override_target
 
     assert override_target("actor_rollout_ref.actor.optim.clip_grad=1.0") == "actor.grad_clip"
     assert override_target("actor.grad_clip=0.5") == "actor.grad_clip"

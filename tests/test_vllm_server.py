@@ -24,9 +24,9 @@ import pytest
 import torch
 from _helpers import PROMPTS, TINY_VOCAB, fp32_atol, manual_greedy, reference_log_probs, tiny_chain_terms
 
-from rlplug.compose import compose
+from rlplug.config.compose import compose
+from rlplug.contracts.types import SamplingParams
 from rlplug.plugins.rollout.vllm import VLLMServerRollout
-from rlplug.types import SamplingParams
 
 pytestmark = [
     pytest.mark.vllm,
@@ -129,7 +129,7 @@ def test_weight_push_changes_output_as_derived(server, ref_model) -> None:
 def test_killing_the_server_mid_run_is_survived(server, ref_model) -> None:
     server.update_weights(forcing_weights(ref_model, 7))
     victim, group = server.server_pid, server.server_group_pids()
-    from rlplug.serving import _shm_segments_of
+    from rlplug.rollout.serving import _shm_segments_of
 
     segments = _shm_segments_of(group)  # vLLM's message queues: a SIGKILLed server cannot unlink them
     prompts = [[1, 100 + i, 28, 540] for i in range(16)]

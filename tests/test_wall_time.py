@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlplug.checkpoint import CheckpointManager
-from rlplug.compose import compose
-from rlplug.trainer import Trainer
-from rlplug.validate import validate_config
+from rlplug.config.compose import compose
+from rlplug.run.checkpoint import CheckpointManager
+from rlplug.run.trainer import Trainer
+from rlplug.run.validate import validate_config
 
 
 def test_time_budget_validates_saves_and_exports(tmp_path: Path, capsys) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 import rlplug
-from rlplug.config import ConfigError
-from rlplug.metrics import METRICS_FILE, MetricsLog, ProgressBar, read_metrics_jsonl, tracker_names
+from rlplug.config.schema import ConfigError
 from rlplug.plugins.tracking.prometheus_tracker import PrometheusTracker, prometheus_name
 from rlplug.plugins.tracking.tensorboard_tracker import table_markdown
 from rlplug.plugins.tracking.wandb_tracker import table_key
+from rlplug.run.metrics import METRICS_FILE, MetricsLog, ProgressBar, read_metrics_jsonl, tracker_names
 
 # ============================================================================ helpers
 
@@ -104,8 +104,8 @@ class _Recorder:
 
 
 def _train(cfg, recorder: _Recorder) -> str:
-    from rlplug.registry import Registry
-    from rlplug.trainer import Trainer
+    from rlplug.contracts.registry import Registry
+    from rlplug.run.trainer import Trainer
 
     registry = Registry()
     assert registry.add_plugin(recorder, name="recorder"), registry.broken
@@ -175,12 +175,12 @@ def test_tracker_names_add_prometheus_with_a_port_and_check_it():
 
 
 def test_validate_config_resolves_the_prometheus_tracker(monkeypatch):
-    from rlplug.compose import compose
-    from rlplug.validate import validate_config
+    from rlplug.config.compose import compose
+    from rlplug.run.validate import validate_config
 
     validate_config(compose(["debug=tiny", "trainer.prometheus.port=9400"]))  # registered: passes
     monkeypatch.setenv("RLPLUG_DISABLE_PLUGINS", "prometheus")
-    from rlplug.registry import Registry
+    from rlplug.contracts.registry import Registry
 
     with pytest.raises(Exception, match=r"trainer.prometheus.port"):
         validate_config(compose(["debug=tiny", "trainer.prometheus.port=9400"]), Registry())
@@ -274,7 +274,7 @@ def test_tensorboard_events_hold_the_step_metrics(watched_run):
     for step, metrics in recorder.steps.items():
         assert scalars["actor/pg_loss"][step] == pytest.approx(metrics["actor/pg_loss"], rel=1e-6)
         assert scalars["critic/score/mean"][step] == pytest.approx(metrics["critic/score/mean"], rel=1e-6)
-    # '@' is mapped as in every tracker (rlplug.metrics.tracker_name); float32 in the event file
+    # '@' is mapped as in every tracker (rlplug.run.metrics.tracker_name); float32 in the event file
     val = recorder.steps[2]["val-core/basic_arithmetic/acc/mean@1"]
     assert scalars["val-core/basic_arithmetic/acc/mean_at_1"] == pytest.approx(
         {2: val, 3: recorder.steps[3]["val-core/basic_arithmetic/acc/mean@1"]}
@@ -365,8 +365,8 @@ def test_resume_truncates_metrics_jsonl_and_purges_tensorboard(tmp_path):
 
 
 def test_packaged_watch_trackers_pass_the_kit(tmp_path, monkeypatch):
-    from rlplug.compose import compose
-    from rlplug.registry import get_registry
+    from rlplug.config.compose import compose
+    from rlplug.contracts.registry import get_registry
     from rlplug.testing import check_tracker
 
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -379,7 +379,7 @@ def test_packaged_watch_trackers_pass_the_kit(tmp_path, monkeypatch):
 
 
 def test_prometheus_port_taken_and_missing_packages_say_what_to_do(tmp_path, monkeypatch):
-    from rlplug.compose import compose
+    from rlplug.config.compose import compose
 
     cfg = compose(["debug=tiny", f"trainer.default_local_dir={tmp_path}", "trainer.prometheus.port=0"])
     first = PrometheusTracker(cfg)

@@ -5,7 +5,7 @@ Reinforcement Learning System at Scale", arXiv 2503.14476, section 3.2; verl's
 ``algorithm.filter_groups`` in ``recipe/dapo``): a group (the responses to one prompt, same
 ``index``) whose metric is the same for every response has zero group-normalised advantage and
 teaches nothing, so it is dropped; the trainer generates more prompts until the batch is full
-(:func:`rlplug.batch_filter.collect_rollouts`).
+(:func:`rlplug.run.batch_filter.collect_rollouts`).
 
 ``algorithm.filter_groups.metric`` (verl's names):
 

@@ -2,18 +2,18 @@
 other losses of verl's ``core_algos.py`` (gspo, sapo, gpg, geo_mean, dro, cispo, dppo_tv, dppo_kl,
 clip_cov, kl_cov).
 
-Every loss has the one policy-loss signature (:class:`rlplug.types.PolicyLoss`)::
+Every loss has the one policy-loss signature (:class:`rlplug.contracts.types.PolicyLoss`)::
 
     fn(old_log_probs, log_probs, advantages, response_mask, *, config, loss_agg_mode, normalizer,
        max_response_length=None, rollout_is_weights=None) -> (loss, metrics)
 
 ``old_log_probs``, ``log_probs``, ``advantages``, ``response_mask`` are ``(B, T) float32``
 (log-probs in nats of the sampled tokens), ``config`` is the ``actor`` config section,
-``loss_agg_mode`` / ``normalizer`` / ``max_response_length`` go to :func:`rlplug.losses.agg_loss`
+``loss_agg_mode`` / ``normalizer`` / ``max_response_length`` go to :func:`rlplug.algorithms.losses.agg_loss`
 (``normalizer``: the whole mini-batch's count; ``actor.loss_scale_factor`` replaces
 ``max_response_length`` when set), and ``rollout_is_weights`` ``(B, T) float32`` or ``None`` are
 detached truncated importance weights against the rollout engine (``actor.rollout_is_threshold``,
-computed by :func:`rlplug.objective.truncated_is_weights`): each token's loss is multiplied by its
+computed by :func:`rlplug.algorithms.objective.truncated_is_weights`): each token's loss is multiplied by its
 weight before aggregation, as verl's ``compute_policy_loss_*`` do (``geo_mean``, whose loss is one
 number per sequence, uses the geometric mean of its tokens' weights). Values on padded positions
 never reach the loss or the gradient. They return a scalar loss tensor (this micro-batch's
@@ -189,7 +189,7 @@ def vanilla_policy_loss(
 
     ``ratio = exp(clamp(log_probs - old_log_probs, -20, 20))``, ``L1 = -A * ratio``,
     ``L2 = -A * clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)``, per-token loss
-    ``max(L1, L2)``, aggregated by :func:`rlplug.losses.agg_loss` with ``loss_agg_mode``,
+    ``max(L1, L2)``, aggregated by :func:`rlplug.algorithms.losses.agg_loss` with ``loss_agg_mode``,
     ``normalizer`` (global count of the whole mini-batch; ``None`` = this micro-batch is the
     whole mini-batch) and ``max_response_length`` (for ``seq-mean-token-sum-norm``).
     ``config``: the actor section (``clip_ratio`` 0.2; ``clip_ratio_low``/``clip_ratio_high``
@@ -731,7 +731,7 @@ def _centred_cov(adv: torch.Tensor, log_probs: torch.Tensor, valid: torch.Tensor
 
 def clip_cov_generator(context: MiniBatchContext | None) -> torch.Generator:
     """The CPU ``torch.Generator`` of clip_cov's random pick: seeded with ``seed * 1_000_003 +
-    optimizer_step`` of ``context`` (:class:`rlplug.types.MiniBatchContext`; ``None``: seed 0,
+    optimizer_step`` of ``context`` (:class:`rlplug.contracts.types.MiniBatchContext`; ``None``: seed 0,
     step 0), so the pick depends on the run seed and the position in the run only, never on the
     global RNG (a resumed run picks the same tokens)."""
     ctx = context or MiniBatchContext()
@@ -960,7 +960,7 @@ def bypass_mode_policy_loss(
 
     With ``algorithm.rollout_correction`` (read through ``config.rollout_correction``) it first
     computes, without gradient and per micro-batch against the CURRENT policy, the importance weights
-    ``w = pi_theta / pi_rollout`` (``rollout_is``, :func:`rlplug.rollout_correction.rollout_is_weights`
+    ``w = pi_theta / pi_rollout`` (``rollout_is``, :func:`rlplug.algorithms.rollout_correction.rollout_is_weights`
     of ``log_probs - old_log_probs``) and the rejection mask (``rollout_rs``), then by ``loss_type``:
 
     * ``ppo_clip``: :func:`vanilla_policy_loss` against the engine's log-probs on the mask after

@@ -16,9 +16,9 @@ with ``normalize: true`` (default) the score is ``(x - lo) / (hi - lo)``, in ``[
 The server is ``url`` (any OpenAI-compatible server: vLLM, SGLang, a hosted API; an API key is
 read from the environment variable ``api_key_env``), or, with ``url`` unset and ``model_path``
 set, a vLLM server that the judge starts on loopback (``127.0.0.1``, a free port) on first use,
-under rlplug's server supervision (:class:`rlplug.serving.ServerProcess`: its whole process group
+under rlplug's server supervision (:class:`rlplug.rollout.serving.ServerProcess`: its whole process group
 ends with the run, even when the trainer is killed). It is stopped when the reward manager closes
-(:meth:`rlplug.reward.RewardManager.close` calls :meth:`JudgeReward.close`; ``Trainer.close`` closes
+(:meth:`rlplug.rewards.manager.RewardManager.close` calls :meth:`JudgeReward.close`; ``Trainer.close`` closes
 the managers), else at interpreter exit. On a GPU it takes ``gpu_memory_utilization`` (default 0.2)
 of the GPU's memory, vLLM's ``--gpu-memory-utilization`` (vLLM's own default, 0.9, would leave the
 training on the same GPU nothing): raise it for a large judge on a GPU of its own
@@ -535,7 +535,7 @@ class JudgeReward(BatchedRewardFunction):
     ``judge(data_source, solution_str, ground_truth, extra_info, **settings)`` (verl's contract)
     grades one response and returns ``{"score": float, "judge_retries": float}``, or raises
     :class:`JudgeError` / :class:`JudgeTimeout` (a reward failure). The reward manager calls
-    :meth:`score_batch` instead, once per batch (it is a :class:`rlplug.reward_contract.BatchedRewardFunction`,
+    :meth:`score_batch` instead, once per batch (it is a :class:`rlplug.contracts.reward_contract.BatchedRewardFunction`,
     which is how the manager knows a function scores batches; in this process, not in the
     ``reward.num_workers`` pool), with up to ``max_concurrency`` requests in flight and the prompts'
     chat messages. Pickles by reference to the module-level :data:`judge`.
@@ -598,7 +598,7 @@ class JudgeReward(BatchedRewardFunction):
     def prepare(self, kwargs: Mapping[str, Any]) -> None:
         """Open the judge client for these settings now: start the judge server (``model_path``) and
         wait for its ``/health`` (at most ``server_timeout_s``), then find the model to ask. The reward
-        manager calls it at setup with no per-response timeout (:meth:`rlplug.reward.RewardManager.prepare`),
+        manager calls it at setup with no per-response timeout (:meth:`rlplug.rewards.manager.RewardManager.prepare`),
         so a server that loads for minutes is not charged to the first responses' ``reward.timeout_s``.
         Raises :class:`JudgeServerError` (the server exited, did not answer in time, or lists no model).
         A ``messages`` entry (a per-call argument, not a setting) is ignored."""
@@ -607,7 +607,7 @@ class JudgeReward(BatchedRewardFunction):
     def close(self) -> None:
         """Close every judge client of this process and stop the servers they started
         (:func:`close_judges`; a later call starts them again). Called by
-        :meth:`rlplug.reward.RewardManager.close`."""
+        :meth:`rlplug.rewards.manager.RewardManager.close`."""
         close_judges()
 
     @staticmethod

@@ -1,7 +1,7 @@
 """The ``reward_model`` reward function: a discriminative reward model (a local
 AutoModelForSequenceClassification with one label), configured with ``reward.reward_model.*``.
 
-The scoring is library code in :mod:`rlplug.reward_model`; this entry point registers it the way a
+The scoring is library code in :mod:`rlplug.rewards.reward_model`; this entry point registers it the way a
 third-party package would (``docs/reward_models.md``).
 """
 

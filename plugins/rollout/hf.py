@@ -113,7 +113,7 @@ class HFRollout:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.types.RolloutOutput`).
+        """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.contracts.types.RolloutOutput`).
 
         Each response is cut after its first EOS token (kept, ``finish_reason="stop"``); a
         response without EOS has exactly ``params.max_tokens`` tokens (``"length"``).

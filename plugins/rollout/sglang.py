@@ -2,8 +2,8 @@
 
 Always a server (``rollout.mode`` is not consulted): the backend starts SGLang on a loopback port
 (or connects to ``rollout.server_url``; ``rollout.server_urls`` / ``rollout.num_replicas``
-for several servers, :mod:`rlplug.replicas`), keeps it alive and ends it with the run; retries,
-restarts and process handling are those of :class:`rlplug.serving.ServerRollout`.
+for several servers, :mod:`rlplug.rollout.replicas`), keeps it alive and ends it with the run; retries,
+restarts and process handling are those of :class:`rlplug.rollout.serving.ServerRollout`.
 
 SGLang's native API as documented (SGLang's ``docs/basic_usage/sampling_params.md``,
 ``io_struct.py::GenerateReqInput``, ``http_server.py``):
@@ -45,7 +45,7 @@ class SGLangRollout(ServerRollout):
     """SGLang server rollout engine (see the module docstring).
 
     ``SGLangRollout(config, model_path, tokenizer)``; reads ``rollout.*`` as
-    :class:`~rlplug.serving.ServerRollout` does. Raises ``ModuleNotFoundError``
+    :class:`~rlplug.rollout.serving.ServerRollout` does. Raises ``ModuleNotFoundError``
     when SGLang is not installed and neither ``rollout.server_url`` nor ``rollout.server_cmd``
     is set, ``ValueError`` for bad settings, :class:`ServerError` when the server does not start.
     """

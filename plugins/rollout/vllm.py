@@ -24,7 +24,7 @@ latest pushed weights (the last pushed file is kept until the next push, which d
 writing its own: at most one model copy, in ``/dev/shm`` or ``rollout.weights_dir`` when set) and
 sent the same batch once more; a second death raises :class:`EngineDied`
 with the engine's last log lines. (Server mode, ``rollout.mode=server``, restarts a dead server
-the same way: :mod:`rlplug.serving`.)
+the same way: :mod:`rlplug.rollout.serving`.)
 
 Threads: the child keeps libgomp's default waiting (its OpenMP threads spin briefly after each
 parallel region, then sleep), so an idle engine leaves the cores to the trainer within
@@ -240,7 +240,7 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.types.RolloutOutput`).
+        """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.contracts.types.RolloutOutput`).
 
         Responses end with the EOS token when one was generated (``"stop"``), else have
         ``params.max_tokens`` tokens (``"length"``). Raises ``ValueError`` for bad prompts or
@@ -723,7 +723,7 @@ class VLLMServerRollout(ServerRollout):
     (vLLM's in-place reload from the pushed safetensors file in ``/dev/shm``; no restart), then
     ``POST /reset_prefix_cache``.
 
-    Several servers: ``rollout.server_urls=[...]`` or ``rollout.num_replicas`` (:mod:`rlplug.replicas`).
+    Several servers: ``rollout.server_urls=[...]`` or ``rollout.num_replicas`` (:mod:`rlplug.rollout.replicas`).
     An external server (``rollout.server_url`` / ``server_urls``) must serve the same model and be started the same
     way for weight pushes to work: ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
     rlplug.plugins.rollout.vllm.VLLMWorkerExtension`` (rlplug installed in its environment).
@@ -965,7 +965,7 @@ def _child_update_weights(llm: Any, path: str) -> float:
 
 def _child_trim() -> None:
     """After a generate or a weight push: give the C heap's free memory back to the OS (glibc's
-    ``malloc_trim(0)``, :mod:`rlplug.host_memory`) unless ``RLPLUG_MALLOC_TRIM=0`` (the parent sets it
+    ``malloc_trim(0)``, :mod:`rlplug.base.host_memory`) unless ``RLPLUG_MALLOC_TRIM=0`` (the parent sets it
     from ``trainer.malloc_trim``). Each push frees a whole state dict (the safetensors file read into
     memory) and each batch its own buffers; without the trim glibc keeps those pages mapped and the
     child's resident size creeps up step after step (``benchmarks/bench_engine_memory.py``)."""
@@ -974,7 +974,7 @@ def _child_trim() -> None:
 
 
 def _child_memory() -> dict[str, float | bool]:
-    """The ``memory`` command: this child's resident size and C heap in MiB (:mod:`rlplug.host_memory`)."""
+    """The ``memory`` command: this child's resident size and C heap in MiB (:mod:`rlplug.base.host_memory`)."""
     used, free = heap_mib()
     return {
         "rss_mib": rss_bytes() / 2**20,

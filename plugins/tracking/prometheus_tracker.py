@@ -1,7 +1,7 @@
 """The ``prometheus`` tracker (kind ``tracker``): a ``/metrics`` endpoint with the latest metrics as gauges.
 
 Turned on by ``trainer.prometheus.port=9400`` (null, the default: off), which adds ``prometheus`` to the
-trackers (:func:`rlplug.metrics.tracker_names`); ``trainer.prometheus.host`` is the address, ``127.0.0.1`` by
+trackers (:func:`rlplug.run.metrics.tracker_names`); ``trainer.prometheus.host`` is the address, ``127.0.0.1`` by
 default (loopback only; ``0.0.0.0`` lets other machines scrape). Needs ``prometheus_client``
 (``pip install prometheus_client``, or ``pip install 'rlplug[watch]'``).
 
@@ -120,7 +120,7 @@ class PrometheusTracker:
     port: port 0 picks a free one), ``url`` (``http://host:port/metrics``), ``registry`` (its own
     ``prometheus_client.CollectorRegistry``: nothing of the process-wide default registry is served).
 
-    Raises :class:`rlplug.config.ConfigError` when ``trainer.prometheus.port`` is null, ``ImportError``
+    Raises :class:`rlplug.config.schema.ConfigError` when ``trainer.prometheus.port`` is null, ``ImportError``
     naming the pip package when ``prometheus_client`` is missing, and ``OSError`` saying which address is
     taken when the port cannot be bound.
     """

@@ -15,7 +15,7 @@ What it writes:
   rollouts) as markdown text under their name without ``.json`` (``val_generations/step_000010``);
 * artifacts are not copied (TensorBoard has no artifact store; the files stay in the run directory).
 
-Resume: a run resumed from the checkpoint of step ``N`` (:func:`rlplug.checkpoint.resume_checkpoint`) opens
+Resume: a run resumed from the checkpoint of step ``N`` (:func:`rlplug.run.checkpoint.resume_checkpoint`) opens
 its writer with ``purge_step=N + 1``, so TensorBoard discards the events of steps ``> N`` that an earlier
 attempt wrote after its last checkpoint, and the curves read like an uninterrupted run: one value per step,
 the resumed attempt's. A fresh start opens it with ``purge_step`` = the first step it logs, which discards

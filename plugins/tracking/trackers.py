@@ -1,7 +1,7 @@
 """Experiment trackers (kind ``tracker``): ``console`` and ``mlflow``.
 
 (``tensorboard``, ``wandb`` and ``prometheus`` live in their own modules beside this one, each with its
-own entry point; every run also writes ``<run_dir>/metrics.jsonl``, :class:`rlplug.metrics.MetricsLog`.)
+own entry point; every run also writes ``<run_dir>/metrics.jsonl``, :class:`rlplug.run.metrics.MetricsLog`.)
 
 Selected by the list ``trainer.logger`` (default ``[console, mlflow]``). Each registered object
 is a factory ``factory(config) -> tracker`` taking the whole resolved run config (a factory that also
@@ -36,7 +36,7 @@ holds the latest, ``rlplug.attempt.<n>.resume_step`` the step attempt ``n`` resu
 logged step carries the metric ``trainer/attempt`` (the attempt number, logged with the same timestamp as
 the step's other metrics). :func:`clean_history` reads a metric's series as an uninterrupted run logs it
 (per step, the value of the last attempt that logged the step); ``<run_dir>/metrics.jsonl`` holds the
-same clean history for every metric (:func:`rlplug.metrics.read_metrics_jsonl`).
+same clean history for every metric (:func:`rlplug.run.metrics.read_metrics_jsonl`).
 
 What a run holds in MLflow: the flattened config as params (and the artifact ``config.yaml``);
 the tags ``rlplug.version``, ``rlplug.git_commit`` and ``rlplug.git_dirty`` (the git keys only
@@ -213,7 +213,7 @@ def _as_float(value: Any) -> float | None:
 def _will_resume(config: Any, directory: Path) -> bool:
     """Whether the trainer will resume: ``resume_mode=resume_path``, or ``auto`` with a complete checkpoint.
 
-    A checkpoint is complete when ``global_step_N/COMPLETE`` exists (see :mod:`rlplug.checkpoint`).
+    A checkpoint is complete when ``global_step_N/COMPLETE`` exists (see :mod:`rlplug.run.checkpoint`).
     """
     mode = str(config_get(config, "trainer.resume_mode", "auto"))
     if mode == "resume_path":
@@ -636,7 +636,7 @@ def clean_history_of_run_dir(directory: str | os.PathLike, key: str) -> list[tup
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} is missing: no MLflow run was logged in {directory} (trainer.logger without mlflow?). "
-            "Read <run_dir>/metrics.jsonl instead (rlplug.metrics.read_metrics_jsonl)."
+            "Read <run_dir>/metrics.jsonl instead (rlplug.run.metrics.read_metrics_jsonl)."
         )
     stored = json.loads(path.read_text())
     return clean_history(MlflowClient(tracking_uri=stored["tracking_uri"]), stored["run_id"], sanitize_name(key))

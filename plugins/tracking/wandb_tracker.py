@@ -23,7 +23,7 @@ in its offline folder. Each attempt is numbered (1 for a fresh run, +1 per resum
 every logged step carries the metric ``trainer/attempt``. :func:`clean_history` reads the offline folders
 of the run back (``run-<id>.wandb``, W&B's LevelDB-style record log of protobuf records) and returns every
 metric's series as an uninterrupted run logs it: per step, the values of the last attempt that logged the
-step. ``<run_dir>/metrics.jsonl`` (:func:`rlplug.metrics.read_metrics_jsonl`) holds the same clean history.
+step. ``<run_dir>/metrics.jsonl`` (:func:`rlplug.run.metrics.read_metrics_jsonl`) holds the same clean history.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Without torchrun (``WORLD_SIZE`` unset) it runs as a one-rank group (a ``FileSto
 temporary folder), so ``trainer=fsdp2`` also works in a plain ``rlplug train``.
 
 Design (the methods and their semantics are those of the library's
-:class:`rlplug.training.TrainingBackendBase`, which this class extends by overriding its
-data-parallel hooks; the objectives are :mod:`rlplug.objective`'s; only the distributed parts
+:class:`rlplug.training.backend.TrainingBackendBase`, which this class extends by overriding its
+data-parallel hooks; the objectives are :mod:`rlplug.algorithms.objective`'s; only the distributed parts
 differ):
 
 * **Sharding.** The actor, the critic and the reference model are each wrapped with
@@ -18,7 +18,7 @@ differ):
   classes, e.g. ``LlamaDecoderLayer``) is its own FSDP unit, then the root (embeddings, final
   norm, tied LM head, value head). Each rank keeps ``1 / world_size`` of every parameter,
   gradient and AdamW state (fp32 masters). The actor is wrapped in a small module whose
-  ``forward`` is :func:`rlplug.logprob.response_token_stats`, so the root unit's parameters
+  ``forward`` is :func:`rlplug.algorithms.logprob.response_token_stats`, so the root unit's parameters
   (embedding = tied LM head) are gathered around the chunked log-prob computation. The
   reference model is sharded too (no optimizer): it costs one all-gather per layer per
   forward, and keeps its memory at ``1 / world_size`` like the actor's.
@@ -55,10 +55,10 @@ differ):
   ``actor/model.safetensors`` (written by rank 0) so ``rlplug export`` reads it unchanged.
   The checkpoint folder must be on a file system every rank sees. As in the ``local`` backend, a
   resume keeps this run's optimizer settings and LR-schedule shape over the checkpoint's
-  (:meth:`rlplug.training.Role.keep_optimizer_implementation`, :meth:`rlplug.training.Role.load_scheduler_state`).
+  (:meth:`rlplug.training.backend.Role.keep_optimizer_implementation`, :meth:`rlplug.training.backend.Role.load_scheduler_state`).
 
 The trainer coordinates the ranks through ``backend.coordinator``
-(:class:`rlplug.training.TorchDistributedCoordinator`: ``world_size``, ``is_main``,
+(:class:`rlplug.training.backend.TorchDistributedCoordinator`: ``world_size``, ``is_main``,
 ``broadcast(obj)``). ``world_size``, ``rank``, ``is_main_process`` and :meth:`broadcast_object` are
 the older names of the same things, kept as aliases.
 """
@@ -118,7 +118,7 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
 
 
 class _LogProbModule(torch.nn.Module):
-    """Wraps a causal LM so that its ``forward`` is :func:`rlplug.logprob.response_token_stats`.
+    """Wraps a causal LM so that its ``forward`` is :func:`rlplug.algorithms.logprob.response_token_stats`.
 
     FSDP2 gathers a unit's parameters in the unit's forward pre-hook; ``response_token_stats``
     calls the decoder and reads ``lm_head.weight`` directly (it never calls the LM's own
@@ -189,7 +189,7 @@ def _quiet_view_warning() -> Iterator[None]:
 def _dcp_failure(exc: BaseException) -> Exception:
     """The error to raise for DCP's ``CheckpointException`` ``exc`` (a ``BaseException`` that
     ``except Exception`` misses, raised on every rank when any rank's write failed): an ``OSError``
-    with the first failing rank's errno when it had one (``ENOSPC``: :mod:`rlplug.checkpoint` reports a
+    with the first failing rank's errno when it had one (``ENOSPC``: :mod:`rlplug.run.checkpoint` reports a
     full disk, exit code 74), else a ``RuntimeError``; the message names the ranks and their errors."""
     failures = getattr(exc, "failures", None) or {}
     parts, code = [], None
@@ -206,12 +206,12 @@ class FSDP2TrainingBackend(TrainingBackendBase):
     """Training backend sharded over a ``torch.distributed`` group (``trainer.backend=fsdp2``).
 
     Same factory signature, methods, metrics and checkpoint contract as
-    :class:`rlplug.training.TrainingBackendBase` (see there and the module docstring), and the
+    :class:`rlplug.training.backend.TrainingBackendBase` (see there and the module docstring), and the
     same ``capabilities`` (but ``"lora"``: LoRA needs ``trainer=local``) and ``per_token_outputs``. Every method is collective: all ranks must
     call it, in the same order, with the same batch.
 
     Attributes:
-        coordinator: :class:`rlplug.training.TorchDistributedCoordinator` of the group.
+        coordinator: :class:`rlplug.training.backend.TorchDistributedCoordinator` of the group.
         world_size, rank, local_rank: of the process group.
         is_main_process: ``rank == 0`` (alias of ``coordinator.is_main``).
 
@@ -225,7 +225,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
     backend_name = "fsdp2"
     log = logger
     coordinator: TorchDistributedCoordinator
-    #: no LoRA: adapters are not sharded here (rlplug.lora.check_lora_config refuses it at config time)
+    #: no LoRA: adapters are not sharded here (rlplug.training.lora.check_lora_config refuses it at config time)
     capabilities = TrainingBackendBase.capabilities - {"lora"}
 
     def __init__(
@@ -501,7 +501,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         return x.tolist()
 
     def apply_phase(self, config: Any) -> None:
-        """:meth:`rlplug.training.TrainingBackendBase.apply_phase`, then the check of ``__init__`` for the new
+        """:meth:`rlplug.training.backend.TrainingBackendBase.apply_phase`, then the check of ``__init__`` for the new
         sizes: each role's mini-batch (``ppo_mini_batch_size x rollout.n`` responses) must split over the ranks.
         Raises ``ValueError`` naming the role and the sizes otherwise."""
         super().apply_phase(config)
@@ -643,7 +643,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         """The end of :meth:`save` on every rank (a collective; the barrier it replaces): each rank's
         outcome is gathered on every rank (``all_gather_object``); a rank whose part failed raises its
         ``error``; when another rank's failed, this one raises an ``OSError`` with that error's errno (a
-        full disk stays ``ENOSPC`` for :mod:`rlplug.checkpoint`) or a ``RuntimeError``, naming the rank."""
+        full disk stays ``ENOSPC`` for :mod:`rlplug.run.checkpoint`) or a ``RuntimeError``, naming the rank."""
         if self.world_size == 1:
             if error is not None:
                 raise error

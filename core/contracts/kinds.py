@@ -1,0 +1,282 @@
+"""Plugin contracts as code: each kind's Protocol, and the check run when a plugin is selected.
+
+Every plugin kind has a runtime-checkable ``typing.Protocol`` in :mod:`rlplug.contracts.types` for the
+object its registrations build:
+
+===================== ====================================== ======================================
+kind                  protocol                               the registered object
+===================== ====================================== ======================================
+advantage_estimator   :class:`~rlplug.contracts.types.AdvantageEstimatorProtocol`  the estimator itself
+policy_loss           :class:`~rlplug.contracts.types.PolicyLossProtocol`          the loss itself
+kl_penalty            :class:`~rlplug.contracts.types.KLPenaltyProtocol`           the estimator itself
+batch_filter          :class:`~rlplug.contracts.types.BatchFilterProtocol`         the filter itself
+reward_function       :class:`~rlplug.contracts.types.RewardFunction`              the function itself
+rollout_backend       :class:`~rlplug.contracts.types.RolloutBackend`              a factory (class or ``builds=``)
+training_backend      :class:`~rlplug.contracts.types.TrainingBackend`             a factory (class or ``builds=``)
+tracker               :class:`~rlplug.contracts.types.Tracker`                     a factory (class or ``builds=``)
+===================== ====================================== ======================================
+
+:func:`check_registration` runs when the registry resolves a name (``rlplug train`` and
+``rlplug config`` resolve every selected plugin before any model loads). For factory kinds it
+checks the class the factory builds -- the registered class itself, or the class(es) declared
+with ``register(name, factory, builds=Class)`` -- with :mod:`inspect`, without building
+anything. It checks that every member of the Protocol exists (methods callable with the
+arguments the engine passes, attributes present), suggests the intended name for a misspelled
+one, and raises :class:`rlplug.contracts.registry.PluginContractError` naming the kind, the plugin name, the distribution
+that supplied it and every problem found.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlplug.contracts import types as T
+from rlplug.contracts.plugin_errors import PluginContractError
+
+__all__ = ["KindContract", "CONTRACTS", "check_registration", "check_object", "built_classes", "protocol_members"]
+
+
+@dataclass(frozen=True)
+class KindContract:
+    """What a kind's registrations must provide.
+
+    ``protocol``: the Protocol from :mod:`rlplug.contracts.types`. ``factory``: the registered object
+    builds instances (check the class it builds, not the object). ``call_target``: for wrapper
+    objects, a function giving the callable whose signature to check (e.g. a ``PolicyLoss``'s
+    ``fn``). ``capabilities``: the optional behaviours the kind may declare in a
+    ``capabilities`` attribute.
+    """
+
+    kind: str
+    protocol: type
+    factory: bool = False
+    call_target: Callable[[Any], Any] | None = None
+    capabilities: tuple[str, ...] = ()
+
+
+def _wrapped_fn(obj: Any) -> Any:
+    # rlplug's wrapper dataclasses (AdvantageEstimator, PolicyLoss, KLPenalty) forward __call__ to fn
+    if isinstance(obj, (T.AdvantageEstimator, T.PolicyLoss, T.KLPenalty, T.BatchFilter)):
+        return obj.fn
+    return obj
+
+
+CONTRACTS: dict[str, KindContract] = {
+    "advantage_estimator": KindContract("advantage_estimator", T.AdvantageEstimatorProtocol, call_target=_wrapped_fn),
+    "policy_loss": KindContract("policy_loss", T.PolicyLossProtocol, call_target=_wrapped_fn),
+    "kl_penalty": KindContract("kl_penalty", T.KLPenaltyProtocol, call_target=_wrapped_fn),
+    "batch_filter": KindContract("batch_filter", T.BatchFilterProtocol, call_target=_wrapped_fn),
+    "reward_function": KindContract("reward_function", T.RewardFunction),
+    "rollout_backend": KindContract("rollout_backend", T.RolloutBackend, factory=True),
+    "training_backend": KindContract(
+        "training_backend", T.TrainingBackend, factory=True, capabilities=T.TRAINING_CAPABILITIES
+    ),
+    "tracker": KindContract("tracker", T.Tracker, factory=True),
+}
+
+
+# ============================================================================ protocol members
+
+
+def protocol_members(protocol: type) -> tuple[dict[str, inspect.Signature], set[str]]:
+    """``(methods, attributes)`` of a Protocol: method name -> signature (``self`` dropped), and
+    the names of its annotated attributes. Members starting with ``_`` are skipped, except
+    ``__call__``."""
+    methods: dict[str, inspect.Signature] = {}
+    attributes: set[str] = set()
+    for klass in reversed(protocol.__mro__):
+        if klass in (object,) or klass.__module__ == "typing":
+            continue
+        attributes.update(n for n in vars(klass).get("__annotations__", {}) if not n.startswith("_"))
+        for name, value in vars(klass).items():
+            if (name.startswith("_") and name != "__call__") or not inspect.isfunction(value):
+                continue
+            sig = inspect.signature(value)
+            params = list(sig.parameters.values())[1:]  # drop self
+            methods[name] = sig.replace(parameters=params)
+    return methods, attributes
+
+
+def _call_pattern(sig: inspect.Signature) -> tuple[list[str], list[str]]:
+    """How the engine calls a member: positional names (no default) and keyword names."""
+    positional, keywords = [], []
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind == p.POSITIONAL_ONLY or (p.kind == p.POSITIONAL_OR_KEYWORD and p.default is p.empty):
+            positional.append(p.name)
+        else:
+            keywords.append(p.name)
+    return positional, keywords
+
+
+def _fmt_call(name: str, positional: list[str], keywords: list[str]) -> str:
+    return f"{name}({', '.join(positional + [f'{k}=...' for k in keywords])})"
+
+
+def _fmt_params(sig: inspect.Signature) -> str:
+    """``(a, b, *, c=...)``: the parameter names without annotations."""
+    out, star = [], False
+    for p in sig.parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            out.append(f"*{p.name}")
+            star = True
+        elif p.kind == p.VAR_KEYWORD:
+            out.append(f"**{p.name}")
+        else:
+            if p.kind == p.KEYWORD_ONLY and not star:
+                out.append("*")
+                star = True
+            out.append(p.name if p.default is p.empty else f"{p.name}=...")
+    return f"({', '.join(out)})"
+
+
+def _bind_problem(fn: Any, label: str, pattern: tuple[list[str], list[str]], *, drop_self: bool) -> str | None:
+    """``None`` when ``fn`` accepts the engine's call, else a sentence saying why not."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return None
+    params = list(sig.parameters.values())
+    if drop_self and params:
+        params = params[1:]
+        sig = sig.replace(parameters=params)
+    positional, keywords = pattern
+    try:
+        sig.bind(*positional, **{k: None for k in keywords})
+    except TypeError as exc:
+        return f"{label}{_fmt_params(sig)} cannot be called as {_fmt_call(label, positional, keywords)}: {exc}"
+    return None
+
+
+# ============================================================================ checks
+
+
+def _name(obj: Any) -> str:
+    """A readable name: the qualified name without ``<locals>`` parts."""
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return name.split("<locals>.")[-1]
+
+
+def built_classes(obj: Any, extra: dict | None = None) -> list[type]:
+    """The classes a factory registration builds: the registered class itself, or what it declares
+    with ``register(name, factory, builds=Class or (Class, ...))`` (or a ``builds`` attribute on the
+    factory). Empty when nothing is declared."""
+    if inspect.isclass(obj):
+        return [obj]
+    declared = (extra or {}).get("builds", getattr(obj, "builds", None))
+    if declared is None:
+        return []
+    items = declared if isinstance(declared, (tuple, list)) else (declared,)
+    return [c for c in items if inspect.isclass(c)]
+
+
+def _has_attribute(target: Any, name: str, is_class: bool) -> bool:
+    if hasattr(target, name):
+        return True
+    if is_class:  # declared as an annotation (set in __init__)
+        return any(name in vars(k).get("__annotations__", {}) for k in getattr(target, "__mro__", ()))
+    return False
+
+
+def check_object(kind: str, target: Any, *, is_class: bool = False, label: str | None = None) -> list[str]:
+    """Problems of ``target`` against ``kind``'s Protocol (empty: it conforms).
+
+    ``target`` is the object itself (algorithm and reward kinds) or, with ``is_class``, the class a
+    factory builds (its methods are checked unbound). ``label`` names it in the messages.
+    """
+    contract = CONTRACTS[kind]
+    methods, attributes = protocol_members(contract.protocol)
+    label = label or _name(target)
+    problems: list[str] = []
+    public = sorted({n for n in dir(target) if not n.startswith("_")})
+    missing: list[str] = []
+    for name, sig in methods.items():
+        pattern = _call_pattern(sig)
+        if name == "__call__":  # inspect.signature of a function, bound method or callable instance
+            fn = contract.call_target(target) if contract.call_target is not None else target
+            if not callable(fn):
+                problems.append(f"{label} is not callable; expected {_fmt_call('obj', *pattern)}")
+                continue
+            problem = _bind_problem(fn, label, pattern, drop_self=False)
+            if problem:
+                problems.append(problem)
+            continue
+        if not hasattr(target, name):
+            missing.append(name)
+            continue
+        member = getattr(target, name)
+        if not callable(member):
+            problems.append(f"{label}.{name} is a {type(member).__name__}, not a method")
+            continue
+        static = is_class and isinstance(inspect.getattr_static(target, name, None), (staticmethod, classmethod))
+        problem = _bind_problem(member, f"{label}.{name}", pattern, drop_self=is_class and not static)
+        if problem:
+            problems.append(problem)
+    for name in sorted(attributes):
+        if not _has_attribute(target, name, is_class):
+            missing.append(name)
+    for name in missing:
+        what = f"method {name}()" if name in methods else f"attribute '{name}'"
+        close = [
+            c
+            for c in difflib.get_close_matches(name, public, n=2, cutoff=0.75)
+            if c not in methods and c not in attributes
+        ]
+        hint = f" (found {' / '.join(repr(c) for c in close)}: misnamed?)" if close else ""
+        problems.append(f"{label} has no {what}{hint}")
+    if contract.capabilities and "capabilities" in attributes and hasattr(target, "capabilities"):
+        try:
+            declared = set(target.capabilities)
+        except TypeError:
+            declared = set()
+            problems.append(f"{label}.capabilities must be a set of strings")
+        unknown = sorted(declared - set(contract.capabilities))
+        if unknown:
+            problems.append(f"{label}.capabilities lists unknown {unknown}; known: {list(contract.capabilities)}")
+    return problems
+
+
+def check_registration(reg: T.Registration) -> None:
+    """Check one registration against its kind's Protocol; raises :class:`rlplug.contracts.registry.PluginContractError`.
+
+    The message names the kind, the name, the distribution (and plugin) that registered it and
+    every problem, e.g. ``The rollout backend 'myroll' (rlplug-myroll 0.1.0, plugin myroll) does
+    not implement rlplug.contracts.types.RolloutBackend: MyRollout has no method sleep(); ...``.
+    """
+    contract = CONTRACTS.get(reg.kind)
+    if contract is None:
+        return
+    problems: list[str] = []
+    if contract.factory:
+        if not callable(reg.obj):
+            problems.append(f"the registered object {reg.obj!r} is not a factory (a class or a function)")
+        else:
+            classes = built_classes(reg.obj, reg.extra)
+            if not classes:
+                problems.append(
+                    f"the factory {_name(reg.obj)!r} does not declare the class it builds; "
+                    f"register the class itself or register(name, factory, builds=TheClass) so its methods can be checked"
+                )
+            for cls in classes:
+                problems += check_object(reg.kind, cls, is_class=True, label=_name(cls))
+    else:
+        problems += check_object(
+            reg.kind, reg.obj, label=_name(_wrapped_fn(reg.obj)) if callable(reg.obj) else reg.name
+        )
+    if problems:
+        kind_words = reg.kind.replace("_", " ")
+        proto = contract.protocol
+        dist = f"{reg.distribution} {reg.version}".strip()
+        raise PluginContractError(
+            f"The {kind_words} '{reg.name}' ({dist}, plugin {reg.plugin}) does not implement "
+            f"{proto.__module__}.{proto.__qualname__}: "
+            + "; ".join(problems)
+            + f". Fix the plugin (see the {proto.__qualname__} docstring and rlplug.testing.check_{reg.kind}), "
+            f"or uninstall {reg.distribution} / disable it with RLPLUG_DISABLE_PLUGINS.",
+            problems,
+        )
