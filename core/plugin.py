@@ -59,7 +59,10 @@ contract), :class:`RewardModelFunction` (the library's reward-model scorer, regi
 accepts (:data:`TRACKER_NAME_CHARS`), :func:`metric_value` (a logged value as a float) and
 :func:`source_tags` (the rlplug version and git commit to record with a run).
 
-**Configuration**: :func:`config_get` (a dotted key of a config section, with a default) and
+**Configuration**: :func:`typed` (a config section read as the schema's dataclass, e.g.
+``typed(ActorConfig, config)``, so mypy checks each read and the defaults come from the schema), the
+schema's section dataclasses (:class:`RunConfig`, :class:`ActorConfig`, :class:`RolloutConfig` ...),
+:func:`config_get` (only for a plugin's own free-form keys, which the schema does not know) and
 :class:`ConfigError` (what a plugin raises for a bad setting).
 
 **Testing** (a plugin's own tests): the conformance kit of each kind (:func:`check_advantage_estimator`
@@ -101,7 +104,25 @@ from rlplug.base.host_memory import heap_mib, keep_freed_memory, malloc_trim, rs
 from rlplug.base.precision import resolve_dtype
 from rlplug.base.run_context import RunContext
 from rlplug.config.run_paths import run_context_for
-from rlplug.config.schema import ConfigError, config_get
+from rlplug.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    ConfigError,
+    CriticConfig,
+    DataConfig,
+    KLControlConfig,
+    ModelConfig,
+    OptimConfig,
+    PrometheusConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    RolloutCorrectionConfig,
+    RunConfig,
+    TrainerConfig,
+    config_get,
+    typed,
+)
 from rlplug.conformance import (
     algorithm_config,
     check_advantage_estimator,
@@ -263,6 +284,21 @@ __all__ = [
     "source_tags",
     # configuration
     "config_get",
+    "typed",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "CriticConfig",
+    "DataConfig",
+    "KLControlConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PrometheusConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "RunConfig",
+    "TrainerConfig",
     "ConfigError",
     # testing
     "check_protocol",
