@@ -57,8 +57,9 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
+import safetensors.torch
 import torch
 
 from rlplug.algorithms.logprob import response_token_stats, trim_padding_columns
@@ -66,12 +67,27 @@ from rlplug.algorithms.losses import agg_normalizer, seq_norm_length
 from rlplug.algorithms.objective import CRITIC_INPUT_FIELDS, SEQUENCE_FIELDS, actor_objective, critic_objective
 from rlplug.algorithms.token_budget import pack_rows, row_lengths, token_budgets
 from rlplug.base.file_modes import apply_umask
+from rlplug.base.host_memory import keep_freed_memory
 from rlplug.base.precision import resolve_dtype
 from rlplug.base.run_context import RunContext
-from rlplug.config.schema import config_get, default_cache_dir
+from rlplug.config.schema import (
+    ActorConfig,
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainerConfig,
+    default_cache_dir,
+    typed,
+)
 from rlplug.contracts.batch import Batch
 from rlplug.contracts.coordinator import SINGLE_PROCESS
+from rlplug.contracts.registry import get_registry
 from rlplug.contracts.types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES, MiniBatchContext
+
+# lora and models are read as module attributes at call time (tests replace e.g. models.load_causal_lm)
+from rlplug.training import lora, models
 from rlplug.training.models import unique_state  # also re-exported: its home before rlplug.training.models
 
 __all__ = [
@@ -102,12 +118,19 @@ LR_SCHEDULE_ATTR = "rlplug_lr_schedule"
 
 # ============================================================================ helpers
 
+_T = TypeVar("_T")
+
+
+def _or(value: _T | None, fallback: _T) -> _T:
+    """``value``, or ``fallback`` when it is None (a critic setting left unset follows the actor's)."""
+    return fallback if value is None else value
+
 
 def resolve_device(trainer: Any, backend: str) -> str:
     """``trainer.device`` as a torch device string: ``"auto"`` is ``"cuda"`` when torch sees a CUDA
     device, else ``"cpu"``. Raises ``ValueError`` for anything but auto / cpu / cuda / cuda:N, or
     for CUDA without a CUDA device (``backend`` names the backend in the message)."""
-    device = str(config_get(trainer, "device", "auto"))
+    device = str(typed(TrainerConfig, trainer).device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -315,30 +338,31 @@ class Role:
                 f"{name}: ppo_mini_batch_size x rollout.n ({self.mini_batch}), micro_batch_size_per_device "
                 f"({self.micro_batch}) and ppo_epochs ({self.epochs}) must all be positive."
             )
-        betas = tuple(float(b) for b in config_get(optim_cfg, "betas", [0.9, 0.999]))
+        optim = typed(OptimConfig, optim_cfg)
+        betas = tuple(float(b) for b in optim.betas)
         params = [p for p in model.parameters() if p.requires_grad]
-        fused = config_get(optim_cfg, "fused", None)
+        fused = optim.fused
         if fused is None:
             fused = fused_adamw_supported(params)
         #: torch's fused AdamW kernel (``optim.fused``, or chosen by :func:`fused_adamw_supported`)
         self.fused = bool(fused)
         self.optimizer = torch.optim.AdamW(
             params,
-            lr=float(config_get(optim_cfg, "lr", 1e-6)),
+            lr=float(optim.lr),
             betas=betas,  # type: ignore[arg-type]
-            eps=float(config_get(optim_cfg, "eps", 1e-8)),
-            weight_decay=float(config_get(optim_cfg, "weight_decay", 0.0)),
+            eps=float(optim.eps),
+            weight_decay=float(optim.weight_decay),
             fused=self.fused or None,
         )
         #: the AdamW settings of this run's config, put back over a checkpoint's (:meth:`keep_optimizer_implementation`)
         self.optimizer_settings: dict[str, Any] = {
             "betas": betas,
-            "eps": float(config_get(optim_cfg, "eps", 1e-8)),
-            "weight_decay": float(config_get(optim_cfg, "weight_decay", 0.0)),
+            "eps": float(optim.eps),
+            "weight_decay": float(optim.weight_decay),
         }
-        warmup = int(config_get(optim_cfg, "lr_warmup_steps", -1))
+        warmup = int(optim.lr_warmup_steps)
         if warmup <= 0:  # as verl: lr_warmup_steps wins when > 0, else the ratio of the total
-            warmup = int(float(config_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_optimizer_steps)
+            warmup = int(float(optim.lr_warmup_steps_ratio) * total_optimizer_steps)
         self.total_optimizer_steps = total_optimizer_steps
         self.warmup_steps = warmup
         #: the shape of the LR schedule (:func:`build_lr_lambda`'s arguments), kept in the scheduler's checkpoint
@@ -346,9 +370,9 @@ class Role:
         self.lr_schedule: dict[str, Any] = {
             "warmup_steps": warmup,
             "total_steps": int(total_optimizer_steps),
-            "style": str(config_get(optim_cfg, "warmup_style", "constant")),
-            "min_lr_ratio": float(config_get(optim_cfg, "min_lr_ratio", 0.0)),
-            "hold_steps": int(float(config_get(optim_cfg, "lr_hold_ratio", 0.0)) * total_optimizer_steps),
+            "style": str(optim.warmup_style),
+            "min_lr_ratio": float(optim.min_lr_ratio),
+            "hold_steps": int(float(optim.lr_hold_ratio) * total_optimizer_steps),
         }
         self.lr_lambda = build_lr_lambda(
             warmup,
@@ -436,7 +460,7 @@ class TorchDistributedCoordinator:
         """Rank ``src``'s ``obj`` (any picklable object) on every rank (``dist.broadcast_object_list``)."""
         if self.world_size == 1:
             return obj
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch (torch.distributed, only with several ranks)
 
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src)
@@ -516,29 +540,28 @@ class TrainingBackendBase:
         total_steps: int,
         run: RunContext | None = None,
     ) -> None:
-        from rlplug.training.lora import LORA_CAPABILITY, apply_lora, check_target_modules, lora_settings
-        from rlplug.training.models import load_causal_lm, load_value_model, resolve_critic_model_path
-
         self.run = run
         self.config = config
         self.model_path = str(model_path)
         self.use_critic = bool(use_critic)
         # critic.model: checked (folder, tokenizer) before any weights load; the actor's folder when unset
-        self.critic_model_path = resolve_critic_model_path(config, self.model_path) if self.use_critic else None
+        self.critic_model_path = models.resolve_critic_model_path(config, self.model_path) if self.use_critic else None
         self.use_ref = bool(use_ref)
         self.total_steps = int(total_steps)
-        trainer, model_cfg, actor_cfg, critic_cfg = config.trainer, config.model, config.actor, config.critic
+        trainer = typed(TrainerConfig, config.trainer)
+        model_cfg = typed(ModelConfig, config.model)
+        actor_cfg = typed(ActorConfig, config.actor)
+        critic_cfg = typed(CriticConfig, config.critic)
+        rollout, data = typed(RolloutConfig, config.rollout), typed(DataConfig, config.data)
 
         # ---- device, threads, precision
         self.device = self._training_device()
-        if self.device.type == "cpu" and bool(config_get(trainer, "malloc_keep_freed", True)):
-            from rlplug.base.host_memory import keep_freed_memory
-
+        if self.device.type == "cpu" and bool(trainer.malloc_keep_freed):
             keep_freed_memory()
-        threads = config_get(trainer, "num_threads", None)
+        threads = trainer.num_threads
         if threads:
             torch.set_num_threads(int(threads))
-        compute_dtype = str(config_get(model_cfg, "compute_dtype", "auto"))
+        compute_dtype = str(model_cfg.compute_dtype)
         if compute_dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"model.compute_dtype must be 'auto', 'bf16' or 'fp32', got {compute_dtype!r}.")
         requested, compute_dtype = compute_dtype, resolve_dtype(compute_dtype, self.device, "model.compute_dtype")
@@ -550,37 +573,35 @@ class TrainingBackendBase:
             else:
                 self.log.warning("bf16 autocast is not available on %s; computing in fp32.", self.device)
 
-        self.temperature = float(config_get(config.rollout, "temperature", 1.0))
+        self.temperature = float(rollout.temperature)
         if not self.temperature > 0:
             raise ValueError(
                 f"rollout.temperature={self.temperature}: training needs sampled responses (temperature > 0); "
                 "log-probs of greedy decoding are undefined."
             )
-        self.chunk_size = int(config_get(actor_cfg, "logprob_chunk_size", 1024))
-        self.max_response_length = int(config_get(config.data, "max_response_length", 0)) or None
-        n = int(config_get(config.rollout, "n", 1))
-        minis_per_step = max(
-            1, int(config_get(config.data, "train_batch_size", 1)) // int(actor_cfg.ppo_mini_batch_size)
-        )
-        trust = bool(config_get(model_cfg, "trust_remote_code", False))
-        grad_ckpt = bool(config_get(model_cfg, "enable_gradient_checkpointing", False))
-        seed = int(config_get(trainer, "seed", 0))
+        self.chunk_size = int(actor_cfg.logprob_chunk_size)
+        self.max_response_length = int(data.max_response_length) or None
+        n = int(rollout.n)
+        minis_per_step = max(1, int(data.train_batch_size) // int(actor_cfg.ppo_mini_batch_size))
+        trust = bool(model_cfg.trust_remote_code)
+        grad_ckpt = bool(model_cfg.enable_gradient_checkpointing)
+        seed = int(trainer.seed)
         # ---- LoRA (rlplug.training.lora): settings and target modules checked before any weights load
-        self.lora = lora_settings(model_cfg)
-        self.critic_lora = lora_settings(config_get(critic_cfg, "model"), "critic.model") if self.use_critic else None
-        if (self.lora or self.critic_lora) and LORA_CAPABILITY not in self.capabilities:
+        self.lora = lora.lora_settings(model_cfg)
+        self.critic_lora = lora.lora_settings(critic_cfg.model, "critic.model") if self.use_critic else None
+        if (self.lora or self.critic_lora) and lora.LORA_CAPABILITY not in self.capabilities:
             raise ValueError(f"The {self.backend_name} training backend does not support LoRA; use trainer=local.")
         if self.lora is not None:
-            check_target_modules(self.lora, self.model_path, trust_remote_code=trust)
+            lora.check_target_modules(self.lora, self.model_path, trust_remote_code=trust)
         if self.critic_lora is not None:
-            check_target_modules(
+            lora.check_target_modules(
                 self.critic_lora, str(self.critic_model_path), trust_remote_code=trust, value_model=True
             )
 
         self.attn_implementation = self._resolve_attention(config)
-        self._attention_explicit = str(config_get(model_cfg, "attn_implementation", "auto") or "auto") != "auto"
+        self._attention_explicit = str(model_cfg.attn_implementation or "auto") != "auto"
         # ---- actor
-        actor: Any = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+        actor: Any = models.load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
         self._set_attention(actor)
         if getattr(actor.config, "use_cache", None) is not None:
             actor.config.use_cache = False
@@ -588,10 +609,10 @@ class TrainingBackendBase:
             actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._warn_dropout(actor)
         if self.lora is not None:  # the adapters train, the base weights are frozen
-            actor = apply_lora(actor, self.lora, seed=seed)
+            actor = lora.apply_lora(actor, self.lora, seed=seed)
         actor = self._prepare_model(actor, "actor")
-        compile_actor = bool(config_get(actor_cfg, "use_torch_compile", False))
-        compile_critic_setting = config_get(critic_cfg, "use_torch_compile", None)
+        compile_actor = bool(actor_cfg.use_torch_compile)
+        compile_critic_setting = critic_cfg.use_torch_compile
         if not self.supports_torch_compile and (compile_actor or compile_critic_setting):
             self.log.warning(
                 "actor.use_torch_compile / critic.use_torch_compile: the %s backend runs its layers uncompiled "
@@ -610,11 +631,9 @@ class TrainingBackendBase:
             micro_batch=int(actor_cfg.micro_batch_size_per_device),
             epochs=actor_epochs,
             loss_agg_mode=str(actor_cfg.loss_agg_mode),
-            grad_clip=config_get(actor_cfg, "grad_clip", None),
+            grad_clip=actor_cfg.grad_clip,
             total_optimizer_steps=max(1, self.total_steps * actor_epochs * minis_per_step),
         )
-        from rlplug.contracts.registry import get_registry
-
         registry = get_registry()
         self.policy_loss = registry.get("policy_loss", str(actor_cfg.policy_loss))
         self.kl_loss = registry.get("kl_penalty", str(actor_cfg.kl_loss_type)) if actor_cfg.use_kl_loss else None
@@ -622,7 +641,7 @@ class TrainingBackendBase:
         # ---- reference model (with LoRA: the actor with its adapters switched off, no second copy)
         self.ref: torch.nn.Module | None = None
         if self.use_ref and self.lora is None:
-            ref = load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
+            ref = models.load_causal_lm(self.model_path, dtype=torch.float32, trust_remote_code=trust)
             self._set_attention(ref)
             ref.requires_grad_(False)
             self.ref = self._prepare_model(ref, "ref").eval()
@@ -632,29 +651,30 @@ class TrainingBackendBase:
         # ---- critic
         self.critic: Role | None = None
         if self.use_critic:
-            critic: Any = load_value_model(str(self.critic_model_path), dtype=torch.float32, trust_remote_code=trust)
+            critic: Any = models.load_value_model(
+                str(self.critic_model_path), dtype=torch.float32, trust_remote_code=trust
+            )
             self._set_attention(critic.backbone)
             if grad_ckpt:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if self.critic_lora is not None:  # adapters on the backbone; the value head trains fully
-                critic.backbone = apply_lora(critic.backbone, self.critic_lora, seed=seed, task_type=None)
+                critic.backbone = lora.apply_lora(critic.backbone, self.critic_lora, seed=seed, task_type=None)
             critic = self._prepare_model(critic, "critic")
             if compile_actor if compile_critic_setting is None else bool(compile_critic_setting):
                 compile_decoder_layers(critic, "critic")
-            c_mini = int(config_get(critic_cfg, "ppo_mini_batch_size", actor_cfg.ppo_mini_batch_size))
-            c_epochs = int(config_get(critic_cfg, "ppo_epochs", actor_epochs))
-            c_minis_per_step = max(1, int(config_get(config.data, "train_batch_size", 1)) // c_mini)
+            # the critic's unset (None) sizes and loss aggregation follow the actor's, as verl's critic defaults
+            c_mini = int(_or(critic_cfg.ppo_mini_batch_size, actor_cfg.ppo_mini_batch_size))
+            c_epochs = int(_or(critic_cfg.ppo_epochs, actor_epochs))
+            c_minis_per_step = max(1, int(data.train_batch_size) // c_mini)
             self.critic = Role(
                 "critic",
                 critic,
                 critic_cfg.optim,
                 mini_batch=c_mini * n,
-                micro_batch=int(
-                    config_get(critic_cfg, "micro_batch_size_per_device", actor_cfg.micro_batch_size_per_device)
-                ),
+                micro_batch=int(_or(critic_cfg.micro_batch_size_per_device, actor_cfg.micro_batch_size_per_device)),
                 epochs=c_epochs,
-                loss_agg_mode=str(config_get(critic_cfg, "loss_agg_mode", actor_cfg.loss_agg_mode)),
-                grad_clip=config_get(critic_cfg, "grad_clip", None),
+                loss_agg_mode=str(_or(critic_cfg.loss_agg_mode, actor_cfg.loss_agg_mode)),
+                grad_clip=critic_cfg.grad_clip,
                 total_optimizer_steps=max(1, self.total_steps * c_epochs * c_minis_per_step),
             )
         self._set_token_budgets(config)
@@ -717,13 +737,11 @@ class TrainingBackendBase:
         :attr:`EAGER_ATTENTION_MAX_TOKENS` (on the 2-core machine, eager took 2.11 s against sdpa's
         2.38 s for the forward + backward of an 8 x 202-token SmolLM2 micro-batch, and 3.99 s
         against 4.21 s at 4 x 592 tokens), else None."""
-        name = str(config_get(config.model, "attn_implementation", "auto") or "auto")
+        name = str(typed(ModelConfig, config.model).attn_implementation or "auto")
         if name != "auto":
             return name
-        data = config.data
-        tokens = int(config_get(data, "max_prompt_length", 0) or 0) + int(
-            config_get(data, "max_response_length", 0) or 0
-        )
+        data = typed(DataConfig, config.data)
+        tokens = int(data.max_prompt_length or 0) + int(data.max_response_length or 0)
         if self.device.type == "cpu" and 0 < tokens <= self.EAGER_ATTENTION_MAX_TOKENS:
             return "eager"
         return None
@@ -782,8 +800,8 @@ class TrainingBackendBase:
         step on, for the rest of the schedule: the schedule's base rates and the current rates are scaled, and
         both are in the optimizer and scheduler checkpoint. Returns the new current rate. Used by the alert
         action ``scale_lr`` (:mod:`rlplug.run.alerts`), by a phase change of ``algorithm.schedule`` and by a resume
-        with another ``<role>.optim.lr`` (the ratio of the new rate to the checkpoint's, :meth:`rlplug.run.trainer.
-        Trainer._apply_resume_changes`). Raises ``ValueError`` for a role this backend does not train."""
+        with another ``<role>.optim.lr`` (the ratio of the new rate to the checkpoint's, :func:`rlplug.run.resume.
+        apply_resume_changes`). Raises ``ValueError`` for a role this backend does not train."""
         r = {"actor": self.actor, "critic": self.critic}.get(role)
         if r is None:
             roles = "actor, critic" if self.critic else "actor"
@@ -805,9 +823,7 @@ class TrainingBackendBase:
         loss aggregation and gradient clip follow it. Models, optimizer states and learning-rate schedules are
         kept (the schedule changes a learning rate with :meth:`scale_lr`). Raises ``ValueError`` when the phase
         uses a KL loss but this backend was built without the reference model (``use_ref=False``)."""
-        from rlplug.contracts.registry import get_registry
-
-        a, registry = config.actor, get_registry()
+        a, registry = typed(ActorConfig, config.actor), get_registry()
         if a.use_kl_loss and self.ref is None and self.lora is None:
             raise ValueError(
                 "apply_phase: the phase sets actor.use_kl_loss=true, but this backend was built without the "
@@ -816,17 +832,17 @@ class TrainingBackendBase:
         self.config = config
         self.policy_loss = registry.get("policy_loss", str(a.policy_loss))
         self.kl_loss = registry.get("kl_penalty", str(a.kl_loss_type)) if a.use_kl_loss else None
-        n = int(config_get(config.rollout, "n", 1))
+        n = int(typed(RolloutConfig, config.rollout).n)
         self.actor.mini_batch = int(a.ppo_mini_batch_size) * n
         self.actor.micro_batch = int(a.micro_batch_size_per_device)
         self.actor.loss_agg_mode = str(a.loss_agg_mode)
-        self.actor.grad_clip = config_get(a, "grad_clip", None)
+        self.actor.grad_clip = a.grad_clip
         if self.critic is not None:
-            c = config.critic
-            self.critic.mini_batch = int(config_get(c, "ppo_mini_batch_size", a.ppo_mini_batch_size)) * n
-            self.critic.micro_batch = int(config_get(c, "micro_batch_size_per_device", a.micro_batch_size_per_device))
-            self.critic.loss_agg_mode = str(config_get(c, "loss_agg_mode", a.loss_agg_mode))
-            self.critic.grad_clip = config_get(c, "grad_clip", None)
+            c = typed(CriticConfig, config.critic)
+            self.critic.mini_batch = int(_or(c.ppo_mini_batch_size, a.ppo_mini_batch_size)) * n
+            self.critic.micro_batch = int(_or(c.micro_batch_size_per_device, a.micro_batch_size_per_device))
+            self.critic.loss_agg_mode = str(_or(c.loss_agg_mode, a.loss_agg_mode))
+            self.critic.grad_clip = c.grad_clip
         self._set_token_budgets(config)
 
     @property
@@ -1187,6 +1203,7 @@ class TrainingBackendBase:
         Raises ``ValueError`` for a missing tensor or a batch that does not split into mini-batches.
         """
         cfg = self.config.actor
+        actor_cfg = typed(ActorConfig, cfg)
         # on-policy (one optimizer step over the whole batch): without old_log_probs the update uses
         # its own log-probs, detached (the same values, as the weights have not moved yet)
         on_policy = self.actor.epochs == 1 and len(batch) == self.actor.mini_batch
@@ -1200,7 +1217,7 @@ class TrainingBackendBase:
                 "update_actor with actor.use_kl_loss",
                 " The trainer fills ref_log_probs when a reference model is used (use_ref=True).",
             )
-        if config_get(cfg, "rollout_is_threshold", None) is not None:
+        if actor_cfg.rollout_is_threshold is not None:
             check_batch_fields(
                 batch,
                 ("rollout_log_probs",),
@@ -1238,7 +1255,7 @@ class TrainingBackendBase:
 
         metrics = self._run_update(self.actor, batch, micro_loss, self._minibatch_stats_fn(reuse))
         if self.kl_loss is not None:
-            metrics["actor/kl_coef"] = float(config_get(cfg, "kl_loss_coef", 0.0))
+            metrics["actor/kl_coef"] = float(actor_cfg.kl_loss_coef)
         return metrics
 
     def _minibatch_stats_fn(self, reuse: bool) -> Callable[[Batch, int, int], Batch] | None:
@@ -1250,7 +1267,7 @@ class TrainingBackendBase:
         stats_fn = getattr(self.policy_loss, "minibatch_stats", None)
         if stats_fn is None:
             return None
-        role, seed = self.actor, int(config_get(self.config.trainer, "seed", 0))
+        role, seed = self.actor, int(typed(TrainerConfig, self.config.trainer).seed)
 
         def add_stats(mini: Batch, epoch: int, index: int) -> Batch:
             current = self.compute_log_probs(mini, which="actor")["log_probs"]
@@ -1275,9 +1292,10 @@ class TrainingBackendBase:
         check_batch_fields(batch, CRITIC_INPUT_FIELDS, "update_critic")
         t = self._response_length(batch)
         role = self.critic
-        cliprange = float(config_get(self.config.critic, "cliprange_value", 0.5))
-        loss_type = str(config_get(self.config.critic, "loss_type", "mse"))
-        huber_delta = float(config_get(self.config.critic, "huber_delta", 1.0))
+        critic_cfg = typed(CriticConfig, self.config.critic)
+        cliprange = float(critic_cfg.cliprange_value)
+        loss_type = str(critic_cfg.loss_type)
+        huber_delta = float(critic_cfg.huber_delta)
 
         def micro_loss(tensors: dict[str, torch.Tensor], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
             values = self._values(role.model, tensors, t)
@@ -1303,9 +1321,7 @@ class TrainingBackendBase:
         weights ``W + (lora_alpha / r) * B @ A`` of the adapted layers as new tensors
         (:func:`rlplug.training.lora.merged_weights`), views of the others; the trained model is unchanged."""
         if self.lora is not None:
-            from rlplug.training.lora import merged_weights
-
-            yield from merged_weights(self.actor.model)
+            yield from lora.merged_weights(self.actor.model)
             return
         yield from unique_state(self.actor.model).items()
 
@@ -1329,19 +1345,15 @@ class TrainingBackendBase:
         bitwise identically. A LoRA role writes its adapters and a pointer to its base model instead
         of ``model.safetensors`` (:func:`rlplug.training.lora.save_lora_state`).
         """
-        from safetensors.torch import save_file
-
-        from rlplug.training.lora import save_lora_state
-
         out = Path(directory)
         for role in self._roles():
             d = out / role.name
             d.mkdir(parents=True, exist_ok=True)
             if self._role_lora(role) is not None:
-                save_lora_state(role.model, d, self._role_base(role), role.name)
+                lora.save_lora_state(role.model, d, self._role_base(role), role.name)
             else:
                 state = {k: v.contiguous().cpu() for k, v in unique_state(role.model).items()}
-                save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+                safetensors.torch.save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
             torch.save(role.optimizer.state_dict(), d / "optimizer.pt")
             torch.save(role.scheduler.state_dict(), d / "scheduler.pt")
         counters = {r.name: {"consecutive_bad_steps": r.consecutive_bad_steps} for r in self._roles()}
@@ -1358,18 +1370,14 @@ class TrainingBackendBase:
         Raises ``FileNotFoundError`` for a missing file and ``ValueError`` when the weights do
         not match the model (wrong model or a checkpoint without a critic).
         """
-        from safetensors.torch import load_file
-
-        from rlplug.training.lora import is_lora_role_dir, load_lora_state
-
         src = Path(directory)
         for role in self._roles():
             d = src / role.name
             weights = d / "model.safetensors"
             key = "model" if role.name == "actor" else "critic.model"
             if self._role_lora(role) is not None:
-                load_lora_state(role.model, d, self._role_base(role), role.name, key, self.device)
-            elif is_lora_role_dir(d):
+                lora.load_lora_state(role.model, d, self._role_base(role), role.name, key, self.device)
+            elif lora.is_lora_role_dir(d):
                 raise ValueError(
                     f"{d} holds LoRA adapters (that run trained with {key}.lora_rank > 0), but {key}.lora_rank=0 "
                     f"now. Resume with the checkpointed run's {key}.lora_rank, lora_alpha and target_modules."
@@ -1380,7 +1388,7 @@ class TrainingBackendBase:
                     f"(or without a {role.name})."
                 )
             else:
-                state = load_file(str(weights), device=str(self.device))
+                state = safetensors.torch.load_file(str(weights), device=str(self.device))
                 result = role.model.load_state_dict(state, strict=False)
                 expected_missing = set(role.model.state_dict()) - set(unique_state(role.model))
                 missing = set(result.missing_keys) - expected_missing
@@ -1406,9 +1414,7 @@ class TrainingBackendBase:
         out.mkdir(parents=True, exist_ok=True)
         model: Any = self.actor.model
         if self.lora is not None:  # base + merged adapters, the trained model unchanged (rlplug.training.lora)
-            from rlplug.training.lora import save_merged
-
-            save_merged(model, out, tokenizer)
+            lora.save_merged(model, out, tokenizer)
             apply_umask(out)
             return out
         model.config.use_cache = True  # for generation from the exported folder

@@ -35,10 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
-from rlplug.config.schema import ConfigError, config_get
+from rlplug.config.schema import ConfigError, CriticConfig, CriticModelConfig, ModelConfig, typed
+from rlplug.contracts.kinds import built_classes
+from rlplug.contracts.registry import PluginError
 from rlplug.training.models import unique_state
 
 __all__ = [
@@ -95,7 +99,7 @@ class LoraSettings:
 
     def peft_config(self, task_type: str | None) -> Any:
         """The ``peft.LoraConfig`` (no dropout, no bias training; verl's settings)."""
-        from peft import LoraConfig
+        from peft import LoraConfig  # deferred: peft
 
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
         exclude = self.exclude_modules if isinstance(self.exclude_modules, str | None) else list(self.exclude_modules)
@@ -127,8 +131,6 @@ def _names(value: Any, key: str) -> str | tuple[str, ...] | None:
                 ) from exc
         return value
     try:
-        from omegaconf import OmegaConf
-
         items = OmegaConf.to_container(value) if OmegaConf.is_config(value) else list(value)
     except TypeError:
         items = None
@@ -147,7 +149,12 @@ def lora_settings(model_cfg: Any, key: str = "model") -> LoraSettings | None:
     Raises :class:`rlplug.config.schema.ConfigError` for a negative or non-integer rank, ``lora_alpha <= 0``, an
     empty or malformed ``target_modules`` / ``exclude_modules`` (``key`` names the section in the message).
     """
-    raw = config_get(model_cfg, "lora_rank", 0)
+    section = (
+        model_cfg
+        if isinstance(model_cfg, ModelConfig | CriticModelConfig)
+        else typed(CriticModelConfig if key == "critic.model" else ModelConfig, model_cfg)
+    )
+    raw = section.lora_rank
     try:
         rank = int(raw)
         if rank != float(raw):
@@ -163,16 +170,16 @@ def lora_settings(model_cfg: Any, key: str = "model") -> LoraSettings | None:
         )
     if rank == 0:
         return None
-    alpha = int(config_get(model_cfg, "lora_alpha", 16))
+    alpha = int(section.lora_alpha)
     if not alpha > 0:
         raise ConfigError(
             f"{key}.lora_alpha={alpha}: the adapter update is scaled by lora_alpha / lora_rank, so lora_alpha "
             "must be > 0 (verl's default 16)."
         )
-    targets = _names(config_get(model_cfg, "target_modules", "all-linear"), f"{key}.target_modules")
+    targets = _names(section.target_modules, f"{key}.target_modules")
     if not targets:
         raise ConfigError(f"{key}.target_modules is empty; use all-linear or a list such as [q_proj,v_proj].")
-    exclude = _names(config_get(model_cfg, "exclude_modules", None), f"{key}.exclude_modules")
+    exclude = _names(section.exclude_modules, f"{key}.exclude_modules")
     return LoraSettings(key, rank, alpha, targets, exclude or None)
 
 
@@ -183,12 +190,10 @@ def check_lora_config(cfg: Any, registry: Any = None) -> None:
     when either is on, every class ``trainer.backend`` builds must declare the capability
     :data:`LORA_CAPABILITY` (``local`` does; ``fsdp2`` does not). Raises :class:`rlplug.config.schema.ConfigError`.
     """
-    on = [s for s in (lora_settings(cfg.model), lora_settings(config_get(cfg, "critic.model"), "critic.model")) if s]
+    critic_model = typed(CriticConfig, getattr(cfg, "critic", None)).model
+    on = [s for s in (lora_settings(cfg.model), lora_settings(critic_model, "critic.model")) if s]
     if not on or registry is None:
         return
-    from rlplug.contracts.kinds import built_classes
-    from rlplug.contracts.registry import PluginError
-
     name = str(cfg.trainer.backend)
     try:
         reg = registry.registration("training_backend", name)
@@ -217,7 +222,7 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 def _meta_model(model_path: str | os.PathLike, trust_remote_code: bool, value_model: bool) -> nn.Module:
     """The model of ``model_path``'s ``config.json`` on the meta device (no weights read)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # deferred: transformers
 
     config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
     auto = AutoModel if value_model else AutoModelForCausalLM
@@ -240,7 +245,7 @@ def check_target_modules(
     :class:`rlplug.config.schema.ConfigError` when nothing matches, listing the linear layer names the model
     has (their last name part, e.g. ``q_proj``), so the check fails before any training compute.
     """
-    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.tuners.tuners_utils import check_target_module_exists  # deferred: peft
 
     if not isinstance(model, nn.Module):
         model = _meta_model(model, trust_remote_code, value_model)
@@ -274,7 +279,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0, task_
     they do not depend on what was drawn before and the caller's RNG is untouched. The target modules are
     checked first (:func:`check_target_modules`). Raises :class:`rlplug.config.schema.ConfigError` when none match.
     """
-    from peft import get_peft_model
+    from peft import get_peft_model  # deferred: peft
 
     check_target_modules(settings, model)
     with torch.random.fork_rng(devices=[]):
@@ -284,7 +289,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int = 0, task_
 
 def _lora_layers(peft_model: Any) -> dict[str, Any]:
     """``{module name in the base model: peft LoRA layer}``."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # deferred: peft
 
     base = peft_model.get_base_model()
     return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
@@ -316,7 +321,7 @@ def save_merged(peft_model: Any, directory: str | os.PathLike, tokenizer: Any = 
     """Write the merged model (:func:`merged_weights`) to ``directory`` as a Hugging Face folder (safetensors,
     ``config.json`` of the base, the tokenizer when given), without changing ``peft_model``. Loads with
     ``AutoModelForCausalLM.from_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers
 
     base = peft_model.get_base_model()
     config = base.config
@@ -409,14 +414,12 @@ def save_lora_state(model: Any, directory: str | os.PathLike, base_path: str | o
     trainable tensor (adapters and the value head) under its module name. Both: :data:`BASE_POINTER_FILE`
     for ``base_path`` (:func:`write_base_pointer`). The frozen base weights are not written.
     """
-    from safetensors.torch import save_file
-
     out = Path(directory)
     if role == "actor":
         model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True, save_embedding_layers=False)
     else:
         state = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
-        save_file(state, str(out / TRAINABLE_FILE), metadata={"format": "pt"})
+        safetensors.torch.save_file(state, str(out / TRAINABLE_FILE), metadata={"format": "pt"})
     write_base_pointer(out, base_path)
 
 
@@ -431,8 +434,6 @@ def load_lora_state(
     ``lora_rank`` or ``target_modules``; ``key`` names the setting), and ``FileNotFoundError`` for a
     missing file.
     """
-    from safetensors.torch import load_file
-
     d = Path(directory)
     if not (d / BASE_POINTER_FILE).is_file():
         raise ValueError(
@@ -445,9 +446,9 @@ def load_lora_state(
         "target_modules of the checkpointed run."
     )
     if role == "actor":
-        from peft import set_peft_model_state_dict
+        from peft import set_peft_model_state_dict  # deferred: peft
 
-        state = load_file(str(d / ADAPTER_DIR / "adapter_model.safetensors"), device=str(device))
+        state = safetensors.torch.load_file(str(d / ADAPTER_DIR / "adapter_model.safetensors"), device=str(device))
         expected = sum(1 for n, _ in model.named_parameters() if ".lora_" in n)
         try:
             result: Any = set_peft_model_state_dict(model, state)
@@ -456,7 +457,7 @@ def load_lora_state(
         if result.unexpected_keys or len(state) != expected:
             raise ValueError(mismatch.format(f"{len(state)} adapter tensors saved, {expected} here"))
         return
-    state = load_file(str(d / TRAINABLE_FILE), device=str(device))
+    state = safetensors.torch.load_file(str(d / TRAINABLE_FILE), device=str(device))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     if set(state) != trainable:
         raise ValueError(mismatch.format(f"differing tensors {sorted(set(state) ^ trainable)[:4]}"))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 __all__ = [
     "SOURCE_MANIFEST",
@@ -87,8 +88,6 @@ def source_dtype(model_dir: str | Path) -> torch.dtype:
     """The dtype of the model folder's weights: the floating-point dtype holding most elements in its
     ``*.safetensors`` files (headers only are read), else ``config.json``'s ``dtype`` / ``torch_dtype``,
     else ``torch.float32``. A mixed folder (e.g. bf16 with fp32 norms) counts as its majority dtype."""
-    from safetensors import safe_open
-
     counts: dict[torch.dtype, int] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:

@@ -30,10 +30,12 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
-from rlplug.config.schema import config_get, default_cache_dir
+from rlplug.config.schema import ConfigError, CriticModelConfig, ModelConfig, RunConfig, default_cache_dir, typed
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -181,10 +183,10 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers
 
     try:
-        from transformers import GgufConfig
+        from transformers import GgufConfig  # deferred: transformers
 
         qcfg: Any = GgufConfig(dequantize=True)
     except ImportError:  # older transformers: dequantisation is implicit
@@ -235,8 +237,6 @@ def _tiny_settings(tiny_cfg: Any) -> dict[str, int]:
         d = dict(tiny_cfg)
     else:
         try:
-            from omegaconf import OmegaConf
-
             d = OmegaConf.to_container(tiny_cfg, resolve=True)  # type: ignore[assignment]
         except Exception as exc:
             raise TypeError(
@@ -305,7 +305,7 @@ def tiny_model_dir(tiny_cfg: Any, cache_dir: str | os.PathLike | None = None) ->
 
 
 def _build_tiny(base: Path, s: dict[str, int], out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # deferred: transformers
 
     ref = AutoConfig.from_pretrained(str(base))
     cfg = LlamaConfig(
@@ -351,12 +351,12 @@ def resolve_model_path(model_cfg: Any) -> str:
     Raises :class:`ModelPreparationError` for a missing or invalid folder (also a missing
     ``model.path`` under ``source: tiny``) and ``ValueError`` for an unknown source.
     """
-    source = str(config_get(model_cfg, "source", "default"))
-    path = config_get(model_cfg, "path", None)
+    model = typed(ModelConfig, model_cfg)
+    source, path = str(model.source), model.path
     if source == "tiny":
         if path is not None and str(path) not in ("", "???"):
             _check_path_replaced_by_tiny(path)
-        return str(tiny_model_dir(config_get(model_cfg, "tiny", None) or {}))
+        return str(tiny_model_dir(model.tiny))
     if source == "path" or (source == "default" and path):
         return str(_check_model_folder(path))
     if source == "default":
@@ -419,8 +419,8 @@ def critic_model_folder(critic_model_cfg: Any) -> Path | None:
     :class:`ModelPreparationError` for a missing or invalid folder and ``ValueError`` for an unknown
     source or a path given with ``source: tiny``.
     """
-    source = config_get(critic_model_cfg, "source", None)
-    path = config_get(critic_model_cfg, "path", None)
+    critic_model = typed(CriticModelConfig, critic_model_cfg)
+    source, path = critic_model.source, critic_model.path
     if path is not None and str(path) in ("", "???"):
         path = None
     if source not in CRITIC_MODEL_SOURCES:
@@ -434,7 +434,7 @@ def critic_model_folder(critic_model_cfg: Any) -> Path | None:
                 f"critic.model.path={path} and critic.model.source=tiny: the tiny critic would replace that folder. "
                 "Drop one of them (critic.model.source=null trains the critic from critic.model.path)."
             )
-        return tiny_model_dir(config_get(critic_model_cfg, "tiny", None) or {})
+        return tiny_model_dir(critic_model.tiny)
     if source == "path" or path is not None:
         return _check_model_folder(path, key="critic.model.path")
     return None
@@ -450,8 +450,6 @@ def check_critic_tokenizer(
     ids (bos, eos, pad, unk). The message names both folders and the first differences. Loads only
     the tokenizers (no weights).
     """
-    from rlplug.config.schema import ConfigError
-
     actor_tok = load_tokenizer(actor_path, trust_remote_code=trust_remote_code)
     try:
         critic_tok = load_tokenizer(critic_path, trust_remote_code=trust_remote_code)
@@ -496,10 +494,11 @@ def resolve_critic_model_path(config: Any, actor_path: str | os.PathLike) -> str
     invalid folder), ``ValueError`` (bad ``critic.model.source``) or :class:`rlplug.config.schema.ConfigError`
     (another tokenizer).
     """
-    folder = critic_model_folder(config_get(config, "critic.model", None))
+    run = typed(RunConfig, config)
+    folder = critic_model_folder(run.critic.model)
     if folder is None or folder == Path(actor_path).resolve():
         return str(actor_path)
-    check_critic_tokenizer(folder, actor_path, bool(config_get(config, "model.trust_remote_code", False)))
+    check_critic_tokenizer(folder, actor_path, bool(run.model.trust_remote_code))
     return str(folder)
 
 
@@ -523,7 +522,7 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> 
     pad token, the EOS token is used as pad. SmolLM2's ``eos == pad`` (id 2): never derive a
     response mask from ``ids != pad_token_id``.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers
 
     _warn_remote_code(trust_remote_code, path)
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -542,7 +541,7 @@ def load_causal_lm(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
 ) -> nn.Module:
     """``AutoModelForCausalLM`` from a local folder, in ``dtype``, on CPU, in train mode off (``eval()``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers
 
     _warn_remote_code(trust_remote_code, path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
@@ -611,8 +610,7 @@ def load_value_model(
     the same backbone and head; any other model folder gives its backbone (``AutoModel``, the
     LM head dropped) and a newly initialised head. The backbone is in ``dtype``, the head in float32.
     """
-    from safetensors.torch import load_file
-    from transformers import AutoModel
+    from transformers import AutoModel  # deferred: transformers
 
     _warn_remote_code(trust_remote_code, path)
     path = Path(path)
@@ -620,7 +618,7 @@ def load_value_model(
     head_file = path / VALUE_HEAD_FILE
     head = None
     if head_file.is_file():
-        sd = load_file(str(head_file))
+        sd = safetensors.torch.load_file(str(head_file))
         head = nn.Linear(sd["weight"].shape[1], 1, dtype=torch.float32)
         head.load_state_dict({k: v.float() for k, v in sd.items()})
     return ValueModel(backbone, head)
@@ -630,15 +628,13 @@ def save_value_model(model: ValueModel, directory: str | os.PathLike) -> Path:
     """Write ``model`` to ``directory`` (created) as safetensors: the backbone via
     ``save_pretrained`` (``config.json``, ``model.safetensors``) plus ``value_head.safetensors``.
     :func:`load_value_model` reads it back identically."""
-    from safetensors.torch import save_file
-
     if not isinstance(model, ValueModel):
         raise TypeError(f"save_value_model expects a ValueModel, got {type(model).__name__}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model.backbone.save_pretrained(str(out), safe_serialization=True)
     head_sd = {k: v.detach().contiguous().cpu() for k, v in model.value_head.state_dict().items()}
-    save_file(head_sd, str(out / VALUE_HEAD_FILE))
+    safetensors.torch.save_file(head_sd, str(out / VALUE_HEAD_FILE))
     (out / VALUE_MODEL_MARKER).write_text(
         json.dumps({"value_head": VALUE_HEAD_FILE, "hidden_size": model.value_head.in_features})
     )
