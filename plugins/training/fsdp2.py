@@ -79,24 +79,29 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 
 from rlplug.plugin import (
     STATE_FILE,
     Batch,
+    CriticConfig,
+    ModelConfig,
     Role,
+    RolloutConfig,
     RunContext,
     TorchDistributedCoordinator,
+    TrainerConfig,
     TrainingBackendBase,
     apply_umask,
-    config_get,
     fault_point,
     hookimpl,
     resolve_device,
     resolve_dtype,
     response_token_stats,
     token_budgets,
+    typed,
 )
 
 __all__ = ["FSDP2TrainingBackend"]
@@ -241,7 +246,8 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         self._owns_group = False
         self._store_dir: str | None = None
         kwargs = dict(_KWARGS)
-        given = dict(config_get(config.trainer, "backend_kwargs", {}) or {})
+        trainer = typed(TrainerConfig, config.trainer)
+        given = dict(trainer.backend_kwargs or {})
         unknown = sorted(set(given) - set(_KWARGS))
         if unknown:
             raise ValueError(
@@ -252,18 +258,18 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         self._init_distributed(config, kwargs)
         try:  # from here on, an error must not leave the process group behind
             self._mp_policy, self._offload_policy = self._policies(config, kwargs)
-            threads = config_get(config.trainer, "num_threads", None)
+            threads = trainer.num_threads
             if not threads and self._dist_device.type == "cpu":
                 # one share of the cores per local rank (threads spinning on a busy core are the
                 # biggest slowdown on small machines, see shared/MACHINE_NOTES.md)
                 local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-            n = int(config_get(config.rollout, "n", 1))
+            n = int(typed(RolloutConfig, config.rollout).n)
             minis = {"actor": int(config.actor.ppo_mini_batch_size) * n}
             if use_critic:
-                minis["critic"] = (
-                    int(config_get(config.critic, "ppo_mini_batch_size", config.actor.ppo_mini_batch_size)) * n
-                )
+                critic_mini = typed(CriticConfig, config.critic).ppo_mini_batch_size
+                # unset (None): the actor's, as the base backend's critic Role
+                minis["critic"] = int(critic_mini if critic_mini is not None else config.actor.ppo_mini_batch_size) * n
             if self.world_size > 1 and any(b is not None for b in token_budgets(config).values()):
                 # each rank would pack its own rows into its own number of micro-batches, and the
                 # per-micro-batch collectives would then pair up wrongly (verl all-reduces the count)
@@ -301,7 +307,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
 
     # ------------------------------------------------------------------ process group
     def _init_distributed(self, config: Any, kwargs: dict[str, Any]) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh  # deferred: torch (torch.distributed submodule)
 
         device_type = torch.device(resolve_device(config.trainer, "fsdp2")).type  # the index comes from LOCAL_RANK
         backend = str(kwargs["dist_backend"])
@@ -371,12 +377,16 @@ class FSDP2TrainingBackend(TrainingBackendBase):
 
     # ------------------------------------------------------------------ sharding
     def _policies(self, config: Any, kwargs: dict[str, Any]):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+        from torch.distributed.fsdp import (  # deferred: torch (torch.distributed submodule)
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+        )
 
         name = str(kwargs["param_dtype"])
         if name == "auto":
             compute = resolve_dtype(
-                config_get(config.model, "compute_dtype", "auto"), self._dist_device, "model.compute_dtype"
+                typed(ModelConfig, config.model).compute_dtype, self._dist_device, "model.compute_dtype"
             )
             name = "bf16" if (compute == "bf16" and self._dist_device.type == "cuda") else "fp32"
         if name not in _DTYPES or str(kwargs["reduce_dtype"]) not in _DTYPES:
@@ -398,7 +408,11 @@ class FSDP2TrainingBackend(TrainingBackendBase):
 
     def _prepare_model(self, model: torch.nn.Module, role: str) -> torch.nn.Module:
         """Shard ``model``: each decoder layer, then the root (see the module docstring)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+        from torch.distributed.fsdp import (  # deferred: torch (torch.distributed submodule)
+            CPUOffloadPolicy,
+            FSDPModule,
+            fully_shard,
+        )
 
         root = _LogProbModule(model) if role in ("actor", "ref") else model
         if not isinstance(self._offload_policy, CPUOffloadPolicy):
@@ -530,7 +544,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         the local shards plus one all-reduce of the squared norms, so it also works when the
         shards live in CPU memory (``cpu_offload``) while the group is NCCL.
         """
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # deferred: torch (torch.distributed submodule)
 
         grads = [p.grad for p in role.model.parameters() if p.grad is not None]
         if not grads:
@@ -551,7 +565,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
     # ------------------------------------------------------------------ weights, checkpoints, export
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:
         """The whole tensor of a (possibly sharded) parameter; collective for sharded ones."""
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # deferred: torch (torch.distributed submodule)
 
         if not isinstance(tensor, DTensor):
             return tensor.detach()
@@ -595,10 +609,12 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         collective, end in one agreement (:meth:`_agree_saved`): rank 0 raises its error, the others an
         ``OSError`` with its errno (a full disk reads as one, ``ENOSPC``) or a ``RuntimeError``.
         """
-        import torch.distributed.checkpoint as dcp
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+        import torch.distributed.checkpoint as dcp  # deferred: torch (torch.distributed submodule)
+        from torch.distributed.checkpoint.api import CheckpointException  # deferred: torch
+        from torch.distributed.checkpoint.state_dict import (  # deferred: torch
+            get_model_state_dict,
+            get_state_dict,
+        )
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -627,7 +643,9 @@ class FSDP2TrainingBackend(TrainingBackendBase):
                 for name, sd in schedulers.items():
                     torch.save(sd, out / name / "scheduler.pt")
                 fault_point("fsdp2_full_weights")  # testing aid: a write failing on rank 0 only
-                save_file(actor_state, str(out / "actor" / "model.safetensors"), metadata={"format": "pt"})
+                safetensors.torch.save_file(
+                    actor_state, str(out / "actor" / "model.safetensors"), metadata={"format": "pt"}
+                )
                 meta = {
                     r.name: {"consecutive_bad_steps": r.consecutive_bad_steps, "optimizer_saved": optim_saved[r.name]}
                     for r in self._roles()
@@ -667,8 +685,8 @@ class FSDP2TrainingBackend(TrainingBackendBase):
         Raises ``FileNotFoundError`` when ``directory`` was not written by this backend (or has
         no critic while this backend has one).
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
+        import torch.distributed.checkpoint as dcp  # deferred: torch (torch.distributed submodule)
+        from torch.distributed.checkpoint.state_dict import (  # deferred: torch
             get_model_state_dict,
             get_state_dict,
             set_model_state_dict,
@@ -717,7 +735,7 @@ class FSDP2TrainingBackend(TrainingBackendBase):
     def export_hf(self, directory: str | Path, tokenizer: Any = None) -> Path:
         """Write the actor as a Hugging Face folder (as the local backend); rank 0 writes, the
         others only take part in the gathers. Collective."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # deferred: transformers
 
         out = Path(directory)
         state = self._full_actor_state_on_main()
