@@ -7,6 +7,11 @@ same module object, so a monkeypatch through either name is seen by both -- and 
 ``DeprecationWarning`` naming the new path. Four old modules became the packages of their layer
 (``rlplug.config``, ``rlplug.contracts``, ``rlplug.data``, ``rlplug.training``); their names are
 forwarded by the package's ``__getattr__`` (:func:`forward`). Both go away in the release after next.
+
+Issue 32 also moved optional features out of the engine into packaged plugins: a name that left an engine
+module which stays (the reward-model scorer left :mod:`rlplug.rewards.reward_model` for the ``reward_model``
+plugin) is forwarded by that module's ``__getattr__`` (:data:`MOVED_NAMES`, :func:`forward_name`). The
+engine names its plugins only here, as strings, and imports one only when an old name is asked for.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MOVED", "PACKAGE_FORWARDS", "install", "forward"]
+__all__ = ["MOVED", "PACKAGE_FORWARDS", "MOVED_NAMES", "install", "forward", "forward_name"]
 
 #: old module path -> new module path (the old module's whole content moved there unchanged)
 MOVED: dict[str, str] = {
@@ -93,10 +98,25 @@ PACKAGE_FORWARDS: dict[str, str] = {
 }
 
 
-def _warn(old: str, new: str, stacklevel: int) -> None:
+_RM_PLUGIN = "rlplug.plugins.rewards.reward_model"
+
+#: engine module that stays -> {name that moved to a plugin: the plugin module now defining it}
+MOVED_NAMES: dict[str, dict[str, str]] = {
+    "rlplug.rewards.reward_model": {
+        "RewardModelScorer": _RM_PLUGIN,
+        "get_scorer": _RM_PLUGIN,
+        "RewardModelFunction": _RM_PLUGIN,
+    },
+    "rlplug.plugin": {"RewardModelFunction": _RM_PLUGIN},
+}
+
+_LAYERS = "rlplug's engine is split into layer packages, CONTRIBUTING.md 'Layers'"
+_PLUGINS = "an optional feature moved from the engine to a packaged plugin, CONTRIBUTING.md 'Engine and plugins'"
+
+
+def _warn(old: str, new: str, stacklevel: int, why: str = _LAYERS) -> None:
     warnings.warn(
-        f"{old} moved to {new} (rlplug's engine is split into layer packages, CONTRIBUTING.md 'Layers'); "
-        f"the old path works until the release after next: import {new} instead",
+        f"{old} moved to {new} ({why}); the old path works until the release after next: import {new} instead",
         DeprecationWarning,
         stacklevel=stacklevel,
     )
@@ -141,3 +161,14 @@ def forward(package: str, name: str) -> Any:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     _warn(f"{package}.{name}", f"{target}.{name}", stacklevel=4)
     return getattr(module, name)
+
+
+def forward_name(module: str, name: str) -> Any:
+    """The ``__getattr__`` of an engine module some of whose names moved to a plugin: ``name`` from the plugin
+    module :data:`MOVED_NAMES` gives for it, with a ``DeprecationWarning``. Raises ``AttributeError`` for a name
+    that did not move (``module`` lacks it)."""
+    target = MOVED_NAMES.get(module, {}).get(name)
+    if target is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    _warn(f"{module}.{name}", f"{target}.{name}", stacklevel=4, why=_PLUGINS)
+    return getattr(importlib.import_module(target), name)

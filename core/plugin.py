@@ -40,8 +40,12 @@ loss applies (:func:`parse_rollout_correction`, :func:`compute_rollout_correctio
 :func:`rollout_is_weights`, :func:`offpolicy_metrics` ...).
 
 **Rewards** (reward functions): :class:`BatchedRewardFunction` and :func:`trl_reward` (TRL's batched
-contract), :class:`RewardModelFunction` (the library's reward-model scorer, registered as
-:data:`RM_NAME`).
+contract), :class:`ScoresOneAsABatch` (a batched function called on one response); for a reward model
+(the ``reward_model`` plugin), :data:`RM_NAME` (its registered name), :class:`RewardModelBase` (the input
+format and forward pass ``rlplug rm train`` trains with), :class:`RewardModelError` and the config-time
+checks :func:`check_reward_model_folder`, :func:`check_reward_model_settings`, :func:`reward_model_device`.
+``RewardModelFunction`` moved to the plugin (:mod:`rlplug.plugins.rewards.reward_model`); the old name here
+is forwarded there with a ``DeprecationWarning`` for one release.
 
 **Rollout backends**: :class:`ServerRollout` (the base of HTTP-server engines, with
 :class:`ServerProcess`, :class:`ServerError`, :class:`Retryable`, :func:`server_urls`,
@@ -77,6 +81,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rlplug._moved import forward_name
 from rlplug.algorithms.logprob import response_token_stats
 from rlplug.algorithms.losses import (
     LOSS_AGG_MODES,
@@ -141,7 +146,7 @@ from rlplug.contracts.coordinator import SINGLE_PROCESS, SingleProcessCoordinato
 from rlplug.contracts.hookspecs import hookimpl
 from rlplug.contracts.metric_names import TRACKER_NAME_CHARS, metric_value, source_tags, tracker_name
 from rlplug.contracts.registry import get_plugin, plugin_names
-from rlplug.contracts.reward_contract import BatchedRewardFunction, trl_reward
+from rlplug.contracts.reward_contract import BatchedRewardFunction, ScoresOneAsABatch, trl_reward
 from rlplug.contracts.types import (
     BATCH_FIELD_PRODUCERS,
     PER_TOKEN_QUANTITIES,
@@ -164,7 +169,14 @@ from rlplug.contracts.types import (
     Tracker,
     TrainingBackend,
 )
-from rlplug.rewards.reward_model import RM_NAME, RewardModelFunction
+from rlplug.rewards.reward_model import (
+    RM_NAME,
+    RewardModelBase,
+    RewardModelError,
+    check_reward_model_folder,
+    check_reward_model_settings,
+    reward_model_device,
+)
 from rlplug.rollout.serving import Retryable, ServerError, ServerProcess, ServerRollout, free_port, server_urls
 from rlplug.rollout.utils import (
     DTYPE_NAMES,
@@ -241,8 +253,13 @@ __all__ = [
     # rewards
     "BatchedRewardFunction",
     "trl_reward",
-    "RewardModelFunction",
+    "ScoresOneAsABatch",
     "RM_NAME",
+    "RewardModelBase",
+    "RewardModelError",
+    "check_reward_model_folder",
+    "check_reward_model_settings",
+    "reward_model_device",
     # rollout backends
     "ServerRollout",
     "ServerProcess",
@@ -323,12 +340,13 @@ _TESTING = frozenset({"assert_advantage_contract", "reduction_tolerance"})
 
 
 def __getattr__(name: str) -> Any:
-    """The :mod:`rlplug.testing` helpers (:data:`_TESTING`), imported when first asked for; raises
-    ``AttributeError`` for any other missing name."""
+    """The :mod:`rlplug.testing` helpers (:data:`_TESTING`), imported when first asked for; a name that moved to
+    a plugin (``RewardModelFunction``), forwarded there with a ``DeprecationWarning``
+    (:func:`rlplug._moved.forward_name`); raises ``AttributeError`` for any other missing name."""
     if name in _TESTING:
-        from rlplug import testing
+        from rlplug import testing  # deferred: pytest (rlplug.testing imports it; a test-only dependency)
 
         value = getattr(testing, name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'rlplug.plugin' has no attribute {name!r}")
+    return forward_name(__name__, name)

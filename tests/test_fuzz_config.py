@@ -10,7 +10,7 @@
   not ``.py``): :func:`rlplug.run.validate.validate_config` raises a ``ConfigError`` naming the file and what
   to do (before any model loads: validation builds none).
 * reward models returning NaN / inf / None / junk (a stub scorer, and the real
-  :class:`~rlplug.rewards.reward_model.RewardModelScorer` over a stub forward): counted failed samples, finite
+  :class:`~rlplug.plugins.rewards.reward_model.RewardModelScorer` over a stub forward): counted failed samples, finite
   scores, finite GRPO advantages with the failed rows at 0.
 * preference-pair files (:func:`rlplug.rewards.pairs.read_pairs`): missing or duplicated columns, wrong
   types, empty / None / huge strings, bad roles, chosen == rejected: a
@@ -369,8 +369,8 @@ def _check_rm(rm_folder, group, n_groups, mode, cw, fallback, mb, values):
     from rlplug.algorithms.losses import compute_token_level_scores
     from rlplug.contracts.batch import Batch, estimate_on_rows
     from rlplug.contracts.registry import Registry, get_registry
+    from rlplug.plugins.rewards.reward_model import RewardModelFunction, RewardModelScorer
     from rlplug.rewards.manager import FAILED, RewardManager, scored_rows
-    from rlplug.rewards.reward_model import RewardModelFunction, RewardModelScorer
 
     n = group * n_groups
     reg = Registry(load_entry_points=False)
@@ -399,7 +399,7 @@ def _check_rm(rm_folder, group, n_groups, mode, cw, fallback, mb, values):
         scorer = SimpleNamespace(score=lambda messages, responses: values)
     rows = [{"data_source": "src", "ground_truth": "1", "messages": [{"role": "user", "content": "q"}]}] * n
     manager = RewardManager(cfg, registry=reg)
-    with mock.patch("rlplug.rewards.reward_model.get_scorer", return_value=scorer):
+    with mock.patch("rlplug.plugins.rewards.reward_model.get_scorer", return_value=scorer):
         scores, extra, metrics = manager.score(rows, [f"response {i}" for i in range(n)])
 
     if mode in ("not_a_list", "wrong_length"):

@@ -23,11 +23,11 @@ from omegaconf import OmegaConf
 from rlplug.algorithms.losses import compute_token_level_scores
 from rlplug.config.compose import compose
 from rlplug.config.schema import ConfigError
+from rlplug.plugins.rewards.reward_model import RewardModelFunction
 from rlplug.rewards.manager import RewardManager, validation_reward
 from rlplug.rewards.pairs import build_pairs, corrected_answer, read_pairs, reference_answer, write_pairs
 from rlplug.rewards.reward_model import (
     RewardModelError,
-    RewardModelFunction,
     check_reward_model_config,
     check_reward_model_folder,
     shaping_entries,

@@ -24,7 +24,8 @@ places the term explicitly (correctness weight 1 unless set). Each term is logge
 weight 1, and the other shaping terms) unless ``reward.val_reward_model=true`` (verl's
 ``val_reward_fn``; a documented difference: verl scores validation with the reward model too).
 
-Scoring (:class:`RewardModelScorer`): each response (the actor's decoded text) is appended to its
+Scoring (the ``reward_model`` plugin, :mod:`rlplug.plugins.rewards.reward_model`, on the input format and forward
+pass of :class:`RewardModelBase`, which ``rlplug rm train`` trains with): each response (the actor's decoded text) is appended to its
 prompt's messages as an ``assistant`` turn and templated with the **reward model's own** tokenizer
 and chat template (``apply_chat_template(..., add_generation_prompt=False, tokenize=False)``, then
 tokenized without added special tokens, as verl's ``RewardLoopWorker._preprocess_reward_inputs``),
@@ -37,31 +38,42 @@ Training (:func:`rlplug.training.rm_train.train_reward_model`): the Bradley-Terr
 (Ouyang et al. 2022, "InstructGPT", Eq. 1) on ``prompt``/``chosen``/``rejected`` pairs
 (:mod:`rlplug.rewards.pairs`), a held-out split whose pairwise accuracy (``r_chosen > r_rejected``) is
 printed and written to ``<out>/metrics.json``.
+
+What stays here is what the engine needs without the plugin: the config-time checks (no weights loaded,
+no transformers import), the error type, the shaping entries the reward manager builds, and the model
+input format and forward pass (:class:`RewardModelBase`) that ``rlplug rm train`` trains and the plugin
+scores with -- one definition, so a trained model is scored on exactly the inputs it was trained on.
+Loading a model folder, the per-process scorer cache and the reward function moved to the plugin; their
+old names here (``RewardModelScorer``, ``get_scorer``, ``RewardModelFunction``) are forwarded there with a
+``DeprecationWarning`` for one release (:data:`rlplug._moved.MOVED_NAMES`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlplug.config.schema import ConfigError
-from rlplug.contracts.reward_contract import ScoresOneAsABatch
+from omegaconf import OmegaConf
 
-if TYPE_CHECKING:  # torch and transformers are imported when a model is built
+from rlplug._moved import forward_name
+from rlplug.config.schema import ConfigError
+
+if TYPE_CHECKING:  # torch is imported when a model is scored (reward worker processes start without it)
     import torch
 
 __all__ = [
     "RM_NAME",
+    "RM_KWARGS",
+    "RewardModelBase",
     "RewardModelError",
-    "RewardModelFunction",
-    "RewardModelScorer",
     "check_reward_model_folder",
     "check_reward_model_config",
-    "get_scorer",
+    "check_reward_model_settings",
+    "reward_model_device",
     "shaping_entries",
 ]
 
@@ -89,8 +101,6 @@ class RewardModelError(ConfigError):
 def _plain(x: Any) -> dict:
     if isinstance(x, Mapping):
         return dict(x)
-    import dataclasses
-
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return dataclasses.asdict(x)
     return dict(vars(x))
@@ -185,7 +195,14 @@ def check_reward_model_folder(path: Any, key: str = _KEY) -> Path:
     return p.resolve()
 
 
-def _check_settings(kwargs: Mapping[str, Any], where: str = "reward.reward_model") -> None:
+def check_reward_model_settings(kwargs: Mapping[str, Any], where: str = "reward.reward_model") -> None:
+    """Config-time check of the reward model's settings ``kwargs`` (the keys of :data:`RM_KWARGS`); ``where``
+    names them in the message. Reads no folder.
+
+    Raises:
+        RewardModelError: an unknown setting, ``micro_batch_size_per_device < 1``, ``max_length < 2``, or a
+            device other than ``auto``, ``cpu``, ``cuda[:N]``.
+    """
     unknown = sorted(set(kwargs) - set(RM_KWARGS))
     if unknown:
         raise RewardModelError(f"{where}: unknown setting(s) {unknown}; the reward model takes {', '.join(RM_KWARGS)}.")
@@ -216,30 +233,26 @@ def check_reward_model_config(reward: Any) -> None:
             own = i < len(given) and bool(given[i].get("kwargs"))
             where = f"reward.shaping[{i}].kwargs" if own else "reward.reward_model"
             kwargs = dict(e.get("kwargs") or {})
-            _check_settings(kwargs, where)
+            check_reward_model_settings(kwargs, where)
             check_reward_model_folder(kwargs.get("model_path"), f"{where}.model_path")
 
 
 def _omega(node: Any) -> dict:
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
 
 
-# ============================================================================ scoring
+# ============================================================================ model inputs and forward pass
 
 
-def _device(name: Any) -> str:
-    import torch
+def reward_model_device(name: Any) -> str:
+    """The torch device name of the setting ``name``: ``auto`` (or None) is ``cuda`` when a GPU is visible,
+    else ``cpu``; any other name is returned unchanged (``cpu``, ``cuda``, ``cuda:N``)."""
+    import torch  # deferred: torch
 
     name = str(name or "auto")
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
-
-
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-_DTYPES |= {"fp16": "float16", "float16": "float16"}
 
 
 def _lock_pad(ids: Sequence[Sequence[int]], preferred: int | None) -> int:
@@ -251,57 +264,48 @@ def _lock_pad(ids: Sequence[Sequence[int]], preferred: int | None) -> int:
     return next(i for i in range(len(last) + 1) if i not in last)
 
 
-class RewardModelScorer:
-    """A loaded reward model: templates, tokenizes and scores (prompt messages, response) pairs.
+class RewardModelBase:
+    """A built reward model's input format and forward pass: templates and tokenizes (prompt messages,
+    response) pairs and returns the one-label logit of each.
+
+    ``rlplug rm train`` (:func:`rlplug.training.rm_train.train_reward_model`) trains through it, and the
+    ``reward_model`` plugin's scorer (:class:`rlplug.plugins.rewards.reward_model.RewardModelScorer`)
+    subclasses it to load a model folder and score without gradients, so both see the same inputs.
 
     Args:
-        model_path: a folder :func:`check_reward_model_folder` accepts.
-        device: ``auto`` (cuda when available, else cpu), ``cpu`` or ``cuda[:N]``.
-        micro_batch_size_per_device: responses per forward pass.
-        max_length: RM input tokens at most (None: no limit); a longer input keeps its first
-            ``max_length`` tokens (verl's default right truncation) and is scored at its last kept token.
-        dtype: ``fp32`` (default), ``bf16`` or ``fp16``.
-        trust_remote_code: passed to transformers.
-        model, tokenizer: an already-built model and tokenizer instead of loading (``rm train``).
+        model: a one-label ``AutoModelForSequenceClassification`` (or any module with ``.config`` and a
+            forward returning ``.logits`` of shape ``(N, 1)``), already on ``device``.
+        tokenizer: its tokenizer, with a chat template.
+        device: ``auto`` (cuda when available, else cpu), ``cpu`` or ``cuda[:N]``
+            (:func:`reward_model_device`).
+        micro_batch_size_per_device: rows per forward pass.
+        max_length: input tokens at most (None: no limit); a longer input keeps its first ``max_length``
+            tokens (verl's default right truncation) and is scored at its last kept token.
+        model_path: the folder the model came from, named in error messages.
 
     Raises:
-        RewardModelError: see :func:`check_reward_model_folder`; a tokenizer without a chat template.
+        RewardModelError: a tokenizer without a chat template.
     """
 
     def __init__(
         self,
-        model_path: Any = None,
+        model: Any,
+        tokenizer: Any,
         *,
         device: Any = "auto",
         micro_batch_size_per_device: int = 8,
         max_length: int | None = None,
-        dtype: str = "fp32",
-        trust_remote_code: bool = False,
-        model: Any = None,
-        tokenizer: Any = None,
+        model_path: Any = None,
     ) -> None:
-        import torch
-
-        self.device = _device(device)
+        self.device = reward_model_device(device)
         self.micro_batch_size = int(micro_batch_size_per_device)
         self.max_length = None if max_length is None else int(max_length)
-        if model is None:
-            from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-            folder = check_reward_model_folder(model_path)
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-            torch_dtype = getattr(torch, _DTYPES.get(str(dtype), "float32"))
-            model = AutoModelForSequenceClassification.from_pretrained(
-                str(folder), dtype=torch_dtype, trust_remote_code=trust_remote_code
-            )
-            model = model.to(self.device).eval()
         if getattr(tokenizer, "chat_template", None) is None:
             raise RewardModelError(
                 f"The reward model's tokenizer ({model_path}) has no chat template: responses are templated as "
                 "an assistant turn after the prompt with it. Save a tokenizer with a chat_template into the folder."
             )
         self.model, self.tokenizer = model, tokenizer
-        self._lock = threading.Lock()
         self._truncated_warned = False
 
     def template(self, messages: Sequence[Mapping[str, str]], response: str) -> str:
@@ -331,8 +335,8 @@ class RewardModelScorer:
     def forward_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """``(N,) float32`` logits of the rows ``ids`` (token id lists), one forward per
         ``micro_batch_size`` rows, right-padded, at each row's last token; keeps the graph when grad
-        is enabled (``rm train``)."""
-        import torch
+        is enabled (``rm train``). Raises ``ValueError`` for a row with no tokens."""
+        import torch  # deferred: torch
 
         if any(len(r) == 0 for r in ids):
             raise ValueError("a reward model input has no tokens")
@@ -358,70 +362,8 @@ class RewardModelScorer:
             out.append(logits[:, 0].float())
         return torch.cat(out) if out else torch.zeros(0)
 
-    def score(self, messages: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> list[float]:
-        """The reward of each response to its prompt's ``messages`` (``B`` floats, the raw logit)."""
-        import torch
 
-        if len(messages) != len(responses):
-            raise ValueError(f"{len(messages)} prompts for {len(responses)} responses")
-        ids = self.encode([self.template(m, r) for m, r in zip(messages, responses)])
-        with self._lock, torch.no_grad():
-            return [float(x) for x in self.forward_ids(ids).cpu()]
-
-
-_SCORERS: dict[tuple, RewardModelScorer] = {}
-_SCORERS_LOCK = threading.Lock()
-
-
-def get_scorer(**kwargs: Any) -> RewardModelScorer:
-    """The process's :class:`RewardModelScorer` for these settings (:data:`RM_KWARGS`), loaded once."""
-    key = tuple(sorted((k, str(v)) for k, v in kwargs.items()))
-    with _SCORERS_LOCK:
-        scorer = _SCORERS.get(key)
-        if scorer is None:
-            scorer = _SCORERS[key] = RewardModelScorer(**kwargs)
-        return scorer
-
-
-class RewardModelFunction(ScoresOneAsABatch):
-    """The ``reward_model`` reward function (kind ``reward_function``): a batched, model-based scorer.
-
-    ``score_batch(data_sources, solution_strs, ground_truths, extra_infos, *, messages, **settings)``
-    returns ``B`` floats: the reward model's score of each response after its prompt ``messages``
-    (the rows' chat messages); the :class:`rlplug.rewards.manager.RewardManager` calls it once per batch.
-    ``settings`` are :data:`RM_KWARGS` (from ``reward.reward_model``). ``model_based = True``: left
-    out of validation unless ``reward.val_reward_model=true``. Calling it on one response works
-    too, with ``messages=`` (its prompt's messages) among the keyword arguments.
-    """
-
-    model_based = True
-
-    def score_batch(
-        self,
-        data_sources: Sequence[str],
-        solution_strs: Sequence[str],
-        ground_truths: Sequence[Any],
-        extra_infos: Sequence[Any],
-        *,
-        messages: Sequence[Any],
-        **kwargs: Any,
-    ) -> list[float]:
-        """See the class docstring. Raises ``ValueError`` when a row has no prompt messages."""
-        missing = [i for i, m in enumerate(messages) if not m]
-        if missing:
-            raise ValueError(
-                f"the reward model needs each response's prompt (the row's chat messages); rows {missing[:5]} have "
-                "none. Score rows read with rlplug.data.dataset.read_dataset (their 'messages'), or pass messages=."
-            )
-        return get_scorer(**kwargs).score(messages, solution_strs)
-
-    def prepare(self, kwargs: Mapping[str, Any]) -> None:
-        """Load the reward model for these settings now (at the trainer's setup, with no per-response
-        timeout: :meth:`rlplug.rewards.manager.RewardManager.prepare`); the scorer is shared with later calls.
-        A ``messages`` entry (a per-call argument, not a setting) is ignored."""
-        get_scorer(**{k: v for k, v in kwargs.items() if k != "messages"})
-
-    def validate_kwargs(self, kwargs: Mapping[str, Any]) -> None:
-        """Config-time check of the settings and the folder (no weights loaded); raises ``RewardModelError``."""
-        _check_settings(kwargs)
-        check_reward_model_folder(kwargs.get("model_path"))
+def __getattr__(name: str) -> Any:
+    """The scorer, its cache and the reward function moved to the ``reward_model`` plugin: forwarded there with
+    a ``DeprecationWarning`` (:func:`rlplug._moved.forward_name`); ``AttributeError`` for any other name."""
+    return forward_name(__name__, name)

@@ -3,8 +3,13 @@
 :func:`train_reward_model` fits the Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected)``
 (Ouyang et al. 2022, "InstructGPT", Eq. 1) on ``prompt``/``chosen``/``rejected`` pairs
 (:mod:`rlplug.rewards.pairs`) and saves an ``AutoModelForSequenceClassification`` with one label that the
-``reward_model`` reward function (:mod:`rlplug.rewards.reward_model`) scores with. A held-out split's
-pairwise accuracy (``r_chosen > r_rejected``) is printed and written to ``<out>/metrics.json``.
+``reward_model`` reward function (the plugin :mod:`rlplug.plugins.rewards.reward_model`) scores with. A
+held-out split's pairwise accuracy (``r_chosen > r_rejected``) is printed and written to ``<out>/metrics.json``.
+
+Training is an engine command and imports no plugin: it runs the model through
+:class:`rlplug.rewards.reward_model.RewardModelBase`, the input format (the RM's chat template, an
+``assistant`` turn, right truncation to ``max_length``) and forward pass (the one-label logit at the last
+token) that the plugin's scorer subclasses, so a trained model is scored on the inputs it was trained on.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 import torch
 
 from rlplug.rewards.pairs import read_pairs
-from rlplug.rewards.reward_model import RewardModelError, RewardModelScorer
+from rlplug.rewards.reward_model import RewardModelBase, RewardModelError
 from rlplug.training.models import default_model_dir
 
 __all__ = ["train_reward_model"]
@@ -56,7 +61,7 @@ def train_reward_model(
         RewardModelError: malformed pairs (:func:`rlplug.rewards.pairs.read_pairs`), fewer than 2 pairs, a bad
             ``val_fraction``, or a base model folder that cannot be used.
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer  # deferred: heavy
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer  # deferred: transformers
 
     rows = read_pairs(pairs)
     if len(rows) < 2:
@@ -78,8 +83,8 @@ def train_reward_model(
         torch.manual_seed(seed)  # the new score head
         net = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1, dtype=torch.float32)
     net.config.pad_token_id = tokenizer.pad_token_id
-    scorer = RewardModelScorer(
-        device=device, micro_batch_size_per_device=2 * batch_size, max_length=max_length, model=net, tokenizer=tokenizer
+    scorer = RewardModelBase(
+        net, tokenizer, device=device, micro_batch_size_per_device=2 * batch_size, max_length=max_length
     )
     net.to(scorer.device)
 
