@@ -23,11 +23,23 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from rlplug.config.compose import compose
+from rlplug.config.schema import ConfigError, ShapingConfig
+from rlplug.contracts.registry import get_registry
+from rlplug.contracts.reward_contract import RewardContractError, as_reward_function, callable_name, required_columns
+from rlplug.data.dataset import DatasetError
+from rlplug.rewards.manager import FAILED, RewardManager
+from rlplug.run.metrics import read_metrics_jsonl
 
 __all__ = [
     "TrainResult",
@@ -64,11 +76,6 @@ def build_config(config_or_overrides: Any = None) -> Any:
     """The run config (composed, writable, not yet validated) from what :func:`train` accepts (see the
     module docstring). Raises :class:`rlplug.config.schema.ConfigError` for an unknown key or a bad value, and
     ``TypeError`` for another kind of argument."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from rlplug.config.compose import compose
-    from rlplug.config.schema import ConfigError
 
     if config_or_overrides is None:
         config_or_overrides = []
@@ -122,7 +129,6 @@ def dataset_to_parquet(dataset: Any, path: str | Path) -> Path:
 def _verl_rows(dataset: Any, what: str = "the dataset") -> list[dict[str, Any]]:
     """``dataset`` as a list of rows in verl's schema (:func:`dataset_to_parquet`); raises ``DatasetError``
     naming ``what`` (``train_dataset``, ``eval_dataset``)."""
-    from rlplug.data.dataset import DatasetError
 
     if isinstance(dataset, Mapping) and all(isinstance(v, list) for v in dataset.values()):  # columns
         dataset = [dict(zip(dataset, values)) for values in zip(*dataset.values())]
@@ -162,8 +168,8 @@ def _verl_rows(dataset: Any, what: str = "the dataset") -> list[dict[str, Any]]:
 
 def _write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
     """Write ``rows`` to ``path`` atomically (a temp file, then ``os.replace``); returns ``path``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # deferred: pyarrow
+    import pyarrow.parquet as pq  # deferred: pyarrow
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -205,9 +211,6 @@ def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, con
         rlplug.config.schema.ConfigError: the name is taken by an installed plugin (rename the function), or a
             contract cannot be told (:class:`rlplug.contracts.reward_contract.RewardContractError` as the cause).
     """
-    from rlplug.config.schema import ConfigError
-    from rlplug.contracts.registry import get_registry
-    from rlplug.contracts.reward_contract import RewardContractError, as_reward_function, callable_name
 
     registry = registry or get_registry()
     names: list[str] = []
@@ -243,10 +246,6 @@ def reward_weights_for(reward_weights: Any, names: Sequence[str]) -> list[float]
     Raises:
         rlplug.config.schema.ConfigError: not a list of numbers, a non-finite number, or another length than ``names``.
     """
-    import math
-    import numbers
-
-    from rlplug.config.schema import ConfigError
 
     if reward_weights is None:
         return [1.0] * len(names)
@@ -281,8 +280,8 @@ def _data_columns(data: Any) -> set[str] | None:
     if isinstance(data, (str, os.PathLike)) or (
         isinstance(data, Sequence) and data and all(isinstance(x, (str, os.PathLike)) for x in data)
     ):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow as pa  # deferred: pyarrow
+        import pyarrow.parquet as pq  # deferred: pyarrow
 
         for path in [data] if isinstance(data, (str, os.PathLike)) else data:
             try:
@@ -304,9 +303,6 @@ def _check_columns(names: Sequence[str], columns: set[str] | None, cfg: Any, reg
     """Check before any model loads that every TRL-contract function of ``names`` gets the dataset columns it
     names as parameters (:func:`rlplug.contracts.reward_contract.required_columns`) from ``columns`` or its
     ``reward.kwargs.<name>``; raises :class:`rlplug.config.schema.ConfigError` naming the function and the column."""
-    from rlplug.config.schema import ConfigError
-    from rlplug.contracts.registry import get_registry
-    from rlplug.contracts.reward_contract import required_columns
 
     if columns is None:
         return
@@ -362,12 +358,9 @@ def train(
         rlplug.base.exit_codes.TrainingStopped: the run stopped early (non-finite steps, reward failures, an
             alert); its checkpoint is intact.
     """
-    from omegaconf import open_dict
 
-    from rlplug.config.schema import ConfigError, ShapingConfig
-    from rlplug.run.metrics import read_metrics_jsonl
-    from rlplug.run.trainer import Trainer, run_dir_for
-    from rlplug.run.validate import validate_config
+    from rlplug.run.trainer import Trainer, run_dir_for  # deferred: torch
+    from rlplug.run.validate import validate_config  # deferred: torch
 
     cfg = build_config(config_or_overrides)
     run_dir = run_dir_for(cfg)
@@ -409,7 +402,6 @@ def train(
                 cfg.reward.correctness_weight = weights[0]
             cfg.reward.shaping = [ShapingConfig(name=n, weight=w) for n, w in zip(names[1:], weights[1:])]
     validate_config(cfg)
-    from omegaconf import OmegaConf
 
     OmegaConf.set_readonly(cfg, False)
     trainer = Trainer(cfg)
@@ -464,7 +456,6 @@ def score_response(
         rlplug.rewards.manager.RewardConfigError: no reward function for ``data_source`` (the message lists the
             choices), or a bad reward config.
     """
-    from rlplug.rewards.manager import FAILED, RewardManager
 
     row: dict[str, Any] = {
         "data_source": data_source,
@@ -475,7 +466,7 @@ def score_response(
     with RewardManager(cfg.reward, registry=registry) as reward:
         reward.check_data_sources([data_source])
         if reward.overlong is not None and response_length is None:
-            from rlplug.training.models import load_tokenizer, resolve_model_path
+            from rlplug.training.models import load_tokenizer, resolve_model_path  # deferred: torch
 
             tok = load_tokenizer(resolve_model_path(cfg.model), trust_remote_code=bool(cfg.model.trust_remote_code))
             response_length = len(tok(response, add_special_tokens=False)["input_ids"]) + 1
@@ -507,7 +498,7 @@ def score_response(
 def print_score(result: Mapping[str, Any], console: Any) -> None:
     """Print :func:`score_response`'s result with ``console`` (a ``rich.console.Console``): the function,
     a table of the terms (value, weight, contribution), the other reported values and the total."""
-    from rich.table import Table
+    from rich.table import Table  # deferred: rich
 
     console.print(f"correctness function: {result['function']}", markup=False, highlight=False)
     table = Table()

@@ -36,24 +36,32 @@ import json
 import sys
 from collections.abc import Sequence
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from rlplug.api import print_score, score_response
 from rlplug.base.exit_codes import ExitCode
+from rlplug.config.compose import compose
 from rlplug.config.schema import ConfigError
+from rlplug.config.verl_keys import config_file_path, file_overrides, merge_file_and_command_line
+from rlplug.contracts.registry import get_registry
+from rlplug.data.dataset import DatasetError
+from rlplug.data.prepare import prepare_dataset
+from rlplug.run.checkpoint import checkpoint_step, find_checkpoint, verify_summary
+from rlplug.run.dump import DumpError, print_replay, replay
+from rlplug.run.evaluate import debug_rollout, evaluate
+from rlplug.run.report import write_report
 
 console = Console(stderr=False, soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _compose_and_validate(overrides: Sequence[str]):
-    from omegaconf import OmegaConf
-
-    from rlplug.config.compose import compose
 
     cfg = compose(list(overrides))  # a bad key or group option fails here, before torch is imported
-    from rlplug.run.validate import validate_config  # imports torch (the plugins' checks)
+    from rlplug.run.validate import validate_config  # imports torch (the plugins' checks); deferred: torch
 
     choices = validate_config(cfg)
     OmegaConf.set_readonly(cfg, False)
@@ -63,7 +71,6 @@ def _compose_and_validate(overrides: Sequence[str]):
 def _overrides(args: argparse.Namespace) -> list[str]:
     """The command's overrides: the leaves of a ``--config-path/--config-name`` YAML file (verl's layout or
     rlplug's, :func:`rlplug.config.verl_keys.file_overrides`), then the command line's, which win."""
-    from rlplug.config.verl_keys import config_file_path, file_overrides, merge_file_and_command_line
 
     path = config_file_path(args.config_path, args.config_name)
     return merge_file_and_command_line(file_overrides(path) if path is not None else [], list(args.overrides))
@@ -76,7 +83,6 @@ def _add_overrides_args(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from rlplug.contracts.registry import get_registry
 
     info = get_registry().describe()
     if args.json:
@@ -102,7 +108,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from omegaconf import OmegaConf
 
     cfg, choices = _compose_and_validate(_overrides(args))
     print(OmegaConf.to_yaml(cfg))
@@ -114,13 +119,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, choices = _compose_and_validate(_overrides(args))
     console.print("[bold]Plugins[/bold]: " + ", ".join(str(c) for c in choices))
-    from rlplug.run.trainer import run
+    from rlplug.run.trainer import run  # deferred: torch
 
     return run(cfg)
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from rlplug.data.prepare import prepare_dataset
 
     try:
         kwargs = json.loads(args.task_kwargs) if args.task_kwargs else None
@@ -147,7 +151,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_data_pairs(args: argparse.Namespace) -> int:
-    from rlplug.run.make_pairs import make_pairs
+    from rlplug.run.make_pairs import make_pairs  # deferred: torch
 
     console.print(
         make_pairs(
@@ -158,7 +162,7 @@ def cmd_data_pairs(args: argparse.Namespace) -> int:
 
 
 def cmd_rm_train(args: argparse.Namespace) -> int:
-    from rlplug.training.rm_train import train_reward_model
+    from rlplug.training.rm_train import train_reward_model  # deferred: torch
 
     metrics = train_reward_model(
         args.pairs, args.out, model=args.model, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
@@ -169,7 +173,6 @@ def cmd_rm_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rlplug.run.checkpoint import checkpoint_step, find_checkpoint
     from rlplug.run.export import export_adapter, export_checkpoint  # deferred: torch
 
     try:
@@ -189,7 +192,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
-    from rlplug.run.checkpoint import verify_summary
 
     try:
         lines, code = verify_summary(args.path)  # one line per checkpoint: ok / corrupt: which file
@@ -202,7 +204,6 @@ def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from rlplug.run.evaluate import evaluate
 
     cfg, _ = _compose_and_validate(_overrides(args))
     rows = evaluate(cfg, checkpoint=args.checkpoint, k=args.k, temperature=args.temperature)
@@ -218,7 +219,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from rlplug.run.evaluate import debug_rollout
 
     cfg, _ = _compose_and_validate(_overrides(args))
     for item in debug_rollout(
@@ -235,7 +235,6 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from rlplug.run.dump import DumpError, print_replay, replay
 
     try:
         result = replay(args.dump, args.overrides, out=args.out)  # rlplug.run.dump
@@ -249,7 +248,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_reward(args: argparse.Namespace) -> int:
-    from rlplug.api import print_score, score_response
 
     try:
         extra = json.loads(args.extra_info) if args.extra_info else None
@@ -270,7 +268,6 @@ def cmd_reward(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rlplug.run.report import write_report
 
     try:
         path = write_report(args.run_dir, out=args.out)  # rlplug.run.report
@@ -416,7 +413,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     Only modules already imported are consulted, so a failing command never imports torch for this.
     """
-    from rlplug.data.dataset import DatasetError
 
     types: list[type[BaseException]] = [DatasetError]
     models = sys.modules.get(f"{__package__}.models")

@@ -26,12 +26,18 @@ Every check raises ``AssertionError`` with a message saying what was wrong and w
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import pickle
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import OmegaConf
+
+from rlplug.config.schema import ActorConfig, AlgorithmConfig
 from rlplug.contracts.kinds import CONTRACTS, built_classes, check_object
+from rlplug.contracts.registry import get_plugin
+from rlplug.contracts.types import Coordinator, MiniBatchContext, RolloutOutput, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -107,7 +113,7 @@ def make_batch(
     Raises ``ValueError`` for non-positive sizes, ``batch_size`` not a multiple of
     ``group_size``, ``min_length`` outside ``[1, T]`` or an unknown ``scores`` kind.
     """
-    import torch
+    import torch  # deferred: torch
 
     B, T = int(batch_size), int(response_length)
     if B <= 0 or T <= 0:
@@ -167,9 +173,6 @@ def algorithm_config(**overrides: Any) -> Any:
     Keyword arguments override fields (``algorithm_config(gamma=0.99, lam=0.95)``); an unknown
     field raises ``omegaconf.errors.ConfigAttributeError`` / ``ConfigKeyError`` naming it.
     """
-    from omegaconf import OmegaConf
-
-    from rlplug.config.schema import AlgorithmConfig
 
     cfg = OmegaConf.structured(AlgorithmConfig)
     for key, value in overrides.items():
@@ -193,8 +196,6 @@ def check_protocol(kind: str, obj: Any, *, builds: Any = None) -> None:
     contract = CONTRACTS[kind]
     problems: list[str] = []
     if contract.factory:
-        import inspect
-
         if not inspect.isclass(obj) and not (builds or getattr(obj, "builds", None)) and not inspect.isfunction(obj):
             obj = type(obj)  # an instance: check its class
         classes = built_classes(obj, {"builds": builds} if builds is not None else None)
@@ -211,20 +212,18 @@ def check_protocol(kind: str, obj: Any, *, builds: Any = None) -> None:
 
 def _resolve(kind: str, obj: Any) -> Any:
     if isinstance(obj, str):
-        from rlplug.contracts.registry import get_plugin
-
         return get_plugin(kind, obj)
     return obj
 
 
 def _clone(data: Mapping[str, Any]) -> dict[str, Any]:
-    import torch
+    import torch  # deferred: torch
 
     return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in data.items()}
 
 
 def _assert_unmodified(before: Mapping[str, Any], after: Mapping[str, Any], what: str) -> None:
-    import torch
+    import torch  # deferred: torch
 
     for key, old in before.items():
         if isinstance(old, torch.Tensor):
@@ -233,7 +232,7 @@ def _assert_unmodified(before: Mapping[str, Any], after: Mapping[str, Any], what
 
 def _degenerate_batches(make: Callable[..., dict], group_size: int) -> list[tuple[str, dict]]:
     """Name and data of the degenerate inputs every algorithm kit runs."""
-    import torch
+    import torch  # deferred: torch
 
     B = 2 * group_size
     out = [
@@ -272,7 +271,7 @@ def _degenerate_batches(make: Callable[..., dict], group_size: int) -> list[tupl
 
 
 def _check_pair(result: Any, mask: Any, what: str) -> None:
-    import torch
+    import torch  # deferred: torch
 
     assert isinstance(result, tuple) and len(result) == 2, (
         f"{what} must return (advantages, returns), got {type(result).__name__}"
@@ -311,7 +310,7 @@ def check_advantage_estimator(estimator: Any, config: Any = None, *, group_size:
         f"requires must be a tuple of field names, got {estimator.requires!r}"
     )
     config = algorithm_config() if config is None else config
-    import torch
+    import torch  # deferred: torch
 
     for label, data in _degenerate_batches(make_batch, group_size):
         before = _clone(data)
@@ -354,10 +353,9 @@ def _policy_loss_stats(loss: Any, data: Mapping[str, Any], config: Any, what: st
     """The loss's ``minibatch_stats`` on the whole of ``data`` (``{}`` for a loss without them),
     checked: a mapping of detached ``(B, T)`` finite tensors, the same for the same context, none
     named like an input the objective passes."""
-    import torch
+    import torch  # deferred: torch
 
-    from rlplug.algorithms.objective import _RESERVED
-    from rlplug.contracts.types import MiniBatchContext
+    from rlplug.algorithms.objective import _RESERVED  # deferred: torch
 
     stats_fn = getattr(loss, "minibatch_stats", None)
     if stats_fn is None:
@@ -409,11 +407,9 @@ def check_policy_loss(loss: Any, config: Any = None, *, modes: Iterable[str] | N
     keyword arguments, sliced by rows for the two micro-batches, as the update loop does, so the
     micro-batch check covers its whole-mini-batch statistics.
     """
-    import torch
-    from omegaconf import OmegaConf
+    import torch  # deferred: torch
 
-    from rlplug.algorithms.losses import LOSS_AGG_MODES, agg_normalizer
-    from rlplug.config.schema import ActorConfig
+    from rlplug.algorithms.losses import LOSS_AGG_MODES, agg_normalizer  # deferred: torch
 
     loss = _resolve("policy_loss", loss)
     check_protocol("policy_loss", loss)
@@ -517,7 +513,7 @@ def check_kl_penalty(penalty: Any) -> None:
     also for far-apart log-probs (|d| = 30 nats) and a single token; exactly 0 where the two
     log-probs are equal; the gradient is finite; inputs unchanged.
     """
-    import torch
+    import torch  # deferred: torch
 
     penalty = _resolve("kl_penalty", penalty)
     check_protocol("kl_penalty", penalty)
@@ -553,9 +549,9 @@ def check_batch_filter(batch_filter: Any, config: Any = None, *, group_size: int
     Checks the Protocol, that the result is a ``(B,) bool`` tensor, inputs unchanged, and that the
     same inputs give the same result (no hidden global RNG use).
     """
-    import torch
+    import torch  # deferred: torch
 
-    from rlplug.contracts.batch import Fields
+    from rlplug.contracts.batch import Fields  # deferred: torch
 
     batch_filter = _resolve("batch_filter", batch_filter)
     check_protocol("batch_filter", batch_filter)
@@ -679,9 +675,6 @@ def check_rollout_backend(
     ``"stop"``/``"length"``, and engine log-probs aligned with the tokens when requested; greedy
     generation is deterministic; ``sleep``/``wake_up`` work around it; ``close`` is idempotent.
     """
-    import inspect
-
-    from rlplug.contracts.types import RolloutOutput, SamplingParams
 
     if inspect.isclass(backend) or inspect.isfunction(backend):
         check_protocol("rollout_backend", backend, builds=builds)
@@ -733,11 +726,8 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
     batch (given ``advantages``) returns finite ``actor/*`` float metrics and changes the
     log-probs; ``consecutive_bad_steps`` is an int.
     """
-    import inspect
 
-    import torch
-
-    from rlplug.contracts.types import Coordinator
+    import torch  # deferred: torch
 
     if inspect.isclass(backend) or inspect.isfunction(backend):
         check_protocol("training_backend", backend, builds=builds)
@@ -761,7 +751,7 @@ def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = Non
         assert bool((t[mask == 0] == 0).all()), f"compute_log_probs['{key}'] must be 0.0 after each response's end"
     assert bool((res["log_probs"] <= 1e-6).all()), "log-probs must be <= 0 (nats)"
     if update:
-        from rlplug.contracts.batch import Batch
+        from rlplug.contracts.batch import Batch  # deferred: torch
 
         train = Batch(dict(batch.tensors), dict(batch.meta))
         train["old_log_probs"] = res["log_probs"]
@@ -785,7 +775,6 @@ def check_tracker(tracker: Any, *, builds: Any = None, artifact: Any = None) -> 
     nested and long values, ``log_metrics`` with NaN/inf and odd names, ``log_table``,
     ``log_artifact`` (of ``artifact``, a file path, when given) and ``close`` must not raise.
     """
-    import inspect
 
     if inspect.isclass(tracker) or inspect.isfunction(tracker):
         check_protocol("tracker", tracker, builds=builds)

@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from rlplug.contracts.registry import Registry
 
+import math
+
 from rlplug.conformance import (  # make_batch, algorithm_config, REWARD_COMPONENT_NAMES: defined there
     REWARD_COMPONENT_NAMES,
     algorithm_config,
@@ -58,6 +60,7 @@ from rlplug.conformance import (  # make_batch, algorithm_config, REWARD_COMPONE
     check_training_backend,
     make_batch,
 )
+from rlplug.contracts.registry import Registry, get_plugin, set_registry
 
 __all__ = [
     "make_batch",
@@ -98,11 +101,9 @@ def assert_advantage_contract(
 
     Returns ``(advantages, returns)`` for further, estimator-specific assertions.
     """
-    import torch
+    import torch  # deferred: torch
 
     if isinstance(estimator, str):
-        from rlplug.contracts.registry import get_plugin
-
         estimator = get_plugin("advantage_estimator", estimator)
     if config is None:
         config = algorithm_config()
@@ -200,9 +201,8 @@ def reduction_tolerance(
     or more (``gamma >= 1``: rounding may be as large as the terms themselves, so no tolerance
     can tell a bug from rounding; accumulate in a wider dtype or compare fewer terms).
     """
-    import math
 
-    import torch
+    import torch  # deferred: torch
 
     for name, dt in (("dtype", dtype), ("accumulate_dtype", accumulate_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
@@ -240,7 +240,6 @@ def reduction_tolerance(
 @pytest.fixture
 def rlplug_registry() -> Iterator[Registry]:
     """A clean registry (no entry points loaded), process-wide for the test, restored after."""
-    from rlplug.contracts.registry import Registry, set_registry
 
     registry = Registry(load_entry_points=False)
     previous = set_registry(registry)
@@ -253,7 +252,6 @@ def rlplug_registry() -> Iterator[Registry]:
 @pytest.fixture
 def rlplug_full_registry() -> Iterator[Registry]:
     """A fresh registry with every installed ``rlplug`` entry point loaded, process-wide for the test."""
-    from rlplug.contracts.registry import Registry, set_registry
 
     registry = Registry()
     previous = set_registry(registry)

@@ -14,8 +14,11 @@ import functools
 import hashlib
 import re
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from rlplug._version import __version__
 
 __all__ = ["TRACKER_NAME_CHARS", "metric_value", "source_tags", "tracker_name"]
 
@@ -85,9 +88,6 @@ def _git(root: Path, *args: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _source_tags() -> tuple[tuple[str, str], ...]:
-    from importlib import metadata
-
-    from rlplug._version import __version__
 
     try:
         version = metadata.version("rlplug")

@@ -32,6 +32,7 @@ from rlplug.contracts.kinds import check_registration
 from rlplug.contracts.plugin_errors import PluginConflictError, PluginLoadError, UnknownKindError, UnknownPluginError
 from rlplug.contracts.plugin_errors import PluginContractError as PluginContractError
 from rlplug.contracts.plugin_errors import PluginError as PluginError
+from rlplug.contracts.reward_contract import as_reward_function
 from rlplug.contracts.types import Registration
 
 ENTRY_POINT_GROUP = "rlplug"
@@ -297,7 +298,6 @@ def _with_contract(kind: str, obj: Any, extra: dict) -> Any:
     contract = extra.get("contract")
     if kind != "reward_function" or contract is None:
         return obj
-    from rlplug.contracts.reward_contract import as_reward_function
 
     return as_reward_function(obj, str(contract))
 

@@ -51,6 +51,8 @@ steps with the message).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import math
 import threading
@@ -142,7 +144,7 @@ class MetricLog:
 def trainer_state(global_step: int, max_steps: int, epoch: float) -> Any:
     """What TRL passes as ``trainer_state``: a ``transformers.TrainerState`` with ``global_step`` (optimizer
     steps done before the scored batch), ``max_steps`` (the run's steps) and ``epoch``."""
-    from transformers import TrainerState
+    from transformers import TrainerState  # deferred: transformers
 
     return TrainerState(global_step=int(global_step), max_steps=int(max_steps), epoch=float(epoch))
 
@@ -183,7 +185,6 @@ def attach_trainer(trainer: Any) -> None:
 def callable_name(fn: Any) -> str:
     """The name TRL gives a reward function: ``__name__``, through ``functools.partial`` wrappers; a callable
     object's class name."""
-    import functools
 
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -362,7 +363,6 @@ class BatchedRewardFunction(ScoresOneAsABatch):
 def _run_coroutine(awaitable: Any) -> Any:
     """The result of an async reward function's ``awaitable``: run on a new event loop, in this thread, or in a
     helper thread when this one already runs a loop (a notebook)."""
-    import asyncio
 
     async def wait() -> Any:
         return await awaitable

@@ -6,9 +6,9 @@ layers below; ``pyproject.toml``'s import-linter contract checks it.
 
 from typing import Any
 
+from rlplug._moved import forward
+
 
 def __getattr__(name: str) -> Any:
     # rlplug.data was a module before the layer packages: its names still resolve, with a DeprecationWarning
-    from rlplug._moved import forward
-
     return forward(__name__, name)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlplug.algorithms.kl_control import make_kl_controller
 from rlplug.algorithms.reward_norm import ScoreNormalizer
 from rlplug.base.exit_codes import ExitCode, TrainingStopped
 from rlplug.base.host_memory import malloc_trim, rss_bytes
@@ -55,8 +56,9 @@ from rlplug.config.run_paths import run_dir_for
 from rlplug.contracts.registry import Registry, get_registry
 from rlplug.contracts.reward_contract import attach_trainer, trl_inputs
 from rlplug.contracts.types import RolloutOutput, SamplingParams
+from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
-from rlplug.rewards.manager import RewardFailureGuard, scored_rows, validation_reward
+from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
 from rlplug.run.alerts import AlertEngine
 from rlplug.run.checkpoint import (  # noqa: F401
@@ -73,6 +75,7 @@ from rlplug.run.checkpoint import (  # noqa: F401
     seed_everything,
     set_rng_state,
 )
+from rlplug.run.evaluate import score_responses
 from rlplug.run.export import finish_export
 from rlplug.run.metrics import (
     Trackers,
@@ -81,6 +84,7 @@ from rlplug.run.metrics import (
     validation_samples,
 )
 from rlplug.run.report import log_validation_samples
+from rlplug.run.resume import apply_resume_changes, check_resume_lr
 from rlplug.run.schedule import Schedule, value_targets  # noqa: F401 - value_targets: its old home
 from rlplug.run.step_pipeline import (  # noqa: F401 - check_bad_steps, token_level_rewards: their old home
     StepPipeline,
@@ -89,6 +93,7 @@ from rlplug.run.step_pipeline import (  # noqa: F401 - check_bad_steps, token_le
     token_level_rewards,
 )
 from rlplug.run.validate import plan_batch, skips_old_log_probs
+from rlplug.training.models import load_tokenizer, resolve_model_path
 
 log = logging.getLogger("rlplug")
 
@@ -167,10 +172,6 @@ class Trainer:
     """Owns the run: data, reward, backends, trackers, checkpoints; :meth:`fit` trains."""
 
     def __init__(self, cfg: DictConfig, registry: Registry | None = None) -> None:
-        from rlplug.algorithms.kl_control import make_kl_controller
-        from rlplug.data.dataset import make_train_loader, read_run_datasets
-        from rlplug.rewards.manager import RewardManager
-        from rlplug.training.models import load_tokenizer, resolve_model_path
 
         self.cfg, self.registry = cfg, registry or get_registry()  # cfg: this step's (rlplug.run.schedule)
         #: what one training step does (rlplug.run.step_pipeline); another pipeline may replace it
@@ -205,7 +206,7 @@ class Trainer:
         self.score_norm = ScoreNormalizer(cfg.reward.normalize)  # reward.normalize (off: scores unchanged)
 
         self.resume_changes: list[tuple[str, Any, Any]] = []  # settings changed since the checkpoint (_resume)
-        self._check_resume_lr(cfg)  # a changed learning rate the backend cannot apply: refused before models load
+        check_resume_lr(self, cfg)  # a changed learning rate the backend cannot apply: refused before models load
 
         # ---- models and engines
         backend_factory = self.registry.get("training_backend", cfg.trainer.backend)
@@ -256,113 +257,9 @@ class Trainer:
         self.global_step = load_checkpoint(path, backend=self.backend, stateful=self._stateful())
         log.info("Resumed from %s at step %d", path, self.global_step)
         print(f"Resumed from {path} (step {self.global_step}).", flush=True)
-        self._apply_resume_changes(path, configured)
+        apply_resume_changes(self, path, configured)
         self._push_weights()
         _fault_point("resumed")
-
-    def _check_resume_lr(self, cfg: DictConfig) -> None:
-        """Before any model loads (on the process that selected the checkpoint): refuse a resume whose
-        ``actor.optim.lr`` / ``critic.optim.lr`` differs from the checkpoint's when it cannot be applied: the
-        training backend does not declare the capability ``scale_lr`` (:class:`rlplug.contracts.types.TrainingBackend`),
-        or the checkpoint's rate is not > 0 (the schedule's rates are scaled by new / old). Raises
-        :class:`rlplug.config.schema.ConfigError` naming the key, both values and what to do."""
-        from rlplug.config.schema import ConfigError
-        from rlplug.contracts.kinds import built_classes
-
-        path = self.start.resume_from
-        if path is None:
-            return
-        roles = ("actor", "critic") if self.plan.use_critic else ("actor",)
-        changed = [(k, o, n) for k, o, n in config_changes(path, cfg) or [] if k in {f"{r}.optim.lr" for r in roles}]
-        if not changed:
-            return
-        for key, old, new in changed:
-            if not (isinstance(old, (int, float)) and old > 0 and isinstance(new, (int, float)) and new >= 0):
-                raise ConfigError(
-                    f"Cannot resume from {path} with {key} {describe_change(old, new)}: the resumed rates are the "
-                    "checkpoint's times new / old, which needs a checkpoint rate > 0 and a new one >= 0. Start a new "
-                    "run instead (trainer.resume_mode=disable trainer.overwrite=true, or another directory)."
-                )
-        reg = self.registry.registration("training_backend", str(cfg.trainer.backend))
-        lacking = [
-            c.__qualname__
-            for c in built_classes(reg.obj, reg.extra)
-            if "scale_lr" not in getattr(c, "capabilities", ())
-        ]
-        if lacking:
-            keys = ", ".join(f"{k} {describe_change(o, n)}" for k, o, n in changed)
-            raise ConfigError(
-                f"Cannot resume from {path} with {keys}: trainer.backend={cfg.trainer.backend} ({', '.join(lacking)}, "
-                f"{reg.distribution} {reg.version}) does not declare the capability 'scale_lr', so the checkpoint's "
-                "learning rates would go on unchanged. Set it back to the checkpoint's value, or use a backend "
-                "that declares it (local, fsdp2)."
-            )
-
-    def _apply_resume_changes(self, path: Path, configured: Any) -> None:
-        """After the checkpoint ``path`` is loaded: make the settings of this run's config that differ from the
-        checkpoint's (:func:`rlplug.run.checkpoint.config_changes`, ``configured`` being this run's config as given)
-        take effect where the checkpointed state would keep the old value, and list them all (printed on the
-        main process, logged, and logged as tracker params ``resume.step_<N>.<key>`` by :meth:`fit`).
-
-        :func:`rlplug.run.checkpoint.check_fingerprint` already refused the settings a resumed run cannot change.
-        Most others are read from the config at every step and hold as they are. The ones a checkpoint holds:
-
-        * ``<role>.optim.lr`` (actor, critic): each role's rates are multiplied by new / old
-          (:meth:`rlplug.run.schedule.Schedule.resume_lr_ratios`, the backend's ``scale_lr``), so from the first
-          resumed step the rate is the new base times the LR schedule's multiplier at that step times the
-          ``trainer.alerts`` ``scale_lr`` factors in force at the checkpoint (``optimizer.param_groups``,
-          the scheduler's ``base_lrs`` and the logged ``<role>/lr`` agree). The other ``optim`` settings, AdamW's
-          and the schedule's shape, are the backend's (:meth:`rlplug.training.backend.TrainingBackendBase.load`);
-        * ``algorithm.kl_ctrl.kl_coef``: the KL controller's value is multiplied by new / old (the adaptive
-          controller's progress and a ``scale_kl_coef`` factor kept); from 0, it becomes new x the alerts' factor.
-        """
-        changes = config_changes(path, configured, saved_overrides=self.alerts.configured_at_checkpoint())
-        step = self.global_step + 1
-        if changes is None:
-            msg = (
-                f"WARNING: {path} has no readable config.yaml, so the settings changed since the checkpoint cannot be "
-                "listed, and the checkpoint's learning rates go on (a changed actor.optim.lr / critic.optim.lr is not "
-                "applied)."
-            )
-            log.warning(msg)
-            if self.is_main:
-                print(msg, flush=True)
-            return
-        self.resume_changes = changes
-        if not changes:
-            log.info("Settings unchanged since the checkpoint %s.", path)
-            if self.is_main:
-                print("Settings unchanged since the checkpoint.", flush=True)
-            return
-        old = {k: o for k, o, _n in changes}
-        notes = []
-        roles = ["actor"] + (["critic"] if self.use_critic else [])
-        saved_lrs = {r: float(old[f"{r}.optim.lr"]) for r in roles if f"{r}.optim.lr" in old}
-        for role, ratio in self.schedule.resume_lr_ratios(saved_lrs).items():
-            rate = self.backend.scale_lr(role, ratio) if ratio != 1.0 else None
-            base, factor = self.schedule.carried_lr(role), self.alerts.lr_scale.get(role, 1.0)
-            if rate is None:
-                notes.append(f"{role} learning rate: unchanged (this phase of algorithm.schedule sets its own)")
-                continue
-            multiplier = rate / (base * factor) if base * factor else 1.0
-            notes.append(
-                f"{role} learning rate from step {step}: {rate:.6g} = {role}.optim.lr {base:g} x {multiplier:.6g} "
-                f"(the LR schedule's multiplier at this step) x {factor:g} (trainer.alerts scale_lr factors)"
-            )
-        if "algorithm.kl_ctrl.kl_coef" in old:
-            before, after = old["algorithm.kl_ctrl.kl_coef"], float(self.schedule.run_cfg.algorithm.kl_ctrl.kl_coef)
-            if isinstance(before, (int, float)) and before > 0:
-                self.kl_ctrl.value *= after / float(before)
-            else:
-                self.kl_ctrl.value = after * self.alerts.kl_scale
-            notes.append(f"KL controller's coefficient from step {step}: {self.kl_ctrl.value:.6g}")
-        lines = [f"  {key}: {describe_change(o, n)}" for key, o, n in changes] + [f"  -> {n}" for n in notes]
-        msg = "Settings changed since the checkpoint (checkpoint -> this command), in effect from step " + (
-            f"{step}:\n" + "\n".join(lines)
-        )
-        log.info(msg)
-        if self.is_main:
-            print(msg, flush=True)
 
     def _push_weights(self) -> None:
         weights = self.backend.actor_weights()
@@ -460,7 +357,6 @@ class Trainer:
     def _validation_scores(self, rows: list[dict], params: SamplingParams) -> list[Any]:
         """Generate and score the validation rows on the main process (the one that owns the engine and
         has prepared the rewards: a judge's server starts there only); every process gets the result."""
-        from rlplug.run.evaluate import score_responses
 
         # the undecorated generate: this already runs on the main process alone
         generate = functools.partial(Trainer._generate.__wrapped__, self, params=params, label="validation")  # type: ignore[attr-defined]
@@ -603,7 +499,7 @@ def run(cfg: DictConfig) -> int:
     checkpoint, 3/4 stopped by :class:`TrainingStopped`, 5 stopped by an alert rule)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with contextlib.suppress(Exception):
-        import transformers
+        import transformers  # deferred: transformers
 
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
