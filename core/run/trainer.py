@@ -56,6 +56,7 @@ from rlplug.config.run_paths import run_dir_for
 from rlplug.contracts.registry import Registry, get_registry
 from rlplug.contracts.reward_contract import attach_trainer, trl_inputs
 from rlplug.contracts.types import RolloutOutput, SamplingParams
+from rlplug.contracts.weights import DirectWeightTransfer, WeightTransfer
 from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
@@ -176,6 +177,8 @@ class Trainer:
         self.cfg, self.registry = cfg, registry or get_registry()  # cfg: this step's (rlplug.run.schedule)
         #: what one training step does (rlplug.run.step_pipeline); another pipeline may replace it
         self.pipeline: StepPipeline = SyncStepPipeline()
+        #: how the actor's weights reach the engine (rlplug.contracts.weights); another transfer may replace it
+        self.weight_transfer: WeightTransfer = DirectWeightTransfer()
         self.run_dir = run_dir_for(cfg)  # another run's checkpoints there are refused now, before any model loads
         self.ckpt, self.start = open_run_dir(cfg, self.run_dir)
         set_threads(cfg.trainer.num_threads)
@@ -262,11 +265,7 @@ class Trainer:
         _fault_point("resumed")
 
     def _push_weights(self) -> None:
-        weights = self.backend.actor_weights()
-        if self.rollout is not None:
-            self.rollout.update_weights(weights)
-        for _ in weights:  # other processes (or an engine that stopped early): join the remaining gathers
-            pass
+        self.weight_transfer.push(self.backend, self.rollout)  # rlplug.contracts.weights
 
     def save_checkpoint(self) -> Path:
         path = save_checkpoint(
