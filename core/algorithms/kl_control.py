@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlplug.algorithms.losses import config_value
+from rlplug.config.schema import KLControlConfig, typed
 
 __all__ = ["FixedKLController", "AdaptiveKLController", "make_kl_controller", "KL_CONTROLLER_TYPES"]
 
@@ -120,15 +120,16 @@ def make_kl_controller(kl_ctrl_config: Any) -> FixedKLController | AdaptiveKLCon
     beta, default 0.001), ``target_kl`` (0.1) and ``horizon`` (10000) for ``adaptive``.
     Raises ``ValueError`` for an unknown type (listing the types) or a bad adaptive setting.
     """
-    kind = config_value(kl_ctrl_config, "type", "fixed")
-    kl_coef = float(config_value(kl_ctrl_config, "kl_coef", 0.001))
+    ctrl = typed(KLControlConfig, kl_ctrl_config)
+    kind = ctrl.type
+    kl_coef = float(ctrl.kl_coef)
     if kind == "fixed":
         return FixedKLController(kl_coef)
     if kind == "adaptive":
         return AdaptiveKLController(
             kl_coef,
-            float(config_value(kl_ctrl_config, "target_kl", 0.1)),
-            config_value(kl_ctrl_config, "horizon", 10000),
+            float(ctrl.target_kl),
+            ctrl.horizon,
         )
     raise ValueError(
         f"Unknown KL controller type {kind!r} (algorithm.kl_ctrl.type). Available: {', '.join(KL_CONTROLLER_TYPES)}."

@@ -20,13 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
-from rlplug.config.schema import config_get
+from rlplug.config.schema import ActorConfig, CriticConfig, config_get, typed
+from rlplug.contracts.registry import get_plugin
 
 __all__ = [
     "LOSS_AGG_MODES",
     "VALUE_LOSS_TYPES",
     "config_value",
+    "typed_actor",
     "masked_sum",
     "masked_mean",
     "masked_var",
@@ -58,6 +62,24 @@ VALUE_LOSS_TYPES: tuple[str, ...] = ("mse", "huber")
 # --------------------------------------------------------------------------- config access
 #: The old name of :func:`rlplug.config.schema.config_get` (kept for code that imports it from here).
 config_value = config_get
+
+
+def typed_actor(config: Any) -> ActorConfig:
+    """``config`` (the ``actor`` section: DictConfig, dataclass, mapping or ``None``) read as the schema's
+    :class:`rlplug.config.schema.ActorConfig` (:func:`rlplug.config.schema.typed`): each field the config's
+    value, or the schema's default where the key is absent or ``None``. An ``ActorConfig`` is returned as it is.
+
+    A bare ``OmegaConf.structured(ActorConfig)`` (e.g. the conformance kit's) holds ``rollout_correction`` as
+    an interpolation of ``algorithm.rollout_correction``, a key outside it; a field that cannot be resolved
+    takes the schema's default instead of raising ``InterpolationResolutionError``.
+    """
+    try:
+        return typed(ActorConfig, config)
+    except InterpolationResolutionError:
+        keys = list(config.keys())
+        return typed(
+            ActorConfig, {k: OmegaConf.select(config, k, default=None, throw_on_resolution_failure=False) for k in keys}
+        )
 
 
 # --------------------------------------------------------------------------- masked statistics
@@ -166,7 +188,7 @@ def seq_norm_length(config: object, max_response_length: int | None) -> int | No
     padded or split)**. Raises ``ValueError`` for a ``loss_scale_factor`` that is not a positive
     integer (tokens; verl's type is ``int`` too).
     """
-    factor = config_get(config, "loss_scale_factor", None)
+    factor = typed_actor(config).loss_scale_factor
     if factor is None:
         return max_response_length
     if isinstance(factor, bool) or not float(factor).is_integer() or not float(factor) > 0:
@@ -361,8 +383,6 @@ def apply_kl_penalty(
     ``actor/reward_kl_penalty_coeff``: ``kl_coef``. Source: verl ``apply_kl_penalty``.
     """
     if isinstance(kl_fn, str):
-        from rlplug.contracts.registry import get_plugin
-
         kl_fn = get_plugin("kl_penalty", kl_fn)
     assert callable(kl_fn)
     for name, t in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs), ("response_mask", response_mask)):
@@ -414,5 +434,5 @@ def value_targets(batch: Any, cfg: Any) -> None:
     ``returns`` are no value targets (GRPO's equal its advantages), so a critic trained beside one (the
     GRPO phase of ``experiment=grpo_to_ppo``) regresses on the Monte-Carlo return instead; failed rows
     have zero rewards and are masked out of the update anyway."""
-    if str(config_get(cfg, "critic.value_target", "returns")) == "mc_return":
+    if str(typed(CriticConfig, cfg.critic).value_target) == "mc_return":
         batch["returns"] = mc_returns(batch["token_level_rewards"], batch["response_mask"], float(cfg.algorithm.gamma))

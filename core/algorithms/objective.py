@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlplug.algorithms.losses import agg_loss, masked_mean, seq_norm_length, value_loss
-from rlplug.config.schema import config_get
+from rlplug.algorithms.losses import agg_loss, masked_mean, seq_norm_length, typed_actor, value_loss
 from rlplug.contracts.types import BATCH_FIELD_PRODUCERS, MissingInputError
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ def actor_input_fields(
         keys.append("old_log_probs")
     if kl_penalty is not None:
         keys.append("ref_log_probs")
-    if config_get(config, "rollout_is_threshold", None) is not None:
+    if typed_actor(config).rollout_is_threshold is not None:
         keys.append("rollout_log_probs")
     keys += list(getattr(policy_loss, "requires", ()) or ())
     return tuple(dict.fromkeys(keys))
@@ -195,22 +194,23 @@ def actor_objective(
             (shapes, aggregation mode).
     """
     mask = _require(tensors, "response_mask", "the valid response tokens")
+    actor = typed_actor(config)
     # actor.loss_scale_factor replaces data.max_response_length in every term (verl's global_batch_info)
-    max_response_length = seq_norm_length(config, max_response_length)
+    max_response_length = seq_norm_length(actor, max_response_length)
     old_log_probs = (
         log_probs.detach()
         if on_policy_reuse
         else _require(tensors, "old_log_probs", "the actor's log-probs before the update")
     )
     advantages = _require(tensors, "advantages", "the advantage estimator's output")
-    entropy_coeff = float(config_get(config, "entropy_coeff", 0.0))
+    entropy_coeff = float(actor.entropy_coeff)
     if entropy is None and entropy_coeff:
         raise ValueError(
             f"actor_objective: actor.entropy_coeff = {entropy_coeff} but no entropy was given; compute the "
             "entropies in the forward pass (with_entropy=True) or set actor.entropy_coeff=0."
         )
     parts: dict[str, float] = {}
-    threshold = config_get(config, "rollout_is_threshold", None)
+    threshold = actor.rollout_is_threshold
     weights = tensors.get("rollout_is_weights")  # the trainer's, once per step (rlplug.algorithms.rollout_correction)
     if weights is not None:
         parts["mean:rollout_is_weight"] = float(masked_mean(weights, mask))
@@ -270,7 +270,8 @@ def actor_objective(
         ref_log_probs = _require(tensors, "ref_log_probs", "the KL loss, actor.use_kl_loss")
         kl = kl_penalty(log_probs, ref_log_probs)
         kl_agg = agg_loss(kl, mask, loss_agg_mode, normalizer, max_response_length)
-        loss = loss + float(config_get(config, "kl_loss_coef", 0.0)) * kl_agg
+        # a partial config without actor.kl_loss_coef gets the schema default 0.001, as a composed run
+        loss = loss + float(actor.kl_loss_coef) * kl_agg
         parts["kl_loss"] = float(kl_agg.detach())
     return loss, parts
 

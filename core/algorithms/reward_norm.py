@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rlplug.config.schema import ConfigError, config_get
+from rlplug.config.schema import ConfigError, RewardNormalizeConfig, typed
 
 __all__ = ["ScoreNormalizer", "check_normalize_config"]
 
@@ -56,9 +56,10 @@ def check_normalize_config(section: Any, key: str = "reward.normalize") -> tuple
         ConfigError: ``momentum`` outside ``[0.9, 1)`` (practitioners use 0.9-0.99; 1 would never
             update, below 0.9 the statistics follow single batches), ``clip <= 0`` or ``eps <= 0``.
     """
-    enable = bool(config_get(section, "enable", False))
-    momentum, clip = float(config_get(section, "momentum", 0.9)), float(config_get(section, "clip", 5.0))
-    eps = float(config_get(section, "eps", 1e-6))
+    norm = typed(RewardNormalizeConfig, section)
+    enable = bool(norm.enable)
+    momentum, clip = float(norm.momentum), float(norm.clip)
+    eps = float(norm.eps)
     if not 0.9 <= momentum < 1.0:
         raise ConfigError(
             f"{key}.momentum={momentum}: the weight of the old statistics in the moving average must be in "

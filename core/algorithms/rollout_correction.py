@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from rlplug.algorithms.losses import masked_mean, masked_sum
-from rlplug.config.schema import ConfigError, config_get
+from rlplug.config.schema import ConfigError, RolloutCorrectionConfig, RunConfig, typed
 
 __all__ = [
     "SAFETY_BOUND",
@@ -226,16 +226,17 @@ def parse_rollout_correction(section: Any) -> RolloutCorrectionSettings:
     unknown ``rollout_rs`` option, ``rollout_rs`` without ``rollout_rs_threshold``, a ``loss_type``
     not in :data:`LOSS_TYPES`.
     """
-    level = config_get(section, "rollout_is", None)
+    rc = typed(RolloutCorrectionConfig, section)
+    level = rc.rollout_is
     if level is not None and level not in ROLLOUT_IS_LEVELS:
         raise ValueError(
             f"{_KEY}.rollout_is={level}: use 'token' (a weight per token), 'sequence' (one weight per response, "
             "the geometric mean of its token ratios) or null (no importance weights)."
         )
-    upper, lower = _parse_is_threshold(config_get(section, "rollout_is_threshold", 2.0))
-    rs = config_get(section, "rollout_rs", None)
-    names, bounds = _parse_rs(rs, config_get(section, "rollout_rs_threshold", None)) if rs is not None else ((), {})
-    loss_type = str(config_get(section, "loss_type", "ppo_clip"))
+    upper, lower = _parse_is_threshold(rc.rollout_is_threshold)
+    rs = rc.rollout_rs
+    names, bounds = _parse_rs(rs, rc.rollout_rs_threshold) if rs is not None else ((), {})
+    loss_type = str(rc.loss_type)
     if loss_type not in LOSS_TYPES:
         raise ValueError(
             f"{_KEY}.loss_type={loss_type}: use 'ppo_clip' (clipped surrogate against the engine's log-probs) or "
@@ -245,10 +246,10 @@ def parse_rollout_correction(section: Any) -> RolloutCorrectionSettings:
         rollout_is=level,
         is_upper=upper,
         is_lower=lower,
-        batch_normalize=bool(config_get(section, "rollout_is_batch_normalize", False)),
+        batch_normalize=bool(rc.rollout_is_batch_normalize),
         rollout_rs=names,
         rs_bounds=bounds,
-        bypass_mode=bool(config_get(section, "bypass_mode", False)),
+        bypass_mode=bool(rc.bypass_mode),
         loss_type=loss_type,
     )
 
@@ -260,12 +261,13 @@ def rollout_correction_settings(cfg: Any) -> RolloutCorrectionSettings:
     ``cfg`` is the whole run config. Raises :class:`rlplug.config.schema.ConfigError` for a bad section
     (see :func:`parse_rollout_correction`) and when both spellings are set and disagree.
     """
-    section = config_get(cfg, "algorithm.rollout_correction", None)
+    # once per step: the one section, not the whole config (cfg is the run's DictConfig)
+    section = typed(RolloutCorrectionConfig, cfg.algorithm.rollout_correction)
     try:
         settings = parse_rollout_correction(section)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return with_threshold_alias(settings, config_get(cfg, "actor.rollout_is_threshold", None), section)
+    return with_threshold_alias(settings, cfg.actor.rollout_is_threshold, section)
 
 
 def with_threshold_alias(
@@ -289,7 +291,7 @@ def with_threshold_alias(
         raise ConfigError(
             f"actor.rollout_is_threshold={alias} (token-level truncated IS capped at {alias}) contradicts "
             f"{_KEY}.rollout_is={settings.rollout_is}, rollout_is_threshold="
-            f"{config_get(section, 'rollout_is_threshold', 2.0)}. actor.rollout_is_threshold is the older spelling "
+            f"{typed(RolloutCorrectionConfig, section).rollout_is_threshold}. actor.rollout_is_threshold is the older spelling "
             f"of {_KEY}.rollout_is=token with {_KEY}.rollout_is_threshold: set only one of them "
             "(remove actor.rollout_is_threshold)."
         )
@@ -299,7 +301,7 @@ def with_threshold_alias(
 def bypasses_old_log_probs(cfg: Any) -> bool:
     """Whether the step skips the old-log-prob pass and uses the engine's log-probs instead
     (``algorithm.rollout_correction.bypass_mode``, verl's ``apply_bypass_mode``)."""
-    return bool(config_get(cfg, "algorithm.rollout_correction.bypass_mode", False))
+    return bool(typed(RolloutCorrectionConfig, cfg.algorithm.rollout_correction).bypass_mode)
 
 
 def rollout_correction_requires(cfg: Any) -> tuple[str, ...]:
@@ -327,11 +329,12 @@ def validate_rollout_correction(
     per-token quantity of the (skipped) old-log-prob pass.
     """
     settings = rollout_correction_settings(cfg)
-    loss_name = config_get(cfg, "actor.policy_loss", None)
+    run = typed(RunConfig, cfg)
+    loss_name = run.actor.policy_loss
     if loss_is_bypass is None:
         loss_is_bypass = loss_name == "bypass_mode"
     what = "bypass_mode=true" if settings.bypass_mode else "rollout_is / rollout_rs"
-    if (settings.active or settings.bypass_mode) and not config_get(cfg, "rollout.calculate_log_probs", False):
+    if (settings.active or settings.bypass_mode) and not run.rollout.calculate_log_probs:
         raise ConfigError(
             f"{_KEY} ({what}) compares the trainer with the rollout engine's log-probs, but "
             "rollout.calculate_log_probs=false, so the engine returns none. Set rollout.calculate_log_probs=true."
@@ -346,7 +349,7 @@ def validate_rollout_correction(
     if not loss_is_bypass:
         raise ConfigError(
             f"{_KEY}.bypass_mode=true: the old log-probs are the engine's and the correction happens in the policy "
-            f"loss, but actor.policy_loss={config_get(cfg, 'actor.policy_loss', None)}. Set actor.policy_loss=bypass_mode "
+            f"loss, but actor.policy_loss={loss_name}. Set actor.policy_loss=bypass_mode "
             f"(verl switches to it silently), with {_KEY}.loss_type=ppo_clip or reinforce."
         )
     if settings.batch_normalize:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rlplug.config.schema import RunConfig, typed
+
 __all__ = ["pack_rows", "packed_cost", "row_lengths", "token_budgets"]
 
 
@@ -117,17 +119,15 @@ def token_budgets(config: object) -> dict[str, int | None]:
     The actor's and log-prob passes follow ``actor.use_dynamic_bsz``; the critic's follow
     ``critic.use_dynamic_bsz`` (``None``: the actor's).
     """
-    from rlplug.config.schema import config_get
-
-    actor, critic = config_get(config, "actor"), config_get(config, "critic")
-    a_on = bool(config_get(actor, "use_dynamic_bsz", False))
-    c_flag = config_get(critic, "use_dynamic_bsz", None)
+    run = typed(RunConfig, config)
+    actor, critic = run.actor, run.critic
+    a_on = bool(actor.use_dynamic_bsz)
+    c_flag = critic.use_dynamic_bsz
     c_on = a_on if c_flag is None else bool(c_flag)
-    a_max = int(config_get(actor, "max_token_len_per_device", 16384))
-    lp = config_get(actor, "log_prob_max_token_len_per_device", None)
-    c_max = config_get(critic, "max_token_len_per_device", None)
-    c_max = a_max if c_max is None else int(c_max)
-    fwd = config_get(critic, "forward_max_token_len_per_device", None)
+    a_max = int(actor.max_token_len_per_device)
+    lp = actor.log_prob_max_token_len_per_device
+    c_max = a_max if critic.max_token_len_per_device is None else int(critic.max_token_len_per_device)
+    fwd = critic.forward_max_token_len_per_device
     return {
         "actor": a_max if a_on else None,
         "log_prob": (a_max if lp is None else int(lp)) if a_on else None,

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from rlplug.plugin import AdvantageEstimator, config_get, hookimpl, masked_whiten
+from rlplug.plugin import AdvantageEstimator, AlgorithmConfig, hookimpl, masked_whiten, typed
 
 __all__ = [
     "gae_advantage",
@@ -163,8 +163,9 @@ def gae_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[torch.Te
     if tuple(values.shape) != tuple(rewards.shape):
         raise ValueError(f"gae: values must be (B, T) = {tuple(rewards.shape)}, got {tuple(values.shape)}.")
     values = values.to(torch.float32)
-    gamma = float(config_get(config, "gamma", 1.0))
-    lam = float(config_get(config, "lam", 1.0))
+    algo = typed(AlgorithmConfig, config)
+    gamma = float(algo.gamma)
+    lam = float(algo.lam)
     B, T = rewards.shape
     r_cols = rewards.t().contiguous()  # (T, B)
     v_cols = values.t().contiguous()
@@ -199,7 +200,7 @@ def grpo_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[torch.T
     scores = _sequence_scores(rewards, valid)
     count, _, mean, std = _group_stats(scores, ids, n_groups)
     adv = scores - mean[ids]
-    if bool(config_get(config, "norm_adv_by_std_in_grpo", True)):
+    if bool(typed(AlgorithmConfig, config).norm_adv_by_std_in_grpo):
         adv = adv / (std[ids] + _GRPO_EPS)
     adv = torch.where(count[ids] > 1, adv, torch.zeros_like(adv))
     advantages = _broadcast(adv, valid)
@@ -240,7 +241,7 @@ def reinforce_plus_plus_advantage(data: Mapping[str, Any], config: Any = None) -
     the valid tokens of the batch and masked. ``returns`` = ``G`` (not whitened).
     """
     rewards, valid = _rewards_and_mask(data)
-    gamma = float(config_get(config, "gamma", 1.0))
+    gamma = float(typed(AlgorithmConfig, config).gamma)
     returns = _discounted_returns(rewards, valid, gamma)
     return masked_whiten(returns, valid), returns
 
@@ -326,7 +327,7 @@ def grpo_passk_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[t
     others = torch.where(is_best, torch.full_like(scores, -torch.inf), scores)
     second = neg_inf.scatter_reduce(0, ids, others, reduce="amax")
     gap = best - second  # (G,): +inf for a singleton (masked out below)
-    if bool(config_get(config, "norm_adv_by_std_in_grpo", True)):
+    if bool(typed(AlgorithmConfig, config).norm_adv_by_std_in_grpo):
         gap = gap / (std + _GRPO_EPS)
     adv = torch.where(is_best & (count[ids] > 1), gap[ids], torch.zeros_like(scores))
     advantages = _broadcast(adv, valid)
@@ -367,7 +368,8 @@ def gdpo_components(data: Mapping[str, Any], config: Any) -> tuple[torch.Tensor,
     ``reward_components``, a key matches no column (the message lists the columns there are), or a
     chosen column is NaN for some response (its reward function did not report that name).
     """
-    keys = list(config_get(config, "gdpo_reward_keys", None) or [])
+    algo = typed(AlgorithmConfig, config)
+    keys = list(algo.gdpo_reward_keys or [])
     rewards, valid = _rewards_and_mask(data)
     if not keys:
         return _sequence_scores(rewards, valid).unsqueeze(-1), ["score"], [1.0]
@@ -379,7 +381,7 @@ def gdpo_components(data: Mapping[str, Any], config: Any) -> tuple[torch.Tensor,
             "'reward_components' (the reward manager puts the values a reward function reports in its dict "
             "there). Use a reward function that returns a dict with these keys, or unset gdpo_reward_keys."
         )
-    key_weights = _gdpo_weights(config, keys)
+    key_weights = _gdpo_weights(algo, keys)
     picked: list[int] = []
     weights: list[float] = []
     for key, weight in zip(keys, key_weights):
@@ -404,11 +406,12 @@ def gdpo_components(data: Mapping[str, Any], config: Any) -> tuple[torch.Tensor,
     return x, [columns[j] for j in picked], weights
 
 
-def _gdpo_weights(config: Any, keys: Sequence[str]) -> list[float]:
-    weights = config_get(config, "gdpo_reward_weights", None)
-    if weights is None:
+def _gdpo_weights(algo: AlgorithmConfig, keys: Sequence[str]) -> list[float]:
+    """``algorithm.gdpo_reward_weights`` as floats, one per key (all 1.0 when unset); ``ValueError`` for a
+    count that differs from ``keys`` or a non-finite weight."""
+    if algo.gdpo_reward_weights is None:
         return [1.0] * len(keys)
-    weights = [float(w) for w in weights]
+    weights = [float(w) for w in algo.gdpo_reward_weights]
     if len(weights) != len(keys):
         raise ValueError(
             f"gdpo: algorithm.gdpo_reward_weights has {len(weights)} weights for {len(keys)} gdpo_reward_keys "
@@ -425,14 +428,15 @@ def validate_gdpo_config(config: Any) -> None:
     ``ValueError``. Whether the reward reports the keys is checked at the first step
     (:func:`gdpo_components`): reward functions report their components only when called.
     """
-    keys = list(config_get(config, "gdpo_reward_keys", None) or [])
+    algo = typed(AlgorithmConfig, config)
+    keys = list(algo.gdpo_reward_keys or [])
     if not keys:
         raise ValueError(
             "GDPO normalises each reward component separately and needs algorithm.gdpo_reward_keys, the names "
             "of the components to use, e.g. algorithm.gdpo_reward_keys=[correctness,format] (the default reward "
             "reports acc, correctness, format, correct_unformatted and shaping/<name>); or use algorithm=gdpo."
         )
-    _gdpo_weights(config, keys)
+    _gdpo_weights(algo, keys)
 
 
 def gdpo_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,7 +457,7 @@ def gdpo_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[torch.T
     rewards, valid = _rewards_and_mask(data)
     ids, n_groups = _group_index(data, rewards.shape[0], rewards.device)
     comps, _, weights = gdpo_components(data, config)
-    norm = bool(config_get(config, "norm_adv_by_std_in_grpo", True))
+    norm = bool(typed(AlgorithmConfig, config).norm_adv_by_std_in_grpo)
     total = torch.zeros(rewards.shape[0], dtype=torch.float64, device=rewards.device)
     count = torch.ones(n_groups, dtype=torch.float64, device=rewards.device)
     for k, w in enumerate(weights):  # K is a handful of components

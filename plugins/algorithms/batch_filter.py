@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rlplug.plugin import BatchFilter, MissingInputError, config_get, hookimpl
+from rlplug.plugin import AlgorithmConfig, BatchFilter, MissingInputError, hookimpl, typed
 
 __all__ = ["filter_groups", "metric_values"]
 
@@ -78,7 +78,7 @@ def filter_groups(data: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor
     column names; ``config`` is the ``algorithm`` section. Raises :class:`rlplug.MissingInputError`
     for an unknown metric, ``ValueError`` when a scored response lacks the metric (NaN).
     """
-    metric = str(config_get(config_get(config, "filter_groups"), "metric"))
+    metric = str(typed(AlgorithmConfig, config).filter_groups.metric)
     values = metric_values(data, metric)
     index = data["index"]
     failed = _column(data, "reward_failed")
@@ -98,14 +98,14 @@ def filter_groups(data: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor
 
 
 def _validate(config: Any) -> None:
-    fg = config_get(config, "filter_groups")
-    metric = config_get(fg, "metric")
+    algo = typed(AlgorithmConfig, config)
+    metric = algo.filter_groups.metric
     if not metric:
         raise ValueError(
             "algorithm.filter_groups.metric must be set when group filtering is on (as verl): acc (DAPO's choice), "
             "score, seq_reward, seq_final_reward or a reward component."
         )
-    if metric == "seq_final_reward" and config_get(config, "use_kl_in_reward"):
+    if metric == "seq_final_reward" and algo.use_kl_in_reward:
         raise ValueError(
             "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the filter runs "
             "before the log-prob passes, so the in-reward KL is not known yet. Use seq_reward, score or acc."

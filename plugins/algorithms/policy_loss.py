@@ -78,18 +78,21 @@ import math
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from rlplug.plugin import (
+    ActorConfig,
     MiniBatchContext,
     PolicyLoss,
     agg_loss,
     compute_rollout_correction,
-    config_get,
     hookimpl,
     masked_mean,
     offpolicy_metrics,
     parse_rollout_correction,
     seq_norm_length,
+    typed,
     with_threshold_alias,
 )
 
@@ -120,10 +123,32 @@ __all__ = [
 ]
 
 
+def _actor(config: Any) -> ActorConfig:
+    """``config`` (the ``actor`` section: DictConfig, dataclass, mapping or ``None``) read as the schema's
+    :class:`ActorConfig`, the schema's default for each key it lacks or holds as ``None``; an
+    :class:`ActorConfig` is returned as it is (so the helpers below may call this again for free).
+
+    A bare ``OmegaConf.structured(ActorConfig)`` (the conformance kit's default) holds
+    ``rollout_correction`` as an interpolation of ``algorithm.rollout_correction``, a key outside it:
+    such an unresolvable field takes the schema's default, as :func:`_bypass_settings` always read it.
+    The same rule as :func:`rlplug.algorithms.losses.typed_actor` (which ``rlplug.plugin`` does not export).
+    """
+    try:
+        return typed(ActorConfig, config)
+    except InterpolationResolutionError:
+        keys = list(config.keys())
+        return typed(
+            ActorConfig, {k: OmegaConf.select(config, k, default=None, throw_on_resolution_failure=False) for k in keys}
+        )
+
+
 def _clip_range(config: Any) -> tuple[float, float]:
-    clip_ratio = float(config_get(config, "clip_ratio", 0.2))
-    low = float(config_get(config, "clip_ratio_low", clip_ratio))
-    high = float(config_get(config, "clip_ratio_high", clip_ratio))
+    """``(eps_low, eps_high)``: ``actor.clip_ratio_low`` / ``clip_ratio_high``, each ``actor.clip_ratio``
+    (0.2) when unset."""
+    actor = _actor(config)
+    clip_ratio = float(actor.clip_ratio)
+    low = float(actor.clip_ratio_low if actor.clip_ratio_low is not None else clip_ratio)
+    high = float(actor.clip_ratio_high if actor.clip_ratio_high is not None else clip_ratio)
     return low, high
 
 
@@ -201,15 +226,16 @@ def vanilla_policy_loss(
     mismatched shapes or a bad aggregation.
     """
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
-    l1, l2, per_token = _surrogate(old_log_probs, log_probs, advantages, config)
+    actor = _actor(config)
+    l1, l2, per_token = _surrogate(old_log_probs, log_probs, advantages, actor)
     per_token = _weighted(per_token, rollout_is_weights)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(actor, max_response_length))
     return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask)
 
 
 def validate_dual_clip(config: Any) -> None:
     """Raise ``ValueError`` unless ``actor.clip_ratio_c`` (default 3.0) is > 1."""
-    c = config_get(config, "clip_ratio_c", 3.0)
+    c = _actor(config).clip_ratio_c
     try:
         c = float(c)
     except (TypeError, ValueError):
@@ -243,15 +269,16 @@ def dual_clip_policy_loss(
     branch with ``rollout_is_weights``). Raises ``ValueError`` for ``clip_ratio_c <= 1`` or
     mismatched shapes.
     """
-    validate_dual_clip(config)
+    actor = _actor(config)
+    validate_dual_clip(actor)
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
-    c = float(config_get(config, "clip_ratio_c", 3.0))
-    l1, l2, clipped = _surrogate(old_log_probs, log_probs, advantages, config)
+    c = float(actor.clip_ratio_c)
+    l1, l2, clipped = _surrogate(old_log_probs, log_probs, advantages, actor)
     l3 = -advantages * c
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, l3), clipped)
     per_token = _weighted(per_token, rollout_is_weights)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(actor, max_response_length))
     return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask, lower_clipped=(clipped > l3) & negative)
 
 
@@ -287,8 +314,9 @@ def _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_respon
     return agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
 
 
-def _number(config: Any, key: str, default: Any, loss: str, expected: str) -> float:
-    value = config_get(config, key, default)
+def _number(value: Any, key: str, loss: str, expected: str) -> float:
+    """``value`` (the setting ``actor.<key>``) as a float, else ``ValueError`` naming the key, the
+    ``loss`` and the ``expected`` range."""
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -322,8 +350,9 @@ def gspo_policy_loss(
     Source: verl ``compute_policy_loss_gspo``. Raises ``ValueError`` on mismatched shapes or a bad
     aggregation.
     """
+    actor = _actor(config)
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
-    low, high = _clip_range(config)
+    low, high = _clip_range(actor)
     log_ratio = new - old
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # (B,)
     log_s = torch.clamp(new - new.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
@@ -331,7 +360,7 @@ def gspo_policy_loss(
     l1 = -adv * s
     l2 = -adv * torch.clamp(s, 1.0 - low, 1.0 + high)
     per_token = torch.maximum(l1, l2)
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {
         "pg_clipfrac": _share(l2 > l1, response_mask),
         "pg_clipfrac_lower": 0.0,
@@ -342,8 +371,9 @@ def gspo_policy_loss(
 def validate_sapo(config: Any) -> None:
     """Raise ``ValueError`` unless ``actor.tau_pos`` (1.0) and ``actor.tau_neg`` (1.05) are > 0
     (the gate divides by them)."""
-    for key, default in (("tau_pos", 1.0), ("tau_neg", 1.05)):
-        tau = _number(config, key, default, "sapo", "> 0")
+    actor = _actor(config)
+    for key, value, default in (("tau_pos", actor.tau_pos, 1.0), ("tau_neg", actor.tau_neg, 1.05)):
+        tau = _number(value, key, "sapo", "> 0")
         if not tau > 0:
             raise ValueError(
                 f"actor.{key} = {tau} but the sapo policy loss's gate sigmoid(tau (r - 1)) * 4 / tau needs it > 0; "
@@ -374,16 +404,17 @@ def sapo_policy_loss(
     ``compute_policy_loss_sapo``. Raises ``ValueError`` for ``tau <= 0``, mismatched shapes or a
     bad aggregation.
     """
-    validate_sapo(config)
+    actor = _actor(config)
+    validate_sapo(actor)
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
-    tau_pos = float(config_get(config, "tau_pos", 1.0))
-    tau_neg = float(config_get(config, "tau_neg", 1.05))
+    tau_pos = float(actor.tau_pos)
+    tau_neg = float(actor.tau_neg)
     log_ratio = torch.clamp(new - old, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     per_token = -gate * adv
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(log_ratio, response_mask)}
 
 
@@ -406,9 +437,10 @@ def gpg_policy_loss(
     Source: verl ``compute_policy_loss_gpg``. Raises ``ValueError`` on mismatched shapes or a bad
     aggregation.
     """
+    actor = _actor(config)
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
     per_token = -new * adv
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(new - old, response_mask)}
 
 
@@ -441,8 +473,9 @@ def geo_mean_policy_loss(
     ``ppo_kl``. Source: verl ``compute_policy_loss_geo_mean``. Raises ``ValueError`` on mismatched
     shapes or a bad aggregation.
     """
+    actor = _actor(config)
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
-    low, high = _clip_range(config)
+    low, high = _clip_range(actor)
     log_ratio = new - old
     clamped = torch.clamp(log_ratio, -low, high)
     sign = torch.sign(adv)
@@ -459,7 +492,7 @@ def geo_mean_policy_loss(
         w = rollout_is_weights.detach()
         seq_loss = seq_loss * torch.exp(masked_mean(torch.log(w + 1e-10), response_mask, dim=-1))
     per_token = seq_loss.unsqueeze(-1).expand_as(log_ratio)
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, None)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, None)
     clipped = log_ratio != clamped
     return loss, {
         "pg_clipfrac": _share(clipped & (adv > 0), response_mask),
@@ -470,13 +503,13 @@ def geo_mean_policy_loss(
 
 def validate_dro(config: Any) -> None:
     """Raise ``ValueError`` unless ``actor.dro_beta`` (no default) is set and > 0."""
-    beta = config_get(config, "dro_beta", None)
-    if beta is None:
+    actor = _actor(config)
+    if actor.dro_beta is None:
         raise ValueError(
             "actor.dro_beta is not set, but the dro policy loss needs the coefficient of its quadratic log-ratio "
             "penalty 0.5 * dro_beta * (log_probs - old_log_probs)^2; set actor.dro_beta > 0, e.g. 0.1."
         )
-    beta = _number(config, "dro_beta", None, "dro", "> 0")
+    beta = _number(actor.dro_beta, "dro_beta", "dro", "> 0")
     if not beta > 0:
         raise ValueError(f"actor.dro_beta = {beta} but the dro policy loss needs it > 0; set actor.dro_beta, e.g. 0.1.")
 
@@ -503,12 +536,13 @@ def dro_policy_loss(
     is ``actor.dro_beta``). Raises ``ValueError`` for a missing or non-positive ``dro_beta``,
     mismatched shapes or a bad aggregation.
     """
-    validate_dro(config)
-    beta = float(config_get(config, "dro_beta", None))
+    actor = _actor(config)
+    validate_dro(actor)
+    beta = _number(actor.dro_beta, "dro_beta", "dro", "> 0")  # set and > 0: validate_dro
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
     log_ratio = new - old
     per_token = -(new * adv - 0.5 * beta * log_ratio.square())
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(log_ratio, response_mask)}
 
 
@@ -534,13 +568,14 @@ def cispo_policy_loss(
     (share where the clamp changed ``r``), ``pg_clipfrac_lower`` 0.0, ``ppo_kl``. Source: verl
     ``compute_policy_loss_cispo``. Raises ``ValueError`` on mismatched shapes or a bad aggregation.
     """
+    actor = _actor(config)
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
-    low, high = _clip_range(config)
+    low, high = _clip_range(actor)
     log_ratio = torch.clamp(new - old, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
     per_token = -clipped.detach() * adv * new
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {
         "pg_clipfrac": _share(ratio != clipped, response_mask),
         "pg_clipfrac_lower": 0.0,
@@ -551,7 +586,8 @@ def cispo_policy_loss(
 def validate_dppo(config: Any) -> None:
     """Raise ``ValueError`` unless ``actor.clip_ratio_c`` (3.0), the truncation of the DPPO
     importance weight, is > 0."""
-    c = _number(config, "clip_ratio_c", 3.0, "dppo_tv / dppo_kl", "> 0")
+    actor = _actor(config)
+    c = _number(actor.clip_ratio_c, "clip_ratio_c", "dppo_tv / dppo_kl", "> 0")
     if not c > 0:
         raise ValueError(
             f"actor.clip_ratio_c = {c} but the DPPO losses truncate the importance weight at min(r, clip_ratio_c), "
@@ -561,10 +597,11 @@ def validate_dppo(config: Any) -> None:
 
 def _dppo(old_log_probs, log_probs, advantages, response_mask, config, divergence: str):
     """Shared DPPO terms: ``(per-token loss, log_ratio, ratio, trust-region mask v, clip_ratio_c)``."""
-    validate_dppo(config)
+    actor = _actor(config)
+    validate_dppo(actor)
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
-    low, high = _clip_range(config)
-    c = float(config_get(config, "clip_ratio_c", 3.0))
+    low, high = _clip_range(actor)
+    c = float(actor.clip_ratio_c)
     log_ratio = torch.clamp(new - old, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     with torch.no_grad():
@@ -594,10 +631,11 @@ def _dppo_loss(
     max_response_length,
     rollout_is_weights,
 ):
+    actor = _actor(config)
     _, per_token, log_ratio, ratio, inside, c = _dppo(
-        old_log_probs, log_probs, advantages, response_mask, config, divergence
+        old_log_probs, log_probs, advantages, response_mask, actor, divergence
     )
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {
         "pg_clipfrac": _share(inside == 0, response_mask),
         "pg_clipfrac_lower": _share((ratio > c) & (inside > 0), response_mask),
@@ -685,9 +723,10 @@ def dppo_kl_policy_loss(
 # WHOLE mini-batch (PolicyLoss.minibatch_stats), not per micro-batch as verl does.
 
 
-def _ratio_in(config: Any, key: str, default: float, loss: str, what: str) -> float:
-    """``actor.<key>`` as a number in (0, 1], else ``ValueError`` saying what it means."""
-    value = _number(config, key, default, loss, "in (0, 1]")
+def _ratio_in(setting: Any, key: str, default: float, loss: str, what: str) -> float:
+    """``setting`` (``actor.<key>``, schema default ``default``) as a number in (0, 1], else ``ValueError``
+    saying what it means."""
+    value = _number(setting, key, loss, "in (0, 1]")
     if not (0.0 < value <= 1.0):
         raise ValueError(
             f"actor.{key} = {value} but the {loss} policy loss needs it in (0, 1]: it is the share of the "
@@ -699,9 +738,10 @@ def _ratio_in(config: Any, key: str, default: float, loss: str, what: str) -> fl
 def validate_clip_cov(config: Any) -> None:
     """Raise ``ValueError`` unless ``actor.clip_cov_ratio`` (0.0002) is in (0, 1] and
     ``actor.clip_cov_lb`` (1.0) < ``actor.clip_cov_ub`` (5.0), both finite numbers."""
-    _ratio_in(config, "clip_cov_ratio", 0.0002, "clip_cov", "whose gradient is cut")
-    lb = _number(config, "clip_cov_lb", 1.0, "clip_cov", "below actor.clip_cov_ub")
-    ub = _number(config, "clip_cov_ub", 5.0, "clip_cov", "above actor.clip_cov_lb")
+    actor = _actor(config)
+    _ratio_in(actor.clip_cov_ratio, "clip_cov_ratio", 0.0002, "clip_cov", "whose gradient is cut")
+    lb = _number(actor.clip_cov_lb, "clip_cov_lb", "clip_cov", "below actor.clip_cov_ub")
+    ub = _number(actor.clip_cov_ub, "clip_cov_ub", "clip_cov", "above actor.clip_cov_lb")
     if not (math.isfinite(lb) and math.isfinite(ub) and lb < ub):
         raise ValueError(
             f"actor.clip_cov_lb = {lb} and actor.clip_cov_ub = {ub}, but the clip_cov policy loss picks tokens with "
@@ -713,8 +753,9 @@ def validate_clip_cov(config: Any) -> None:
 def validate_kl_cov(config: Any) -> None:
     """Raise ``ValueError`` unless ``actor.kl_cov_ratio`` (0.0002) is in (0, 1] and
     ``actor.ppo_kl_coef`` (0.1) is a finite number >= 0."""
-    _ratio_in(config, "kl_cov_ratio", 0.0002, "kl_cov", "that get the |log-ratio| penalty")
-    coef = _number(config, "ppo_kl_coef", 0.1, "kl_cov", ">= 0")
+    actor = _actor(config)
+    _ratio_in(actor.kl_cov_ratio, "kl_cov_ratio", 0.0002, "kl_cov", "that get the |log-ratio| penalty")
+    coef = _number(actor.ppo_kl_coef, "ppo_kl_coef", "kl_cov", ">= 0")
     if not (math.isfinite(coef) and coef >= 0.0):
         raise ValueError(
             f"actor.ppo_kl_coef = {coef} but the kl_cov policy loss needs a finite coefficient >= 0 for its "
@@ -760,20 +801,21 @@ def clip_cov_minibatch_stats(
     **(which computes this per micro-batch with the global RNG)**. Raises ``ValueError`` for bad
     hyperparameters or mismatched shapes.
     """
-    validate_clip_cov(config)
+    actor = _actor(config)
+    validate_clip_cov(actor)
     with torch.no_grad():
         old, new, adv = _prepare(old_log_probs, log_probs.detach(), advantages, response_mask)
         valid = response_mask != 0
-        l1, l2, _ = _surrogate(old, new, adv, config)
-        lb = float(config_get(config, "clip_cov_lb", 1.0))
-        ub = float(config_get(config, "clip_cov_ub", 5.0))
+        l1, l2, _ = _surrogate(old, new, adv, actor)
+        lb = float(actor.clip_cov_lb)
+        ub = float(actor.clip_cov_ub)
         cov = _centred_cov(adv, new, valid)
         candidates = valid & ~(l2 > l1) & (cov > lb) & (cov < ub)
         picked = torch.zeros_like(new)
         n_valid = int(valid.sum())
         idx = torch.nonzero(candidates).cpu()  # (K, 2) row-major, as verl
         if n_valid and len(idx):
-            n = max(int(float(config_get(config, "clip_cov_ratio", 0.0002)) * n_valid), 1)
+            n = max(int(float(actor.clip_cov_ratio) * n_valid), 1)
             chosen = idx[torch.randperm(len(idx), generator=clip_cov_generator(context))[:n]].to(picked.device)
             picked[chosen[:, 0], chosen[:, 1]] = 1.0
     return {"clip_cov_mask": picked}
@@ -806,9 +848,10 @@ def clip_cov_policy_loss(
     ``ValueError`` for bad hyperparameters (:func:`validate_clip_cov`), mismatched shapes or a bad
     aggregation.
     """
-    validate_clip_cov(config)
+    actor = _actor(config)
+    validate_clip_cov(actor)
     if clip_cov_mask is None:
-        stats = clip_cov_minibatch_stats(old_log_probs, log_probs, advantages, response_mask, config=config)
+        stats = clip_cov_minibatch_stats(old_log_probs, log_probs, advantages, response_mask, config=actor)
         clip_cov_mask = stats["clip_cov_mask"]
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
     if clip_cov_mask.shape != new.shape:
@@ -817,9 +860,9 @@ def clip_cov_policy_loss(
             f"{tuple(new.shape)}; pass this micro-batch's rows of clip_cov_minibatch_stats(...)['clip_cov_mask']."
         )
     cut = clip_cov_mask.detach().to(new.dtype)
-    l1, l2, per_token = _surrogate(old, new, adv, config)
+    l1, l2, per_token = _surrogate(old, new, adv, actor)
     per_token = per_token * (1.0 - cut)
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {
         "pg_clipfrac": _share(cut != 0, response_mask),
         "pg_clipfrac_lower": 0.0,
@@ -845,7 +888,8 @@ def kl_cov_minibatch_stats(
     ``context`` is not used. Source: verl ``compute_policy_loss_kl_cov`` **(which selects per
     micro-batch)**. Raises ``ValueError`` for bad hyperparameters or mismatched shapes.
     """
-    validate_kl_cov(config)
+    actor = _actor(config)
+    validate_kl_cov(actor)
     with torch.no_grad():
         _, new, adv = _prepare(old_log_probs, log_probs.detach(), advantages, response_mask)
         valid = response_mask != 0
@@ -854,7 +898,7 @@ def kl_cov_minibatch_stats(
         n_valid = len(flat_valid)
         if n_valid:
             cov = _centred_cov(adv, new, valid).reshape(-1)[flat_valid].cpu()
-            k = max(1, int(n_valid * float(config_get(config, "kl_cov_ratio", 0.0002))))
+            k = max(1, int(n_valid * float(actor.kl_cov_ratio)))
             top = flat_valid[torch.topk(cov, k, largest=True).indices.to(flat_valid.device)]
             selected.view(-1)[top] = 1.0
     return {"kl_cov_mask": selected}
@@ -887,9 +931,10 @@ def kl_cov_policy_loss(
     ``compute_policy_loss_kl_cov``. Raises ``ValueError`` for bad hyperparameters
     (:func:`validate_kl_cov`), mismatched shapes or a bad aggregation.
     """
-    validate_kl_cov(config)
+    actor = _actor(config)
+    validate_kl_cov(actor)
     if kl_cov_mask is None:
-        kl_cov_mask = kl_cov_minibatch_stats(old_log_probs, log_probs, advantages, response_mask, config=config)[
+        kl_cov_mask = kl_cov_minibatch_stats(old_log_probs, log_probs, advantages, response_mask, config=actor)[
             "kl_cov_mask"
         ]
     old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
@@ -899,11 +944,11 @@ def kl_cov_policy_loss(
             f"{tuple(new.shape)}; pass this micro-batch's rows of kl_cov_minibatch_stats(...)['kl_cov_mask']."
         )
     selected = kl_cov_mask.detach().to(new.dtype)
-    coef = float(config_get(config, "ppo_kl_coef", 0.1))
+    coef = float(actor.ppo_kl_coef)
     log_ratio = new - old
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     per_token = -adv * ratio + selected * coef * log_ratio.abs()
-    loss = _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
+    loss = _agg(per_token, response_mask, actor, loss_agg_mode, normalizer, max_response_length, rollout_is_weights)
     return loss, {
         "pg_clipfrac": _share(selected != 0, response_mask),
         "pg_clipfrac_lower": 0.0,
@@ -920,16 +965,12 @@ _BYPASS_METRICS = ("kl", "k3_kl", "rollout_is_mean", "rollout_rs_masked_fraction
 def _bypass_settings(config: Any) -> Any:
     """The rollout-correction settings the ``actor`` section mirrors (``actor.rollout_correction``,
     an interpolation of ``algorithm.rollout_correction``) with ``actor.rollout_is_threshold`` applied;
-    defaults when it is absent or unresolvable (a bare ``ActorConfig``)."""
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(config):
-        node = OmegaConf.select(config, "rollout_correction", default=None, throw_on_resolution_failure=False)
-    else:
-        node = config_get(config, "rollout_correction", None)
+    defaults when it is absent or unresolvable (a bare ``ActorConfig``: see :func:`_actor`)."""
+    actor = _actor(config)
+    node = actor.rollout_correction
     node = node if OmegaConf.is_config(node) or isinstance(node, dict) else None
     # actor.rollout_is_threshold (the older spelling) counts here too, as in the trainer's settings
-    return with_threshold_alias(parse_rollout_correction(node), config_get(config, "rollout_is_threshold", None), node)
+    return with_threshold_alias(parse_rollout_correction(node), actor.rollout_is_threshold, node)
 
 
 def validate_bypass_mode(config: Any) -> None:
@@ -978,8 +1019,9 @@ def bypass_mode_policy_loss(
     or a bad ``rollout_correction`` section.
     """
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
-    settings = _bypass_settings(config)
-    validate_bypass_mode(config)
+    actor = _actor(config)
+    settings = _bypass_settings(actor)
+    validate_bypass_mode(actor)
     extra = dict.fromkeys(_BYPASS_METRICS, 0.0)
     mask, w = response_mask, None
     if bool(response_mask.bool().any()):
@@ -995,7 +1037,7 @@ def bypass_mode_policy_loss(
             log_probs,
             advantages,
             mask,
-            config=config,
+            config=actor,
             loss_agg_mode=loss_agg_mode,
             normalizer=normalizer,
             max_response_length=max_response_length,
@@ -1006,7 +1048,7 @@ def bypass_mode_policy_loss(
         if w is not None:
             per_token = per_token * w
         per_token = _weighted(per_token, rollout_is_weights)
-        loss = agg_loss(per_token, mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
+        loss = agg_loss(per_token, mask, loss_agg_mode, normalizer, seq_norm_length(actor, max_response_length))
         metrics = {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(log_probs - old_log_probs, mask)}
     metrics.update({f"rollout_corr/{k}": v for k, v in extra.items()})
     return loss, metrics
