@@ -89,7 +89,9 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from rlplug.config.schema import config_get
+import psutil
+
+from rlplug.config.schema import RunConfig, typed
 from rlplug.contracts.types import RolloutOutput, SamplingParams
 from rlplug.rollout.replicas import LIVE, Replica, ReplicaSet, ServerError  # ServerError: re-exported, defined there
 
@@ -125,11 +127,12 @@ def server_urls(config: Any) -> list[str]:
 
     URLs lose their trailing ``/``. Raises ``ValueError`` when both keys are set to different
     servers, or for a URL that does not start with ``http://`` / ``https://``."""
-    urls = config_get(config, "rollout.server_urls", None) or []
+    rollout = typed(RunConfig, config).rollout
+    urls: Any = rollout.server_urls or []
     if isinstance(urls, str):
         urls = [u for u in urls.split(",") if u.strip()]
     urls = [str(u).strip().rstrip("/") for u in urls]
-    one = config_get(config, "rollout.server_url", None)
+    one = rollout.server_url
     if one:
         one = str(one).strip().rstrip("/")
         if urls and urls != [one]:
@@ -210,8 +213,6 @@ class ServerProcess:
     def server_pid(self) -> int | None:
         """Pid of the server process itself (the supervisor's child); None when it is gone."""
         try:
-            import psutil
-
             children = psutil.Process(self.proc.pid).children()
         except Exception:
             return None
@@ -416,20 +417,20 @@ class ServerRollout:
     metrics = ("rollout/resent_requests", "rollout/live_replicas", "rollout/replicas", "rollout/replica_restarts")
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        import httpx
-        import torch
+        import httpx  # deferred: httpx (server rollouts only; not a declared dependency of rlplug)
+        import torch  # deferred: torch (the server supervisor imports this module without it)
 
-        from rlplug.base.precision import resolve_dtype
-        from rlplug.rollout.utils import DTYPE_NAMES, TORCH_DTYPES, checkpoint_shapes, eos_ids
+        from rlplug.base.precision import resolve_dtype  # deferred: torch (imported there)
+        from rlplug.rollout.utils import DTYPE_NAMES, TORCH_DTYPES, checkpoint_shapes, eos_ids  # deferred: torch
 
         self.config = config
         self.model_path = str(model_path)
-        self.seed = int(config_get(config, "trainer.seed", 0))
-        device = str(config_get(config, "trainer.device", "auto"))
+        run = typed(RunConfig, config)
+        rollout = run.rollout
+        self.seed = int(run.trainer.seed)
+        device = str(run.trainer.device)
         self.on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        dtype_key = resolve_dtype(
-            config_get(config, "rollout.dtype", "auto"), "cuda" if self.on_gpu else "cpu", "rollout.dtype"
-        )
+        dtype_key = resolve_dtype(rollout.dtype, "cuda" if self.on_gpu else "cpu", "rollout.dtype")
         self.dtype_name = DTYPE_NAMES[dtype_key]
         self.dtype = TORCH_DTYPES[self.dtype_name]
         cfg_path = Path(self.model_path) / "config.json"
@@ -444,18 +445,18 @@ class ServerRollout:
         self.eos_ids = eos_ids(tokenizer, self.hf_config.get("eos_token_id"))
 
         self.server_urls = server_urls(config)
-        self.num_replicas = int(config_get(config, "rollout.num_replicas", 1))
-        self.host = str(config_get(config, "rollout.server_host", "127.0.0.1"))
-        self.port = int(config_get(config, "rollout.server_port", 0))
-        cmd = config_get(config, "rollout.server_cmd", None)
+        self.num_replicas = int(rollout.num_replicas)
+        self.host = str(rollout.server_host)
+        self.port = int(rollout.server_port)
+        cmd = rollout.server_cmd
         self.server_cmd = [str(c) for c in cmd] if cmd else None
-        self.server_args = [str(a) for a in (config_get(config, "rollout.server_args", None) or [])]
-        self.server_timeout_s = float(config_get(config, "rollout.server_timeout_s", 600.0))
-        self.request_timeout_s = float(config_get(config, "rollout.request_timeout_s", 600.0))
-        self.max_retries = int(config_get(config, "rollout.max_retries", 3))
-        self.max_restarts = int(config_get(config, "rollout.max_restarts", 3))
-        self.max_concurrency = int(config_get(config, "rollout.max_concurrency", 64))
-        weights_dir = config_get(config, "rollout.weights_dir", None)
+        self.server_args = [str(a) for a in (rollout.server_args or [])]
+        self.server_timeout_s = float(rollout.server_timeout_s)
+        self.request_timeout_s = float(rollout.request_timeout_s)
+        self.max_retries = int(rollout.max_retries)
+        self.max_restarts = int(rollout.max_restarts)
+        self.max_concurrency = int(rollout.max_concurrency)
+        weights_dir = rollout.weights_dir
         self.weights_dir = str(Path(str(weights_dir)).expanduser()) if weights_dir else None
         for key, value, low in (
             ("server_timeout_s", self.server_timeout_s, 0),
@@ -648,7 +649,7 @@ class ServerRollout:
     ) -> Any:
         """POST ``body`` to ``path`` on the least busy replica and return ``parse(answer JSON)``, retrying
         (on any live replica) as the module docstring says."""
-        import httpx
+        import httpx  # deferred: httpx (server rollouts only; not a declared dependency of rlplug)
 
         last: BaseException | str = "no attempt"
         for attempt in range(self.max_retries + 1):
@@ -699,7 +700,7 @@ class ServerRollout:
         settings, :class:`ServerError` when the server rejects a request or a request keeps failing
         after retries and restarts, ``RuntimeError`` after :meth:`close`.
         """
-        from rlplug.rollout.utils import validate_prompts
+        from rlplug.rollout.utils import validate_prompts  # deferred: torch (imported there)
 
         self._check_open()
         prompts = validate_prompts(prompt_ids, self.vocab_size, params)
@@ -776,9 +777,9 @@ class ServerRollout:
         anything is written), :class:`ServerError` if the server fails to load them. Seconds
         taken: ``last_update_s``.
         """
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # deferred: torch (imported by safetensors.torch)
 
-        from rlplug.rollout.utils import checked_weights
+        from rlplug.rollout.utils import checked_weights  # deferred: torch (imported there)
 
         self._check_open()
         t0 = time.perf_counter()
@@ -820,7 +821,7 @@ class ServerRollout:
     def _push_one(self, replica: Replica, folder: Path) -> None:
         """Load ``folder`` into one live replica; a replica that dies meanwhile is handed to the replica set
         (it loads the latest weights when it comes back)."""
-        import httpx
+        import httpx  # deferred: httpx (server rollouts only; not a declared dependency of rlplug)
 
         last: BaseException | str = "no attempt"
         for attempt in range(self.max_retries + 1):
@@ -855,7 +856,7 @@ class ServerRollout:
     def _control(self, method: str, path: str, body: Any = None) -> Any:
         """One control request (no retry here) to the replica being loaded in this thread (else the first);
         5xx / transport errors raise :class:`Retryable`."""
-        import httpx
+        import httpx  # deferred: httpx (server rollouts only; not a declared dependency of rlplug)
 
         replica = getattr(self._tls, "replica", None)
         base = replica.url if replica is not None else self.base_url

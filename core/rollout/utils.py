@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 
 from rlplug.contracts.types import SamplingParams
 
@@ -140,8 +141,6 @@ def eos_ids(tokenizer: Any, *extra: Any) -> list[int]:
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of the model folder's safetensors checkpoint (headers only)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:

@@ -26,14 +26,15 @@ import torch
 
 from rlplug.plugin import (
     RolloutOutput,
+    RunConfig,
     SamplingParams,
-    config_get,
     eos_ids,
     hookimpl,
     load_causal_lm,
     parse_dtype,
     resolve_dtype,
     strip_wrapper_prefixes,
+    typed,
     validate_prompts,
 )
 
@@ -78,22 +79,21 @@ class HFRollout:
     """
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # deferred: transformers
 
-        self.micro_batch_size = int(config_get(config, "rollout.micro_batch_size", 64))
+        run = typed(RunConfig, config)
+        self.micro_batch_size = int(run.rollout.micro_batch_size)
         if self.micro_batch_size < 1:
             raise ValueError(f"rollout.micro_batch_size must be >= 1, got {self.micro_batch_size}.")
-        threads = config_get(config, "rollout.num_threads", None)
+        threads = run.rollout.num_threads
         self.num_threads = int(threads) if threads is not None else None
-        self.seed = int(config_get(config, "trainer.seed", 0))
-        device = str(config_get(config, "trainer.device", "auto"))
+        self.seed = int(run.trainer.seed)
+        device = str(run.trainer.device)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.dtype = parse_dtype(
-            resolve_dtype(config_get(config, "rollout.dtype", "auto"), self.device, "rollout.dtype")
-        )
-        trust = bool(config_get(config, "model.trust_remote_code", False))
+        self.dtype = parse_dtype(resolve_dtype(run.rollout.dtype, self.device, "rollout.dtype"))
+        trust = bool(run.model.trust_remote_code)
         self.model_path = str(model_path)
         self.model = load_causal_lm(self.model_path, dtype=self.dtype, trust_remote_code=trust)  # warns if trust
         self.model.to(self.device).eval()
@@ -143,8 +143,12 @@ class HFRollout:
     def _generate_micro_batch(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
     ) -> tuple[list[list[int]], list[str], list[list[float]] | None]:
-        from transformers import GenerationConfig, LogitsProcessorList
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+        from transformers import GenerationConfig, LogitsProcessorList  # deferred: transformers
+        from transformers.generation.logits_process import (  # deferred: transformers
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         P = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)

