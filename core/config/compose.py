@@ -30,10 +30,10 @@ from rlplug.config.schema import (
     ConfigError,
     RunConfig,
     config_dir,
-    config_get,
     open_map_fields,
     register_schema,
     rewrite_overrides,
+    typed,
 )
 from rlplug.config.verl_keys import suggest as verl_suggest
 from rlplug.config.verl_keys import translate_overrides
@@ -253,8 +253,11 @@ def critic_values_needed(cfg: Any) -> tuple[bool, list[str]] | None:
     ``gae`` only). None when a name does not resolve (validation reports it)."""
     registry = get_registry()
     who = []
-    for kind, key in (("advantage_estimator", "algorithm.adv_estimator"), ("policy_loss", "actor.policy_loss")):
-        name = config_get(cfg, key)
+    run = typed(RunConfig, cfg)
+    for kind, key, name in (
+        ("advantage_estimator", "algorithm.adv_estimator", run.algorithm.adv_estimator),
+        ("policy_loss", "actor.policy_loss", run.actor.policy_loss),
+    ):
         try:
             plugin = registry.registration(kind, str(name)).obj
         except PluginError:
@@ -321,7 +324,7 @@ def run_algorithm_name(cfg: Any, preset: str | None) -> str | None:
     if not preset:
         return None
     found = preset_setting({"algorithm": preset}, "algorithm.adv_estimator")
-    estimator = config_get(cfg, "algorithm.adv_estimator")
+    estimator = typed(RunConfig, cfg).algorithm.adv_estimator
     if found is not None and estimator is not None and str(found[1]) != str(estimator):
         return str(estimator)
     return str(preset)

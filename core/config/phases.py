@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from rlplug.config.compose import explain_compose_error
-from rlplug.config.schema import ConfigError, config_dir, config_get
+from rlplug.config.schema import ConfigError, RunConfig, config_dir, typed
 from rlplug.contracts.kinds import built_classes
 from rlplug.contracts.registry import PluginError, get_registry
 
@@ -253,7 +253,7 @@ def compose_phases(cfg: DictConfig) -> list[Phase]:
     an override key the schema lacks (the same message as compose's unknown-key errors), a value of the
     wrong type, or a key outside :data:`PHASE_KEYS` set to another value than the run's.
     """
-    schedule = list(config_get(cfg, "algorithm.schedule") or [])
+    schedule = list(typed(RunConfig, cfg).algorithm.schedule or [])
     if not schedule:
         return []
     run, phases = _cleared(cfg), []
@@ -306,7 +306,7 @@ def _with_n(cfg: DictConfig, n: int) -> DictConfig:
 
 
 def _check_value_target(cfg: Any) -> None:
-    target = str(config_get(cfg, "critic.value_target", "returns"))
+    target = str(typed(RunConfig, cfg).critic.value_target)
     if target not in VALUE_TARGETS:
         raise ConfigError(
             f"critic.value_target={target}: use 'returns' (the advantage estimator's returns, as verl) or "

@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlplug.base.run_context import RunContext
-from rlplug.config.schema import config_get
+from rlplug.config.schema import RunConfig, config_get, typed
 
 __all__ = [
     "COMPLETE",
@@ -72,11 +72,13 @@ def experiment_name_for(config: Any, algorithm: str | None = None, *, prefix: st
     never share a directory with real ones (``tiny_ppo_basic_arithmetic``). Characters other than
     letters, digits and ``_ . -`` become ``_``.
     """
-    name = config_get(config, "trainer.experiment_name")
-    if name:
-        return str(name)
+    run = typed(RunConfig, config)
+    if run.trainer.experiment_name:
+        return str(run.trainer.experiment_name)
+    # free-form: a config without an estimator is named "run" (not the schema's gae), data.task=null means
+    # no task (not the schema's basic_arithmetic)
     algo = algorithm or config_get(config, "algorithm.adv_estimator", "run")
-    task, files = config_get(config, "data.task"), list(config_get(config, "data.train_files", []) or [])
+    task, files = config_get(config, "data.task"), list(run.data.train_files or [])
     data = "data"
     if task:
         data = str(task)

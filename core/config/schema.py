@@ -756,7 +756,7 @@ def training_world_size(cfg: Any) -> int:
     verl's deprecated global micro-batch sizes are divided by it (:mod:`rlplug.config.verl_keys`).
 
     Raises :class:`ConfigError` for a ``WORLD_SIZE`` that is not a positive integer."""
-    if str(config_get(cfg, "trainer.backend", "local")) == "local":
+    if str(typed(RunConfig, cfg).trainer.backend) == "local":
         return 1
     text = os.environ.get("WORLD_SIZE", "1").strip() or "1"
     try:

@@ -69,7 +69,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from rlplug.base.exit_codes import AlertStopped
-from rlplug.config.schema import config_get
+from rlplug.config.schema import RunConfig, config_get, typed
 
 __all__ = [
     "ALERT_ACTIONS",
@@ -340,7 +340,7 @@ def trainer_metrics(cfg: Any, plan: Any) -> list[str]:
         names += ["actor/kl_coef"]
     if cfg.algorithm.use_kl_in_reward:
         names += ["actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"]
-    if config_get(cfg, "reward.normalize.enable", False):
+    if typed(RunConfig, cfg).reward.normalize.enable:
         names += ["critic/score_norm/mean", "critic/score_norm/std", "critic/score_norm/clipfrac"]
     return names
 
@@ -446,6 +446,7 @@ def lower_lr(cfg: Any, role: str = "actor") -> str:
     """The override that halves ``role``'s configured learning rate (``actor.optim.lr=5e-05`` for a run at
     ``1e-4``), the advice of the stop messages (an alert's ``stop``, exit code 3); ``<role>.optim.lr=<lower>``
     when ``cfg`` has no rate. A resume applies a changed rate (``docs/reliability.md``)."""
+    # free-form: the role is a name (actor, critic), and a config without a rate must read as unset, not 1e-6
     lr = config_get(cfg, f"{role}.optim.lr") if cfg is not None else None
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
         return f"{role}.optim.lr=<lower>"

@@ -45,7 +45,7 @@ import torch
 
 from rlplug.algorithms.losses import compute_token_level_scores
 from rlplug.base.exit_codes import ExitCode, TrainingStopped
-from rlplug.config.schema import ConfigError, config_get
+from rlplug.config.schema import AlgorithmConfig, ConfigError, typed
 from rlplug.contracts.batch import Batch, build_batch
 from rlplug.contracts.reward_contract import trl_inputs
 from rlplug.contracts.types import RolloutOutput
@@ -80,9 +80,9 @@ def batch_filter_name(algorithm: Any) -> str | None:
 
     Raises :class:`rlplug.config.schema.ConfigError` when both name different filters.
     """
-    name = config_get(algorithm, "batch_filter")
-    fg = config_get(algorithm, "filter_groups")
-    enabled = bool(config_get(fg, "enable", False)) if fg is not None else False
+    algo = typed(AlgorithmConfig, algorithm)
+    name = algo.batch_filter
+    enabled = bool(algo.filter_groups.enable)
     if enabled and name not in (None, "filter_groups"):
         raise ConfigError(
             f"algorithm.filter_groups.enable=true selects the batch filter 'filter_groups', but "

@@ -96,6 +96,7 @@ from rlplug.config.run_paths import (
     METRICS_FILE as METRICS_LOG,  # the run's own metric log, set aside with the checkpoints
 )
 from rlplug.config.run_paths import STEP_DIR_PATTERN as _STEP_DIR
+from rlplug.config.schema import RunConfig, TrainerConfig, config_get, typed
 
 log = logging.getLogger(__name__)
 
@@ -1133,9 +1134,9 @@ def run_fingerprint(config: Any) -> dict[str, Any]:
     data loader's own state (:func:`load_checkpoint`). Keys missing from ``config`` (e.g. a partial test
     config) read as ``None``.
     """
-    from rlplug.config.schema import config_get
 
     def get(key: str) -> Any:
+        # free-form: the fingerprint records what the config holds (missing or null: None), not the schema default
         return _plain(config_get(config, key))
 
     files = [_abspath(f) for f in get("data.train_files") or []]
@@ -1338,14 +1339,13 @@ def _irrelevant_model_change(key: str, old: Any, new: Any, config: Any) -> bool:
     """Whether a ``model.*`` change leaves the model as it was (the same reading as :func:`run_fingerprint`):
     ``model.tiny.*`` unless ``model.source=tiny``, the LoRA settings without LoRA (rank 0), and ``model.path``
     naming the same folder."""
-    from rlplug.config.schema import config_get
-
-    if key.startswith("model.tiny.") and config_get(config, "model.source") != "tiny":
+    model = typed(RunConfig, config).model
+    if key.startswith("model.tiny.") and model.source != "tiny":
         return True
     if key in ("model.lora_alpha", "model.target_modules", "model.exclude_modules") or key.startswith(
         ("model.target_modules[", "model.exclude_modules[")
     ):
-        return not config_get(config, "model.lora_rank")
+        return not model.lora_rank
     if key == "model.path" and isinstance(old, str) and isinstance(new, str):
         return _abspath(old) == _abspath(new)
     return False
@@ -1392,9 +1392,7 @@ def format_changes(changes: list[tuple[str, Any, Any]]) -> str:
 
 def _new_dir_option(config: Any) -> str:
     """The override that gives a run a directory of its own."""
-    from rlplug.config.schema import config_get
-
-    if config_get(config, "trainer.default_local_dir"):
+    if typed(RunConfig, config).trainer.default_local_dir:
         return "trainer.default_local_dir=<another directory>"
     return f"trainer.experiment_name=<a new name> (this run's is {experiment_name_for(config)!r})"
 
@@ -1415,9 +1413,9 @@ def check_fingerprint(path: Path, config: Any) -> None:
     ``model.*`` but :data:`RESUME_FREE`, the KL controller's type, the data order's settings) raises
     :class:`rlplug.config.schema.ConfigError` naming each such key, its checkpoint's and its new value and why it
     cannot change, with the overrides that set them back and how to start a new run instead. Every other
-    change is allowed: the trainer applies and lists it (:meth:`rlplug.run.trainer.Trainer._apply_resume_changes`).
+    change is allowed: the trainer applies and lists it (:func:`rlplug.run.resume.apply_resume_changes`).
     """
-    from rlplug.config.schema import ConfigError, config_get
+    from rlplug.config.schema import ConfigError
 
     file = path / FINGERPRINT_FILE
     if not file.is_file():
@@ -1432,7 +1430,7 @@ def check_fingerprint(path: Path, config: Any) -> None:
             f"Either train in a new directory: {_new_dir_option(config)}, or start fresh in this one: "
             "trainer.resume_mode=disable trainer.overwrite=true (the old checkpoints are moved aside, not deleted)."
         )
-        if config_get(config, "trainer.resume_mode") == "resume_path":  # the directory does not pick the checkpoint
+        if typed(RunConfig, config).trainer.resume_mode == "resume_path":  # the directory does not pick the checkpoint
             ways = (
                 "Point trainer.resume_from_path at a checkpoint of this run, or start a new run from that "
                 f"checkpoint's weights: rlplug export {path} --out DIR, then model=path model.path=DIR "
@@ -1573,10 +1571,10 @@ def open_run_dir(config: Any, run_dir: str | Path) -> tuple[CheckpointManager, R
     named), for a ``trainer.resume_from_path`` that is not a complete checkpoint, and when no
     checkpoint of the run passes :func:`verify_checkpoint`.
     """
-    from rlplug.config.schema import config_get
     from rlplug.run.run_lock import acquire_run_lock
 
-    manager = CheckpointManager(run_dir, config_get(config, "trainer.max_ckpt_to_keep"))
+    # by attribute, not typed(): null (keep every checkpoint) must not become the schema's 3
+    manager = CheckpointManager(run_dir, config.trainer.max_ckpt_to_keep)
     manager.root.mkdir(parents=True, exist_ok=True)
     manager.lock = acquire_run_lock(manager.root)  # another live run here: refused (rank 0 of torchrun locks)
     try:
@@ -1588,7 +1586,7 @@ def open_run_dir(config: Any, run_dir: str | Path) -> tuple[CheckpointManager, R
 
 def _plan_start(config: Any, manager: CheckpointManager) -> tuple[CheckpointManager, RunStart]:
     """:func:`open_run_dir`'s decision, once the directory is locked."""
-    from rlplug.config.schema import ConfigError, config_get
+    from rlplug.config.schema import ConfigError
     from rlplug.run.run_lock import _is_rank_zero
 
     trainer = config.trainer
@@ -1609,7 +1607,7 @@ def _plan_start(config: Any, manager: CheckpointManager) -> tuple[CheckpointMana
     steps, final = manager.complete_steps(), (manager.root / FINAL_MODEL).exists()
     if not (steps or final):
         return manager, RunStart(manager)
-    if config_get(config, "trainer.overwrite"):
+    if typed(TrainerConfig, trainer).overwrite:
         return manager, RunStart(manager, set_aside=True)
     held = " and ".join(
         ([f"complete checkpoints of steps {', '.join(map(str, steps))}"] if steps else [])

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from rlplug.config.run_paths import DUMP_DIR  # the folder of the dumps under the run directory
+from rlplug.config.schema import ConfigError, RunConfig, TrainerConfig, typed
 
 __all__ = [
     "DUMP_DIR",
@@ -97,9 +98,7 @@ class DumpError(ValueError):
 def check_dump_config(cfg: Any) -> None:
     """Config-time check of ``trainer.dump_rollouts_freq`` (an int >= 1); raises
     :class:`rlplug.config.schema.ConfigError` otherwise."""
-    from rlplug.config.schema import ConfigError, config_get
-
-    freq = config_get(cfg, "trainer.dump_rollouts_freq", 1)
+    freq = typed(RunConfig, cfg).trainer.dump_rollouts_freq
     if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
         raise ConfigError(
             f"trainer.dump_rollouts_freq={freq!r}: dump every N-th training step, N an integer >= 1 "
@@ -133,10 +132,8 @@ def dump_rollouts(
     and returns set); ``scores`` the ``B`` reward-manager scores. Returns the file written, or None.
     The first call of a trainer deletes the dumps of ``step`` and later (superseded after a resume).
     """
-    from rlplug.config.schema import config_get
-
-    cfg = trainer.cfg
-    if not config_get(cfg, "trainer.dump_rollouts", False) or not trainer.is_main:
+    settings = typed(TrainerConfig, trainer.cfg.trainer)  # once per step: the one section
+    if not settings.dump_rollouts or not trainer.is_main:
         return None
     folder = Path(trainer.run_dir) / DUMP_DIR
     if trainer not in _STARTED:
@@ -144,13 +141,13 @@ def dump_rollouts(
         for old in dump_files(folder, missing_ok=True):
             if _file_step(old) >= step:
                 old.unlink(missing_ok=True)
-    freq = int(config_get(cfg, "trainer.dump_rollouts_freq", 1) or 1)
+    freq = int(settings.dump_rollouts_freq or 1)
     if step % freq:
         return None
     texts = trainer.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     prompt_texts = trainer.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
     return write_dump(
-        dump_path(trainer.run_dir, step), step, cfg, rows, prompt_ids, prompt_texts, out, texts, batch, scores
+        dump_path(trainer.run_dir, step), step, trainer.cfg, rows, prompt_ids, prompt_texts, out, texts, batch, scores
     )
 
 

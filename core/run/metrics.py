@@ -39,6 +39,7 @@ from rlplug.config.run_paths import (  # METRICS_FILE: the run's metric log, one
     run_context_for,
     run_dir_for,
 )
+from rlplug.config.schema import ConfigError, TrainerConfig, config_get, typed
 from rlplug.contracts.metric_names import (  # re-exported: their home before rlplug.contracts.metric_names
     TRACKER_NAME_CHARS,
     metric_value,
@@ -721,11 +722,10 @@ def tracker_names(trainer: Any) -> list[str]:
     Raises :class:`rlplug.config.schema.ConfigError` when ``prometheus`` is listed but ``trainer.prometheus.port``
     is null (the endpoint needs a port).
     """
-    from rlplug.config.schema import ConfigError, config_get
-
+    # free-form: logger=null means no tracker, not the schema's default list
     logger = config_get(trainer, "logger") or []
     names = [str(logger)] if isinstance(logger, str) else [str(n) for n in logger]
-    port = config_get(trainer, "prometheus.port")
+    port = typed(TrainerConfig, trainer).prometheus.port
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
         raise ConfigError(
             f"trainer.prometheus.port={port!r}: expected a TCP port, an integer in 0..65535 (e.g. 9400), or null "

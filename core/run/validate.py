@@ -574,7 +574,7 @@ def check_counts(cfg: Any) -> None:
     Raises :class:`ConfigError` naming the key, the value, what it counts and an example.
     """
     for key, (what, example) in COUNT_KEYS.items():
-        value = config_get(cfg, key)
+        value = config_get(cfg, key)  # free-form: a table of dotted keys, read raw (null is checked here)
         if value is None and key in _NULLABLE_COUNTS:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
