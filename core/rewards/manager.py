@@ -67,12 +67,15 @@ Where calls run:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -83,7 +86,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from rlplug.config.schema import ConfigError, config_get, map_entry_override
+from omegaconf import DictConfig, OmegaConf
+
+from rlplug.base.exit_codes import RewardFailuresStopped
+from rlplug.config.schema import ConfigError, RewardConfig, map_entry_override, typed
 from rlplug.contracts.registry import get_registry
 from rlplug.contracts.reward_contract import BatchedRewardFunction, MetricLog, RewardContractError, as_reward_function
 from rlplug.rewards.reward_model import shaping_entries
@@ -549,8 +555,6 @@ class _Worker:
 
 
 def _quiet() -> Any:
-    import contextlib
-
     return contextlib.suppress(Exception)
 
 
@@ -594,8 +598,6 @@ class RewardWorkerPool:
     ) -> list[tuple[str, Any]]:
         """Run every ``(fn, args, kwargs)`` of ``payload`` once; one ``(status, value)`` per call, in order
         (``status`` ``"ok"``, ``"error"`` or ``"timeout"``, as :func:`_call` returns)."""
-        from multiprocessing.connection import wait
-
         results: list[tuple[str, Any] | None] = [None] * len(payload)
         queue = list(range(len(payload)))[::-1]  # popped from the end: in order
         while len(self._workers) < min(self.size, len(payload)):
@@ -624,7 +626,7 @@ class RewardWorkerPool:
                 continue
             deadlines = [w.task[1] for w in busy if w.task is not None and w.task[1] is not None]
             wait_s = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
-            wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=wait_s)
+            multiprocessing.connection.wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=wait_s)
             now = time.monotonic()
             for w in busy:
                 assert w.task is not None
@@ -702,7 +704,7 @@ def components_tensor(extra: Mapping[str, Sequence[float | None]], n: int) -> tu
     one ``(n, K) float32`` tensor and its ``K`` column names, in ``extra``'s order; NaN where a
     value is NaN or ``None`` (the response's reward did not report that name). This is the batch
     field ``reward_components`` (see :mod:`rlplug.contracts.batch`)."""
-    import torch
+    import torch  # deferred: torch (reward worker processes start without it)
 
     names = tuple(str(k) for k in extra)
     cols = [[math.nan if v is None else float(v) for v in extra[k]] for k in extra]
@@ -714,17 +716,10 @@ def components_tensor(extra: Mapping[str, Sequence[float | None]], n: int) -> tu
 def _section(config: Any) -> dict:
     if config is None:
         return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(config, DictConfig):
-            return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
     if isinstance(config, Mapping):
         return dict(config)
-    import dataclasses
-
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)
     return dict(vars(config))
@@ -1367,7 +1362,7 @@ class RewardManager:
         trl_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[tuple[str, int, str]], list[tuple[str, Any]]]:
         """Call each shaping function with a ``score_batch`` method (a TRL-contract function, the
-        ``judge``, a model-based reward such as ``reward_model``: :mod:`rlplug.rewards.reward_model`) once for
+        ``judge``, a model-based reward such as ``reward_model``: :mod:`rlplug.plugins.rewards.reward_model`) once for
         all ``B`` responses, in this process, as ``fn.score_batch(data_sources, solution_strs,
         ground_truths, extra_infos, messages=<B prompt message lists>, **kwargs) -> B floats or dicts``;
         ``calls`` and ``results`` get one entry per response (a call that raises, or returns another
@@ -1542,7 +1537,7 @@ def validation_reward(manager: Any, reward: Any) -> Any:
     with weight 1 and the other shaping terms), so a run trained on a reward model reports accuracy."""
     fns = getattr(manager, "_fns", {})
     model_based = any(getattr(fns.get(name), "model_based", False) for _, name, _, _ in manager.shaping)
-    if bool(config_get(reward, "val_reward_model", False)) or not model_based:
+    if bool(typed(RewardConfig, reward).val_reward_model) or not model_based:
         return manager
     return RewardManager(reward, registry=manager.registry, validation=True)
 
@@ -1554,7 +1549,7 @@ def scored_rows(
     ``extra`` (its :data:`FAILED` list; every response counts as scored when it is absent, e.g. for
     scores that did not come from a :class:`RewardManager`) and, when given, whose baseline score
     (``baselines`` ``(n,) float32``, ReMax's ``reward_baselines``; NaN where it failed) is finite."""
-    import torch
+    import torch  # deferred: torch (reward worker processes start without it)
 
     flags = extra.get(FAILED)
     if flags is not None and len(flags) != n:
@@ -1601,8 +1596,6 @@ class RewardFailureGuard:
         self.first_error = self.first_error or (error() if callable(error) else error)
         where = f" The last good checkpoint is intact under {checkpoint_root}." if checkpoint_root else ""
         if self.consecutive >= self.limit:
-            from rlplug.base.exit_codes import RewardFailuresStopped
-
             first = (self.first_error or "unknown").rstrip(".")
             raise RewardFailuresStopped(
                 f"the reward failed for every response in {self.consecutive} steps in a row (limit "

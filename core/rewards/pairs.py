@@ -32,6 +32,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlplug.data.dataset import ALLOWED_ROLES
+from rlplug.rewards.manager import FAILED
 from rlplug.rewards.reward_model import RewardModelError
 
 __all__ = [
@@ -53,8 +58,6 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
             raise RewardModelError(f"{where}: the prompt is empty; each pair needs the prompt its responses answer.")
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-        from rlplug.data.dataset import ALLOWED_ROLES
-
         for j, m in enumerate(prompt):
             role, content = m.get("role"), m.get("content")
             if not isinstance(role, str) or role not in ALLOWED_ROLES:
@@ -85,9 +88,6 @@ def read_pairs(path: str | Path) -> list[dict[str, Any]]:
             with a role outside :data:`rlplug.data.dataset.ALLOWED_ROLES` or non-string content, or a pair whose
             chosen and rejected responses are the same text (it carries no preference).
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise RewardModelError(f"--pairs {p}: no such file. Build one with `rlplug data pairs TASK --out {p}`.")
@@ -169,8 +169,6 @@ def build_pairs(
     docstring, counts ``prompts``, ``pairs``, ``chosen_from_reference``, ``chosen_corrected``,
     ``all_correct`` (prompts without a pair).
     """
-    from rlplug.rewards.manager import FAILED
-
     samples = [list(s) for s in sample(rows)]
     if len(samples) != len(rows):
         raise ValueError(f"sample() returned responses for {len(samples)} prompts; expected {len(rows)}")
@@ -230,9 +228,6 @@ def _pick_rejected(wrong: Sequence[str], chosen: str, match_format: bool) -> str
 
 def write_pairs(pairs: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """Write ``pairs`` (:func:`build_pairs`) to the parquet file ``path`` (folders created)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     msg = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     schema = pa.schema(
         [("prompt", msg)]

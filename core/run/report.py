@@ -32,6 +32,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rlplug.config.run_paths import (
     VALIDATION_SAMPLES_FILE,  # the sample generations of each validation, under the run directory
 )
@@ -206,12 +208,11 @@ def _figure_metrics(fig: Figure, names: Sequence[str]) -> list[str]:
 
 def _draw(fig: Figure, metrics: list[str], series: Mapping[str, Series], path: Path) -> None:
     """Draw ``metrics`` of ``fig`` against the step (left) and the wall time in minutes (right) into ``path``."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib (the Agg backend must be chosen before pyplot is imported)
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.ticker import MaxNLocator
+    import matplotlib.pyplot as plt  # deferred: matplotlib
+    from matplotlib.ticker import MaxNLocator  # deferred: matplotlib
 
     figure, axes = plt.subplots(1, 2, figsize=(11, 3.6), constrained_layout=True)
     try:
@@ -326,7 +327,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     records = read_metrics_jsonl(run_dir)
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  # deferred: matplotlib (the trainer imports this module)
     except ImportError as exc:  # pragma: no cover - matplotlib is installed with rlplug's test/bench extras
         raise ImportError(
             "rlplug report draws its figures with matplotlib, which is not installed: pip install matplotlib."

@@ -45,6 +45,7 @@ Every setting is a key of ``reward.kwargs.judge`` (see :class:`JudgeSettings`), 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -331,7 +332,7 @@ class _Client:
     """One server (given or started) and its HTTP client, shared by every thread of this process."""
 
     def __init__(self, settings: JudgeSettings) -> None:
-        import httpx
+        import httpx  # deferred: httpx (not a declared dependency of rlplug; only the judge uses it)
 
         self.settings = settings
         self.server: Any = None
@@ -405,7 +406,7 @@ class _Client:
 
     def grade(self, prompt: str, response: str, reference: str, data_source: str) -> tuple[float, int]:
         """``(score, retries)`` for one response; raises :class:`JudgeError` or :class:`JudgeTimeout`."""
-        import httpx
+        import httpx  # deferred: httpx (not a declared dependency of rlplug; only the judge uses it)
 
         s = self.settings
         content = s.prompt_template.format(
@@ -471,8 +472,6 @@ class _Client:
 
 
 def _suppress() -> Any:
-    import contextlib
-
     return contextlib.suppress(Exception)
 
 

@@ -223,7 +223,7 @@ def math_verify(
     :func:`too_costly_to_evaluate` flags (power towers, huge exponents or factorials) score 0
     without being parsed: evaluating them would hang the process beyond any timeout's reach.
     """
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # deferred: math_verify
 
     timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
     timeout = int(max(1, round(timeout))) if timeout else None
@@ -247,7 +247,7 @@ _COUNTDOWN_SAFE = re.compile(r"[\d\s+\-*/().]+")
 
 @lru_cache(maxsize=64)
 def _rg_dataset(task: str, config_json: str):
-    import reasoning_gym
+    import reasoning_gym  # deferred: reasoning_gym
 
     config = json.loads(config_json) if config_json else {}
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
@@ -309,7 +309,7 @@ def reasoning_gym(
         return {"score": 0.0, "acc": 0.0}
     if task_name == "countdown" and (len(answer) > 200 or "**" in answer or not _COUNTDOWN_SAFE.fullmatch(answer)):
         return {"score": 0.0, "acc": 0.0}
-    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.factory import DATASETS  # deferred: reasoning_gym
 
     if task_name not in DATASETS:
         raise ValueError(

@@ -35,7 +35,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rlplug.plugin import ConfigError, config_get, hookimpl, tracker_name
+from rlplug.plugin import ConfigError, TrainerConfig, hookimpl, tracker_name, typed
 from rlplug.plugin import (
     metric_value as _number,
 )
@@ -98,7 +98,7 @@ class _LatestValues:
             self.step = int(step)
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily  # deferred: prometheus_client
 
         with self._lock:
             values, step = dict(self.values), self.step
@@ -111,6 +111,13 @@ class _LatestValues:
             yield GaugeMetricFamily("rlplug_step", "The global step of the latest metrics", value=float(step))
         for name, (key, v) in sorted(values.items()):
             yield GaugeMetricFamily(name, key, value=v)
+
+
+def _trainer(config: Any) -> TrainerConfig:
+    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (:func:`rlplug.plugin.typed`:
+    a key missing or None takes the schema's default); ``config`` is the run config, a plain mapping or None."""
+    section = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
+    return typed(TrainerConfig, section)
 
 
 class PrometheusTracker:
@@ -127,16 +134,17 @@ class PrometheusTracker:
 
     def __init__(self, config: Any) -> None:
         client = _import_client()
-        port = config_get(config, "trainer.prometheus.port")
-        self.host = str(config_get(config, "trainer.prometheus.host", "127.0.0.1") or "127.0.0.1")
+        trainer = _trainer(config)
+        port = trainer.prometheus.port
+        self.host = str(trainer.prometheus.host or "127.0.0.1")
         if port is None:
             raise ConfigError(
                 "The 'prometheus' tracker needs trainer.prometheus.port (null: no endpoint); set e.g. "
                 "trainer.prometheus.port=9400."
             )
         self.closed = False
-        project = str(config_get(config, "trainer.project_name", "rlplug"))
-        experiment = str(config_get(config, "trainer.experiment_name", "default"))
+        project = str(trainer.project_name)
+        experiment = str(trainer.experiment_name if trainer.experiment_name is not None else "default")
         self.registry = client.CollectorRegistry(auto_describe=False)
         self._collector = _LatestValues(project, experiment)
         self.registry.register(self._collector)

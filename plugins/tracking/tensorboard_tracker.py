@@ -29,6 +29,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from rlplug.plugin import RunContext, hookimpl, run_context_for, tracker_name
 from rlplug.plugin import metric_value as _number
 
@@ -94,8 +96,6 @@ class TensorBoardTracker:
         self._config_text: str | None = None
         if config is not None:
             try:
-                from omegaconf import OmegaConf
-
                 self._config_text = OmegaConf.to_yaml(config, resolve=True)
             except Exception:  # a plain mapping: log_params gives the flattened settings
                 self._config_text = None

@@ -56,6 +56,7 @@ characters are truncated (the full config is also logged as the artifact ``confi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -67,14 +68,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from rich.console import Console
+
 from rlplug.plugin import (
     TRACKER_NAME_CHARS,
     RunContext,
-    config_get,
+    TrainerConfig,
     hookimpl,
     run_context_for,
     source_tags,
     tracker_name,
+    typed,
 )
 
 __all__ = [
@@ -111,6 +116,13 @@ ATTEMPT_METRIC = "trainer/attempt"
 # ============================================================================ helpers
 
 
+def _trainer(config: Any) -> TrainerConfig:
+    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (:func:`rlplug.plugin.typed`:
+    a key missing or None takes the schema's default); ``config`` is the run config, a plain mapping or None."""
+    section = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
+    return typed(TrainerConfig, section)
+
+
 def run_dir(config: Any) -> Path:
     """The run directory of ``config`` for a tracker built outside a run: ``trainer.default_local_dir``, else
     :func:`rlplug.plugin.run_context_for`'s (the trainer's folder, ``<default>/<trainer.project_name>/
@@ -118,7 +130,8 @@ def run_dir(config: Any) -> Path:
     ``checkpoints/<trainer.project_name>/<trainer.experiment_name>``. The folder is not created. A tracker
     built by a run uses the run context's ``run_dir`` instead.
     """
-    local = config_get(config, "trainer.default_local_dir")
+    trainer = _trainer(config)
+    local = trainer.default_local_dir
     if local:
         return Path(str(local)).expanduser()
     try:
@@ -126,22 +139,15 @@ def run_dir(config: Any) -> Path:
     except Exception:  # config is a plain mapping, or has no trainer section
         return (
             Path("checkpoints")
-            / str(config_get(config, "trainer.project_name", "rlplug"))
-            / str(config_get(config, "trainer.experiment_name", "default"))
+            / str(trainer.project_name)
+            / str(trainer.experiment_name if trainer.experiment_name is not None else "default")
         )
 
 
 def _to_plain(obj: Any) -> Any:
     """OmegaConf containers and dataclasses -> plain dicts/lists (resolved)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(obj, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(obj, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    import dataclasses
-
+    if isinstance(obj, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(obj, resolve=True)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     return obj
@@ -215,7 +221,7 @@ def _will_resume(config: Any, directory: Path) -> bool:
 
     A checkpoint is complete when ``global_step_N/COMPLETE`` exists (see :mod:`rlplug.run.checkpoint`).
     """
-    mode = str(config_get(config, "trainer.resume_mode", "auto"))
+    mode = str(_trainer(config).resume_mode)
     if mode == "resume_path":
         return True
     if mode != "auto":
@@ -270,12 +276,11 @@ class ConsoleTracker:
     """
 
     def __init__(self, config: Any = None, console: Any = None, max_fields: int = 12) -> None:
-        from rich.console import Console
-
         self.console = console if console is not None else Console(highlight=False, soft_wrap=True)
         self.max_fields = max_fields
-        self.project = config_get(config, "trainer.project_name", "rlplug")
-        self.experiment = config_get(config, "trainer.experiment_name", "default")
+        trainer = _trainer(config)
+        self.project = trainer.project_name
+        self.experiment = trainer.experiment_name if trainer.experiment_name is not None else "default"
         self.closed = False
 
     def summary(self, metrics: Mapping[str, Any], step: int) -> str:
@@ -325,7 +330,7 @@ def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    import mlflow  # noqa: F401 - configures its loggers on import; adjust them afterwards
+    import mlflow  # noqa: F401  # deferred: mlflow (configures its loggers on import; adjusted below)
 
     level = getattr(logging, os.environ["MLFLOW_LOGGING_LEVEL"].upper(), logging.WARNING)
     for name in ("mlflow", "alembic", "sqlalchemy.engine"):
@@ -358,7 +363,7 @@ class MlflowTracker:
         run: RunContext | None = None,
     ) -> None:
         _quiet_mlflow()
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # deferred: mlflow
 
         self.run_dir = (run.run_dir if run is not None else run_dir(config)).resolve()
         given = run.resume_step if run is not None else resume_step
@@ -367,8 +372,9 @@ class MlflowTracker:
         self.tracking_uri = tracking_uri or env_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
         local_store = not (tracking_uri or env_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        project = str(config_get(config, "trainer.project_name", "rlplug"))
-        run_name = str(config_get(config, "trainer.experiment_name", "default"))
+        trainer = _trainer(config)
+        project = str(trainer.project_name)
+        run_name = str(trainer.experiment_name if trainer.experiment_name is not None else "default")
         self.experiment_id = self._experiment(project, local_store)
         self.resumed = False
         self.closed = False
@@ -403,7 +409,7 @@ class MlflowTracker:
 
     # ------------------------------------------------------------------ setup
     def _experiment(self, name: str, local_store: bool) -> str:
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # deferred: mlflow
 
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
@@ -444,7 +450,7 @@ class MlflowTracker:
     def _log_source_tags(self) -> None:
         """Tag the run with :func:`rlplug.plugin.source_tags` (``rlplug.version``, ``rlplug.git_commit``,
         ``rlplug.git_dirty``); a resumed run gets the tags of the code that continues it."""
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # deferred: mlflow
 
         tags = [RunTag(k, v) for k, v in source_tags().items()]
         self.client.log_batch(self.run_id, tags=tags, synchronous=True)
@@ -452,7 +458,7 @@ class MlflowTracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set run tags (e.g. ``rlplug.alert.<name>`` when a ``trainer.alerts`` rule warns); keys are
         sanitized (:func:`sanitize_name`), values truncated to 5000 characters (MLflow's tag limit)."""
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # deferred: mlflow
 
         batch = [RunTag(sanitize_name(k), str(v)[:5000]) for k, v in tags.items()]
         if batch:
@@ -460,8 +466,6 @@ class MlflowTracker:
 
     def _log_config_yaml(self, config: Any) -> None:
         try:
-            from omegaconf import OmegaConf
-
             text = OmegaConf.to_yaml(config, resolve=True)
         except Exception:
             text = json.dumps(_to_plain(config), indent=2, default=str)
@@ -475,7 +479,7 @@ class MlflowTracker:
         params are immutable: a key already logged with the same value is skipped, one with a
         different value (e.g. a changed setting on resume) is skipped with a warning.
         """
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # deferred: mlflow
 
         if self._params is None:
             self._params = dict(self.client.get_run(self.run_id).data.params)
@@ -495,7 +499,7 @@ class MlflowTracker:
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log ``metrics`` at ``step`` (names sanitized; non-numeric values skipped with a warning), and
         ``trainer/attempt`` (:attr:`attempt`) at the same step and timestamp."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # deferred: mlflow
 
         now = int(time.time() * 1000)
         items = []
@@ -549,7 +553,7 @@ class MlflowTracker:
         self._write_table(artifact, table)
 
     def _write_table(self, artifact: str, table: dict) -> None:
-        import pandas as pd
+        import pandas as pd  # deferred: pandas (heavy; mlflow's table format)
 
         frame = pd.DataFrame(table["data"], columns=table["columns"], dtype=object)  # object: no type guessing
         if not table.get("exists"):  # the first write registers it as a table (what mlflow.load_table finds)
@@ -630,7 +634,7 @@ def clean_history_of_run_dir(directory: str | os.PathLike, key: str) -> list[tup
     ``<directory>/mlflow_run.json`` (the run directory of a training). Raises ``FileNotFoundError`` when
     the run directory has no MLflow run."""
     _quiet_mlflow()
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # deferred: mlflow
 
     path = Path(directory) / _RUN_FILE
     if not path.is_file():

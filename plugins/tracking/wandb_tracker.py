@@ -38,7 +38,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from rlplug.plugin import RunContext, config_get, hookimpl, run_context_for, tracker_name
+from omegaconf import OmegaConf
+
+from rlplug.plugin import RunContext, TrainerConfig, hookimpl, run_context_for, tracker_name, typed
 from rlplug.plugin import metric_value as _number
 
 __all__ = ["WandbTracker", "table_key", "ATTEMPT_METRIC", "history_records", "clean_history"]
@@ -74,6 +76,13 @@ def table_key(name: str) -> str:
     base = re.sub(r"/step_\d+\.json$", "", str(name))
     base = base[: -len(".json")] if base.endswith(".json") else base
     return "tables/" + tracker_name(base)
+
+
+def _trainer(config: Any) -> TrainerConfig:
+    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (:func:`rlplug.plugin.typed`:
+    a key missing or None takes the schema's default); ``config`` is the run config, a plain mapping or None."""
+    section = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
+    return typed(TrainerConfig, section)
 
 
 class WandbTracker:
@@ -112,14 +121,13 @@ class WandbTracker:
                 run_id = None
         plain: Any = {}
         try:
-            from omegaconf import OmegaConf
-
             plain = OmegaConf.to_container(config, resolve=True) if config is not None else {}
         except Exception:
             plain = dict(config) if isinstance(config, Mapping) else {}
+        trainer = _trainer(config)
         self.run = wandb.init(
-            project=str(config_get(config, "trainer.project_name", "rlplug")),
-            name=str(config_get(config, "trainer.experiment_name", "default")),
+            project=str(trainer.project_name),
+            name=str(trainer.experiment_name if trainer.experiment_name is not None else "default"),
             dir=str(self.run_dir),
             mode=self.mode,
             id=run_id,
@@ -232,7 +240,7 @@ def history_records(run_dir: str | os.PathLike, run_id: str | None = None) -> li
     under ``<run_dir>/wandb/``, attempt after attempt (folders in the order of their start time, rows in
     logging order), as ``{"_step": step, name: value, ...}`` dicts, values JSON-decoded. Raises
     ``FileNotFoundError`` when there is no such run there."""
-    from wandb.proto import wandb_internal_pb2
+    from wandb.proto import wandb_internal_pb2  # deferred: wandb
 
     root = Path(run_dir)
     if run_id is None:
