@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from rlplug.config.run_paths import experiment_name_for
 from rlplug.config.schema import (
@@ -72,11 +73,10 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
 
     The result is not yet validated; see :func:`rlplug.run.validate.validate_config`.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from hydra import compose as hydra_compose  # deferred: hydra
+    from hydra import initialize_config_dir  # deferred: hydra
+    from hydra.core.global_hydra import GlobalHydra  # deferred: hydra
+    from hydra.errors import HydraException  # deferred: hydra
 
     register_schema()
     translation = translate_overrides(overrides or [])  # verl's key names -> rlplug's (docs/verl.md)

@@ -32,6 +32,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlplug.config.schema import ConfigError
+from rlplug.data.prepare import prepared_data_files
+
 __all__ = [
     "DatasetError",
     "RLDataset",
@@ -147,7 +150,7 @@ def _check_text(text: str, path: str, row: int, column: str) -> None:
 
 
 def _is_str_type(t) -> bool:
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow
 
     if pa.types.is_dictionary(t):
         t = t.value_type
@@ -157,7 +160,7 @@ def _is_str_type(t) -> bool:
 
 
 def _check_schema(path: str, schema, prompt_key: str) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow
 
     names = set(schema.names)
     for col in ("data_source", prompt_key, "reward_model", "ability", "extra_info"):
@@ -425,7 +428,7 @@ def _escaped_chat_ids(tokenizer: Any, messages: list[dict], special: _SpecialTok
 
 def _no_rows_error(path: str, setting: str | None, schema: Any = None, weighted: bool = False) -> DatasetError:
     """The error for a file with 0 rows, naming ``setting`` (the config key that lists it)."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow
 
     where = setting or "data.train_files / data.val_files"
     untyped = [
@@ -450,8 +453,8 @@ def _check_has_rows(path: str, setting: str | None = None, weighted: bool = Fals
 
     Raises :class:`DatasetError` for a file with 0 rows, and for an unreadable file unless ``unreadable_ok``
     (then the reader reports it later)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # deferred: pyarrow
+    import pyarrow.parquet as pq  # deferred: pyarrow
 
     try:
         meta = pq.read_metadata(path)
@@ -476,7 +479,6 @@ def check_data_config(cfg: Any) -> None:
     Raises :class:`rlplug.config.schema.ConfigError` for an unknown ``data.special_tokens_in_text`` and
     :class:`DatasetError` for a file with 0 rows (naming the file and its setting).
     """
-    from rlplug.config.schema import ConfigError
 
     d = cfg.data
     mode = d.get("special_tokens_in_text", "keep")
@@ -552,8 +554,8 @@ def read_dataset(
         ValueError: ``max_prompt_length`` or ``special_tokens_in_text`` other than ``"keep"`` without a
             tokenizer, or an unknown ``special_tokens_in_text``.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # deferred: pyarrow
+    import pyarrow.parquet as pq  # deferred: pyarrow
 
     paths: list[str] = [str(Path(f).expanduser()) for f in ([files] if isinstance(files, (str, Path)) else files)]
     where = setting or "data.train_files / data.val_files"
@@ -728,8 +730,6 @@ def read_run_datasets(cfg: Any, tokenizer: Any, check_data_sources: Any = None) 
     ``check_data_sources`` raises; and :class:`rlplug.config.schema.ConfigError` when the training set has fewer
     usable rows than ``data.train_batch_size``.
     """
-    from rlplug.config.schema import ConfigError
-    from rlplug.data.prepare import prepared_data_files
 
     d = cfg.data
     train_files, val_files = prepared_data_files(cfg)
@@ -828,7 +828,7 @@ class StatefulDataLoader:
         if self._order_epoch != epoch:
             n = len(self.dataset)
             if self.shuffle:
-                import numpy as np
+                import numpy as np  # deferred: numpy
 
                 self._order = np.random.default_rng([self.seed, epoch]).permutation(n).tolist()
             else:
@@ -916,7 +916,6 @@ def check_train_weights(train_files: Sequence[Any], weights: Sequence[Any]) -> l
 
     Raises :class:`rlplug.config.schema.ConfigError` naming the bad entry, what was expected and what to set.
     """
-    from rlplug.config.schema import ConfigError
 
     weights = list(weights or [])
     if not weights:
@@ -1033,7 +1032,7 @@ class WeightedMixLoader:
 
     def source_picks(self, k: int) -> list[int]:
         """The source index of each of the ``batch_size`` prompts of batch ``k`` (0-based)."""
-        import numpy as np
+        import numpy as np  # deferred: numpy
 
         rng = np.random.default_rng([self.seed, 1, int(k)])
         return rng.choice(len(self.sources), size=self.batch_size, p=self.probs).tolist()
@@ -1042,7 +1041,7 @@ class WeightedMixLoader:
         if (i, e) not in self._orders:
             n = len(self.sources[i])
             if self.shuffle:
-                import numpy as np
+                import numpy as np  # deferred: numpy
 
                 order = np.random.default_rng([self.seed, 2, i, e]).permutation(n).tolist()
             else:

@@ -43,11 +43,18 @@ gsm_symbolic        GSM8K-style word problems (85 templates); only ``difficulty=
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
+
+from rlplug.config.schema import default_cache_dir
 
 __all__ = [
     "TASKS",
@@ -115,7 +122,7 @@ _MAX_DRAW_FACTOR = 5
 
 def parquet_schema():
     """The pyarrow schema of the files :func:`prepare_dataset` writes (verl's row schema)."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow
 
     return pa.schema(
         [
@@ -142,7 +149,6 @@ def parquet_schema():
 
 
 def _unknown_task(task: str) -> ValueError:
-    import difflib
 
     close = difflib.get_close_matches(str(task), TASKS, n=2, cutoff=0.5)
     hint = (" Did you mean " + " or ".join(f"'{c}'" for c in close) + "?") if close else ""
@@ -165,8 +171,8 @@ def _task_kwargs(task: str, task_kwargs: dict | None) -> dict[str, Any]:
 
 
 def _make_generator(task: str, kwargs: dict[str, Any], seed: int, size: int):
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
+    import reasoning_gym  # deferred: reasoning_gym
+    from reasoning_gym.factory import DATASETS  # deferred: reasoning_gym
 
     config_cls = DATASETS[task][1]
     valid = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
@@ -252,8 +258,8 @@ def _draw(task: str, kwargs: dict, seed: int, wanted: int, exclude: set[str]) ->
 
 
 def _write(rows: list[dict], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # deferred: pyarrow
+    import pyarrow.parquet as pq  # deferred: pyarrow
 
     table = pa.Table.from_pylist(rows, schema=parquet_schema())
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -359,11 +365,6 @@ def prepared_data_files(cfg: Any) -> tuple[list[str], list[str]]:
     renamed into place (concurrent runs: the first rename wins, the others use its files). The
     validation files default to the prepared test split.
     """
-    import hashlib
-
-    from omegaconf import OmegaConf
-
-    from rlplug.config.schema import default_cache_dir
 
     d = cfg.data
     if d.train_files:
@@ -398,8 +399,6 @@ def prepared_data_files(cfg: Any) -> tuple[list[str], list[str]]:
         try:
             os.replace(tmp, out)
         except OSError:  # another process won the race; use its files
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     val = [str(Path(f).expanduser()) for f in d.val_files] if d.val_files else [str(test)]
     return [str(train)], val

@@ -68,8 +68,11 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from omegaconf import open_dict, read_write
+
 from rlplug.base.exit_codes import AlertStopped
-from rlplug.config.schema import RunConfig, config_get, typed
+from rlplug.config.schema import ConfigError, RunConfig, config_get, typed
+from rlplug.contracts.kinds import built_classes
 
 __all__ = [
     "ALERT_ACTIONS",
@@ -199,7 +202,6 @@ def _number(where: str, key: str, value: Any, *, integer: bool = False, hint: st
     """``value`` of rule key ``key`` as a finite float (an int when ``integer``): a number or a numeric
     string. Raises :class:`rlplug.config.schema.ConfigError` naming the rule for anything else (a bool, a list,
     text, NaN/inf, a fraction where a count is expected); ``hint`` is appended to the message."""
-    from rlplug.config.schema import ConfigError
 
     what = "an int" if integer else "a finite number"
     if integer and isinstance(value, int) and not isinstance(value, bool):
@@ -225,7 +227,6 @@ def parse_rules(alerts: Iterable[Any] | None) -> list[AlertRule]:
     value of the wrong type (``metric``/``name`` not a string, ``max``/``min``/``factor`` not a finite number,
     ``patience`` not an int, ``optional`` not a bool).
     """
-    from rlplug.config.schema import ConfigError
 
     rules: list[AlertRule] = []
     for i, raw in enumerate(alerts or ()):
@@ -315,7 +316,6 @@ def parse_rules(alerts: Iterable[Any] | None) -> list[AlertRule]:
 
 
 def _plugin_metrics(obj: Any, extra: Mapping[str, Any] | None = None) -> list[str]:
-    from rlplug.contracts.kinds import built_classes
 
     out = [str(m) for m in getattr(obj, "metrics", ()) or ()]
     for cls in built_classes(obj, dict(extra or {})):
@@ -370,7 +370,6 @@ def _matches(metric: str, patterns: Iterable[str]) -> bool:
 
 
 def _unknown_metric(rule: AlertRule, known: Iterable[str], when: str) -> Exception:
-    from rlplug.config.schema import ConfigError
 
     pool = sorted(set(known))
     close = difflib.get_close_matches(rule.metric, pool, n=5, cutoff=0.5)
@@ -395,8 +394,6 @@ def check_alert_config(
     ``"scale_lr"`` (``backend_classes``: the classes ``trainer.backend`` builds; None: looked up in ``registry``).
     Raises :class:`rlplug.config.schema.ConfigError` (close names from :mod:`difflib`).
     """
-    from rlplug.config.schema import ConfigError
-    from rlplug.contracts.kinds import built_classes
 
     rules = parse_rules(cfg.trainer.get("alerts"))
     if not rules:
@@ -617,7 +614,6 @@ class AlertEngine:
 
     def _set_kl_loss_coef(self) -> None:
         """``cfg.actor.kl_loss_coef = <its value at start> * kl_scale`` (the backend reads it each update)."""
-        from omegaconf import open_dict, read_write
 
         if self.cfg is None or self._base_kl_loss_coef is None:
             return

@@ -78,6 +78,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlplug.base import exit_codes
+from rlplug.base.exit_codes import DiskFullStopped
 from rlplug.base.faults import FAULT_ENV, fault_counts, fault_point  # noqa: F401 - FAULT_ENV: its old home
 from rlplug.base.file_modes import _umask, apply_umask  # noqa: F401 - their old home (rlplug.base.file_modes)
 from rlplug.config.run_paths import (  # noqa: F401 - the checkpoint readers' old home (rlplug.config.run_paths)
@@ -96,7 +101,8 @@ from rlplug.config.run_paths import (
     METRICS_FILE as METRICS_LOG,  # the run's own metric log, set aside with the checkpoints
 )
 from rlplug.config.run_paths import STEP_DIR_PATTERN as _STEP_DIR
-from rlplug.config.schema import RunConfig, TrainerConfig, config_get, typed
+from rlplug.config.schema import ConfigError, RunConfig, TrainerConfig, config_get, typed
+from rlplug.run.run_lock import _is_rank_zero, acquire_run_lock
 
 log = logging.getLogger(__name__)
 
@@ -652,7 +658,6 @@ class CheckpointManager:
     def _disk_full(self, step: int, tmp: Path, exc: BaseException) -> Exception:
         """Remove the partial save ``tmp`` of ``step`` after ``exc`` (no space) and build the
         :class:`rlplug.base.exit_codes.DiskFullStopped` to raise, with the sizes in its message."""
-        from rlplug.base.exit_codes import DiskFullStopped
 
         written = _tree_size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)  # frees what it held; a partial dir is never resumed anyway
@@ -688,7 +693,6 @@ class CheckpointManager:
     def _pointer_not_updated(self, step: int, exc: OSError) -> Exception:
         """The :class:`rlplug.base.exit_codes.DiskFullStopped` for a full disk while replacing the
         ``latest`` pointer after checkpoint ``step`` was renamed into place (it is complete)."""
-        from rlplug.base.exit_codes import DiskFullStopped
 
         for p in self.root.glob(f".{LATEST}.tmp-*"):
             p.unlink(missing_ok=True)
@@ -748,8 +752,8 @@ class CheckpointManager:
 
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's global RNGs with ``seed``."""
-    import numpy as np
-    import torch
+    import numpy as np  # deferred: numpy
+    import torch  # deferred: torch
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -759,8 +763,8 @@ def seed_everything(seed: int) -> None:
 def rng_state() -> dict[str, Any]:
     """The global RNG states (Python, NumPy, torch CPU) as tensors and plain types, loadable with
     ``torch.load(weights_only=True)``; :func:`set_rng_state` restores them."""
-    import numpy as np
-    import torch
+    import numpy as np  # deferred: numpy
+    import torch  # deferred: torch
 
     py = random.getstate()
     np_state: Any = np.random.get_state()  # the legacy tuple (MT19937, keys, pos, has_gauss, gauss)
@@ -778,8 +782,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore the RNG states saved by :func:`rng_state`."""
-    import numpy as np
-    import torch
+    import numpy as np  # deferred: numpy
+    import torch  # deferred: torch
 
     gauss = state["python_gauss"]
     random.setstate(
@@ -833,8 +837,7 @@ def write_checkpoint(
     the model's ``config.json`` go to ``hf_meta/``; ``config`` (a DictConfig) to ``config.yaml``, and
     its :func:`run_fingerprint` to ``run_fingerprint.json``.
     """
-    import torch
-    from omegaconf import OmegaConf
+    import torch  # deferred: torch
 
     backend.save(directory / BACKEND_DIR)
     _fault_point("ckpt_backend")
@@ -902,8 +905,6 @@ def save_checkpoint(manager: CheckpointManager, step: int, *, backend: Any, coor
 def _received_path(msg: Any) -> str:
     """A path broadcast by the main process's :func:`save_checkpoint`, or raise the failure it sent."""
     if isinstance(msg, dict) and "save_failed" in msg:
-        from rlplug.base import exit_codes
-
         cls = getattr(exit_codes, str(msg.get("type")), None)
         if isinstance(cls, type) and issubclass(cls, exit_codes.TrainingStopped):
             raise cls(msg["save_failed"])
@@ -927,7 +928,6 @@ def resume_checkpoint(trainer_config: Any, manager: CheckpointManager) -> Path |
     complete checkpoint (no COMPLETE marker), when ``resume_path``'s checkpoint fails verification,
     and when no complete checkpoint of the run verifies (each one's problem named).
     """
-    from rlplug.config.schema import ConfigError
 
     mode = trainer_config.resume_mode
     if mode == "disable":
@@ -953,7 +953,6 @@ def resume_checkpoint(trainer_config: Any, manager: CheckpointManager) -> Path |
 def _fall_back(manager: CheckpointManager, path: Path, report: CheckpointReport) -> Path:
     """The newest complete checkpoint before ``path`` (which failed ``report``) that verifies, with
     a printed and logged warning for each one that does not; raises ConfigError when none does."""
-    from rlplug.config.schema import ConfigError
 
     failed: list[CheckpointReport] = []
     m = _STEP_DIR.match(path.name)
@@ -995,9 +994,7 @@ def load_checkpoint(path: Path, *, backend: Any, stateful: Mapping[str, Any]) ->
     changed base), or when a ``stateful`` object rejects its state (the data or KL settings differ
     from the checkpointed run).
     """
-    import torch
-
-    from rlplug.config.schema import ConfigError
+    import torch  # deferred: torch
 
     state = json.loads((path / STATE_FILE).read_text())
     try:
@@ -1059,7 +1056,6 @@ def find_checkpoint(checkpoint: str | Path) -> Path:
 
 def _plain(value: Any) -> Any:
     """OmegaConf containers as plain (resolved) dicts and lists; other values unchanged."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
@@ -1263,8 +1259,6 @@ START_KEYS: tuple[str, ...] = ("trainer.resume_mode", "trainer.resume_from_path"
 def _config_container(config: Any) -> dict[str, Any]:
     """``config`` (a DictConfig, or a mapping) as plain, resolved, JSON-like containers; interpolations that do
     not resolve stay as written."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     if not isinstance(config, DictConfig):
         config = OmegaConf.create(dict(config))
@@ -1292,8 +1286,6 @@ def _ordered_diff(key: str, a: Any, b: Any, out: list[tuple[str, Any, Any]]) -> 
 def read_saved_config(path: Path) -> dict[str, Any] | None:
     """The run config saved in the checkpoint ``path`` (its ``config.yaml``) as plain resolved containers, or
     None when it has none or it is unreadable (a checkpoint of an older rlplug, a damaged file)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     file = Path(path) / CONFIG_FILE
     try:
@@ -1323,8 +1315,6 @@ def config_changes(
     if saved is None:
         return None
     if saved_overrides:
-        from omegaconf import OmegaConf
-
         node = OmegaConf.create(saved)
         for key, value in saved_overrides.items():
             if OmegaConf.select(node, key, default=_UNSET) is not _UNSET:
@@ -1415,7 +1405,6 @@ def check_fingerprint(path: Path, config: Any) -> None:
     cannot change, with the overrides that set them back and how to start a new run instead. Every other
     change is allowed: the trainer applies and lists it (:func:`rlplug.run.resume.apply_resume_changes`).
     """
-    from rlplug.config.schema import ConfigError
 
     file = path / FINGERPRINT_FILE
     if not file.is_file():
@@ -1571,7 +1560,6 @@ def open_run_dir(config: Any, run_dir: str | Path) -> tuple[CheckpointManager, R
     named), for a ``trainer.resume_from_path`` that is not a complete checkpoint, and when no
     checkpoint of the run passes :func:`verify_checkpoint`.
     """
-    from rlplug.run.run_lock import acquire_run_lock
 
     # by attribute, not typed(): null (keep every checkpoint) must not become the schema's 3
     manager = CheckpointManager(run_dir, config.trainer.max_ckpt_to_keep)
@@ -1586,8 +1574,6 @@ def open_run_dir(config: Any, run_dir: str | Path) -> tuple[CheckpointManager, R
 
 def _plan_start(config: Any, manager: CheckpointManager) -> tuple[CheckpointManager, RunStart]:
     """:func:`open_run_dir`'s decision, once the directory is locked."""
-    from rlplug.config.schema import ConfigError
-    from rlplug.run.run_lock import _is_rank_zero
 
     trainer = config.trainer
     if trainer.resume_mode != "disable":

@@ -57,8 +57,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
 from rlplug.config.run_paths import DUMP_DIR  # the folder of the dumps under the run directory
 from rlplug.config.schema import ConfigError, RunConfig, TrainerConfig, typed
+from rlplug.contracts.registry import PluginError, get_registry
+from rlplug.rewards.manager import RewardManager, components_tensor, scored_rows
 
 __all__ = [
     "DUMP_DIR",
@@ -203,10 +208,9 @@ def write_dump(
     """Write one step's dump to ``path`` (the layout of the module docstring; written to a temporary
     name in the same folder, then renamed, so a reader never sees half a file). ``cfg`` is the step's
     config, stored as resolved YAML in the schema metadata. Returns ``path``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-    from omegaconf import OmegaConf
+    import pyarrow as pa  # deferred: pyarrow
+    import pyarrow.parquet as pq  # deferred: pyarrow
+    import torch  # deferred: torch
 
     path = Path(path)
     tensors = {k: v.detach().cpu() for k, v in batch.tensors.items() if k not in _NOT_DUMPED}
@@ -299,7 +303,7 @@ class RolloutDump:
     def rollout_mask(self) -> Any:
         """``(B, T) float32``: 1.0 on each response's tokens, as the rollout built it (before any rollout
         rejection; :func:`rlplug.contracts.batch.build_batch`)."""
-        import torch
+        import torch  # deferred: torch
 
         T = int(self.tensors["response_mask"].shape[1])
         pos = torch.arange(T).unsqueeze(0)
@@ -312,10 +316,9 @@ def read_dump(path: str | Path) -> RolloutDump:
     Raises:
         DumpError: not a readable parquet file, no rlplug dump metadata, or a newer dump version.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-    from omegaconf import OmegaConf
+    import pyarrow as pa  # deferred: pyarrow
+    import pyarrow.parquet as pq  # deferred: pyarrow
+    import torch  # deferred: torch
 
     p = Path(path).expanduser()
     try:
@@ -342,7 +345,7 @@ def read_dump(path: str | Path) -> RolloutDump:
         elif spec["dim"] == 1:
             tensors[key] = torch.tensor(data[key], dtype=dtype)
         else:
-            import numpy as np
+            import numpy as np  # deferred: numpy
 
             tensors[key] = torch.from_numpy(
                 np.asarray(data[key], dtype=np.int64 if spec["dtype"] == "int64" else np.float32)
@@ -383,11 +386,7 @@ def replay_config(config: Any, overrides: Sequence[str]) -> Any:
             defaults to re-compose; set the keys, e.g. ``algorithm.adv_estimator=rloo``), an unknown key
             or a bad value.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf, open_dict
-    from omegaconf.errors import OmegaConfBaseException
-
-    from rlplug.config.schema import ConfigError, RunConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # deferred: hydra
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -469,7 +468,6 @@ class ReplayResult:
 
 
 def _same(a: Any, b: Any, key: str) -> bool:
-    from omegaconf import OmegaConf
 
     x, y = OmegaConf.select(a, key), OmegaConf.select(b, key)
     to = lambda v: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v  # noqa: E731
@@ -481,12 +479,11 @@ def _max_abs_diff(a: Any, b: Any) -> float:
 
 
 def _replay_one(dump: RolloutDump, overrides: Sequence[str], registry: Any) -> ReplayStep:
-    import torch
+    import torch  # deferred: torch
 
-    from rlplug.algorithms.losses import compute_token_level_scores, value_targets
-    from rlplug.algorithms.reward_norm import ScoreNormalizer
-    from rlplug.contracts.batch import Batch, estimate_on_rows
-    from rlplug.rewards.manager import RewardManager, components_tensor, scored_rows
+    from rlplug.algorithms.losses import compute_token_level_scores, value_targets  # deferred: torch
+    from rlplug.algorithms.reward_norm import ScoreNormalizer  # deferred: torch
+    from rlplug.contracts.batch import Batch, estimate_on_rows  # deferred: torch
 
     cfg = replay_config(dump.config, overrides)
     name = str(cfg.algorithm.adv_estimator)
@@ -562,8 +559,6 @@ def replay(
         rlplug.config.schema.ConfigError: a bad override (:func:`replay_config`), an unknown plugin name, or a
             reward config that cannot score the dumped data sources.
     """
-    from rlplug.config.schema import ConfigError
-    from rlplug.contracts.registry import PluginError, get_registry
 
     registry = registry or get_registry()
     overrides = list(overrides)
@@ -575,7 +570,7 @@ def replay(
         except PluginError as exc:
             raise ConfigError(str(exc)) from exc
         dumps.append(dump)
-    import torch
+    import torch  # deferred: torch
 
     n = sum(s.n for s in steps)
     scored = sum(s.scored for s in steps)
@@ -602,8 +597,8 @@ def replay(
 
 
 def _write_replay(path: Path, dumps: Sequence[RolloutDump], steps: Sequence[ReplayStep]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # deferred: pyarrow
+    import pyarrow.parquet as pq  # deferred: pyarrow
 
     cols: dict[str, list] = {k: [] for k in ("step", "sample", "index", "data_source", "response")}
     cols.update({k: [] for k in ("score", "score_dumped", "advantages", "returns", "advantages_dumped")})
@@ -630,7 +625,7 @@ def print_replay(result: ReplayResult, console: Any) -> None:
     """Print :func:`replay`'s result with ``console`` (a ``rich.console.Console``): one table row per dump
     file, then the summary; the differences to the dumped values are shown when the config is the dump's
     (otherwise they are expected)."""
-    from rich.table import Table
+    from rich.table import Table  # deferred: rich
 
     table = Table(title=f"replay ({result.estimator})")
     for col in ("step", "responses", "scored", "mean reward", "adv mean", "adv std", "adv min", "adv max"):

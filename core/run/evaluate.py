@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig
 
+from rlplug.contracts.registry import get_registry
+from rlplug.contracts.reward_contract import trl_ids
 from rlplug.contracts.types import RolloutOutput, SamplingParams
+from rlplug.data.dataset import _chat_ids, dataset_read_kwargs, read_dataset
+from rlplug.data.prepare import prepared_data_files
+from rlplug.rewards.manager import ACC_REPORTED, FAILED, PRED, RewardManager
 from rlplug.run.metrics import (  # noqa: F401 - verl's statistics: their old home (rlplug.run.metrics)
     BOOTSTRAP_SEED,
     N_BOOTSTRAP,
@@ -28,7 +33,7 @@ if TYPE_CHECKING:
 
 
 def _model_path(cfg: DictConfig, checkpoint: str | None, stack: ExitStack) -> str:
-    from rlplug.training.models import resolve_model_path
+    from rlplug.training.models import resolve_model_path  # deferred: torch
 
     if checkpoint is None:
         return resolve_model_path(cfg.model)
@@ -59,8 +64,6 @@ def score_responses(
     None: all at once). Returns one :class:`rlplug.run.metrics.ScoredResponse` per response, in prompt order;
     :func:`rlplug.run.metrics.validation_metrics` turns them into the metrics.
     """
-    from rlplug.contracts.reward_contract import trl_ids
-    from rlplug.rewards.manager import ACC_REPORTED, FAILED, PRED
 
     skip = {"acc", "correctness", FAILED, ACC_REPORTED, PRED}  # reported by the fields of ScoredResponse itself
     rows = list(rows)
@@ -100,7 +103,7 @@ def eval_sampling_params(cfg: DictConfig, k: int | None = None, temperature: flo
 
     Raises ``ValueError`` for ``k < 1`` or a negative ``temperature``.
     """
-    from rlplug.rollout.utils import sampling_params
+    from rlplug.rollout.utils import sampling_params  # deferred: torch
 
     params = sampling_params(cfg, validation=True)
     if k is not None and int(k) < 1:
@@ -124,8 +127,6 @@ def validation_rows(cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
     ``prompt_key``, ``system_prompt``, ``special_tokens_in_text``: :func:`rlplug.data.dataset.dataset_read_kwargs`),
     at most ``data.val_max_samples`` rows. Raises what :func:`rlplug.data.dataset.read_dataset` raises
     (``DatasetError`` for a bad file or row)."""
-    from rlplug.data.dataset import dataset_read_kwargs, read_dataset
-    from rlplug.data.prepare import prepared_data_files
 
     _, val_files = prepared_data_files(cfg)
     setting = "data.val_files" if cfg.data.val_files else f"the files prepared for data.task={cfg.data.task}"
@@ -153,9 +154,7 @@ def evaluate(
     reports no ``pred``) and ``metrics`` (every ``val-*`` metric of the data source, verl's ``std@k``,
     ``best@k/mean``, ``worst@k/mean`` ... included).
     """
-    from rlplug.contracts.registry import get_registry
-    from rlplug.rewards.manager import RewardManager
-    from rlplug.training.models import load_tokenizer
+    from rlplug.training.models import load_tokenizer  # deferred: torch
 
     with ExitStack() as stack:
         path = _model_path(cfg, checkpoint, stack)
@@ -208,10 +207,7 @@ def debug_rollout(
 
     Returns dicts with ``prompt``, ``response``, ``score`` and ``breakdown`` (the reward's extra values).
     """
-    from rlplug.contracts.registry import get_registry
-    from rlplug.data.dataset import _chat_ids
-    from rlplug.rewards.manager import RewardManager
-    from rlplug.training.models import load_tokenizer
+    from rlplug.training.models import load_tokenizer  # deferred: torch
 
     source = data_source or (cfg.data.task or "openai/gsm8k")
     with ExitStack() as stack:

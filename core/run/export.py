@@ -164,8 +164,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | torc
     ``hf_meta/config.json`` (missing or unexpected tensor names), instead of writing a folder with
     uninitialised weights; nothing is written then.
     """
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors.torch import load_file  # deferred: torch
+    from transformers import AutoConfig, AutoModelForCausalLM  # deferred: transformers
 
     ckpt = find_checkpoint(checkpoint)
     if is_lora_checkpoint(ckpt):  # adapters + a pointer to the base model: merged (rlplug.training.lora)
@@ -204,7 +204,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | torc
 def _recast_folder(folder: Path, dtype: torch.dtype) -> None:
     """Rewrite the ``*.safetensors`` files of ``folder`` with their floating-point tensors in ``dtype``
     (the shard index's ``total_size`` follows)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # deferred: torch
 
     total = 0
     for file in sorted(folder.glob("*.safetensors")):
@@ -249,8 +249,8 @@ def export_lora_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     with the checkpoint's ``hf_meta/``). Loads with ``AutoModelForCausalLM.from_pretrained`` and vLLM. Raises
     ``FileNotFoundError`` / ``ValueError`` as :func:`rlplug.training.lora.check_base_pointer`, and
     ``FileNotFoundError`` for a checkpoint without adapters."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from peft import PeftModel  # deferred: torch
+    from transformers import AutoModelForCausalLM  # deferred: transformers
 
     actor = lora_actor_dir(checkpoint)
     base_path = check_base_pointer(actor)

@@ -24,14 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
+import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from omegaconf import OmegaConf
 
 from rlplug.base.run_context import RunContext, takes_run_context
 from rlplug.config.run_paths import (  # METRICS_FILE: the run's metric log, one JSON object a line
@@ -46,6 +51,8 @@ from rlplug.contracts.metric_names import (  # re-exported: their home before rl
     source_tags,
     tracker_name,
 )
+from rlplug.rewards.manager import FAILED
+from rlplug.run import checkpoint as _checkpoint  # _checkpoint._fault_point: looked up at each call (tests patch it)
 
 if TYPE_CHECKING:
     import torch
@@ -104,13 +111,12 @@ def stage(metrics: dict[str, float], name: str, *, fault: str | bool | None = Tr
     after the stage's work and its timing, and only when the block did not raise. A block that
     raises records no time.
     """
-    from rlplug.run.checkpoint import _fault_point  # below this module in the run layer; imported when first used
 
     start = time.perf_counter()
     yield
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
     if fault:
-        _fault_point(name if fault is True else fault)
+        _checkpoint._fault_point(name if fault is True else fault)
 
 
 def step_metrics(
@@ -145,10 +151,8 @@ def step_metrics(
     ``response_length/empty`` (count of empty responses), ``prompt_length/*`` (tokens) and the rollout
     engine's own numbers (``rollout.metrics``, e.g. ``rollout/live_replicas``).
     """
-    import numpy as np
-    import torch
-
-    from rlplug.rewards.manager import FAILED
+    import numpy as np  # deferred: numpy
+    import torch  # deferred: torch
 
     full_mask = batch["response_mask"]
     keep = torch.ones(full_mask.shape[0], dtype=torch.bool) if scored is None else scored.bool().cpu()
@@ -307,7 +311,7 @@ def _bootstrap_indices(n_data: int, subset_size: int, n_bootstrap: int, seed: in
     ``numpy.random.RandomState(seed).choice``: the draws of verl's ``bootstrap_metric``, which reseeds the
     global NumPy generator with the same seed on every call (so every prompt gets the same indices); a
     private generator gives the same numbers without touching the global one."""
-    import numpy as np
+    import numpy as np  # deferred: numpy
 
     idx = np.random.RandomState(seed).choice(n_data, size=(n_bootstrap, subset_size), replace=True)
     idx.setflags(write=False)
@@ -320,7 +324,7 @@ def majority_values(values: Any, votes: Any) -> Any:
     vote. Ties go to the vote that appears first in the row, and a vote's value is that of its first
     occurrence (verl's ``calc_maj_val``: ``max(vote2cnt, key=vote2cnt.get)`` over first-appearance order,
     then ``vote2vals[maj_vote][0]``). Example: values ``[[1, 0, 0]]``, votes ``[[7, 3, 3]]`` -> ``[0.0]``."""
-    import numpy as np
+    import numpy as np  # deferred: numpy
 
     counts = (votes[:, :, None] == votes[:, None, :]).sum(-1)  # (R, n): how often each position's vote occurs
     first = np.argmax(counts == counts.max(axis=1, keepdims=True), axis=1)  # earliest position of a top vote
@@ -347,7 +351,7 @@ def prompt_statistics(
 
     Raises ``ValueError`` for no values or ``preds`` of another length.
     """
-    import numpy as np
+    import numpy as np  # deferred: numpy
 
     vals = np.asarray([float(v) for v in values], dtype=np.float64)
     n = int(vals.size)
@@ -394,7 +398,7 @@ def source_statistics(
     ``best@N`` for ``N > 1``: the mean over prompts of the exact best of the ``N`` values (pass@N for a 0/1
     ``acc``; rlplug's, in the section of ``mean@N``), next to verl's bootstrap estimate ``best@N/mean``.
     """
-    import numpy as np
+    import numpy as np  # deferred: numpy
 
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -676,9 +680,8 @@ class ProgressBar:
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool | None = None) -> None:
-        import sys
 
-        from tqdm import tqdm
+        from tqdm import tqdm  # deferred: tqdm
 
         if enabled is None:
             enabled = all(callable(getattr(s, "isatty", None)) and s.isatty() for s in (sys.stdout, sys.stderr))
@@ -701,7 +704,6 @@ class ProgressBar:
 
     def close(self) -> None:
         """Close the bar and give stdout back; idempotent."""
-        import sys
 
         self.bar.close()
         if self._stdout is not None:
@@ -765,8 +767,6 @@ def build_tracker(factory: Any, cfg: Any, *, resume_step: int, run: RunContext |
     the ``latest`` pointer on disk does not say. The built-in trackers use it for TensorBoard's
     ``purge_step`` and the MLflow/W&B ``resume_step`` tags.
     """
-    import inspect
-    import warnings
 
     if takes_run_context(factory):
         return factory(cfg, run=run if run is not None else run_context_for(cfg, resume_step=resume_step))
@@ -811,7 +811,6 @@ class Trackers:
         after; 0: a fresh start) and the trackers :func:`tracker_names` lists; main process only."""
         if not is_main:
             return
-        from omegaconf import OmegaConf
 
         try:
             run = RunContext(run_dir_for(cfg), int(step))  # what each tracker is told (build_tracker)

@@ -61,6 +61,7 @@ from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
+from rlplug.run import evaluate  # evaluate.score_responses: looked up at call time (tests patch it)
 from rlplug.run.alerts import AlertEngine
 from rlplug.run.checkpoint import (  # noqa: F401
     CheckpointManager,
@@ -76,7 +77,6 @@ from rlplug.run.checkpoint import (  # noqa: F401
     seed_everything,
     set_rng_state,
 )
-from rlplug.run.evaluate import score_responses
 from rlplug.run.export import finish_export
 from rlplug.run.metrics import (
     Trackers,
@@ -359,7 +359,9 @@ class Trainer:
 
         # the undecorated generate: this already runs on the main process alone
         generate = functools.partial(Trainer._generate.__wrapped__, self, params=params, label="validation")  # type: ignore[attr-defined]
-        return score_responses(rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size)
+        return evaluate.score_responses(
+            rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size
+        )
 
     # ------------------------------------------------------------------ main loop
     def _handle_signal(self, signum: int, frame: Any) -> None:

@@ -31,11 +31,12 @@ from rlplug.algorithms.token_budget import token_budgets
 from rlplug.base.precision import DTYPE_CHOICES
 from rlplug.config.phases import check_schedule_config
 from rlplug.config.schema import ConfigError, config_get
+from rlplug.config.verl_keys import MAPPED, TABLE
 from rlplug.contracts.kinds import built_classes
 from rlplug.contracts.registry import PluginError, Registry, get_registry
 from rlplug.contracts.types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
 from rlplug.data.dataset import check_data_config, check_train_weights
-from rlplug.rewards.manager import load_custom_reward_function
+from rlplug.rewards.manager import _section, load_custom_reward_function, overlong_config
 from rlplug.rewards.reward_model import check_reward_model_config
 from rlplug.run.alerts import check_alert_config, needs_old_log_probs
 from rlplug.run.dump import check_dump_config
@@ -448,8 +449,7 @@ def _check_batch_filter(cfg: DictConfig, registry: Registry, choices: list[Plugi
     """Resolve and validate the batch filter (``algorithm.batch_filter``, or ``filter_groups`` with
     ``algorithm.filter_groups.enable``; :func:`rlplug.run.batch_filter.batch_filter_name`) and the overlong
     shaping settings (:func:`rlplug.rewards.manager.overlong_config`); raises :class:`ConfigError`."""
-    from rlplug.rewards.manager import _section, overlong_config
-    from rlplug.run.batch_filter import batch_filter_name
+    from rlplug.run.batch_filter import batch_filter_name  # deferred: torch
 
     overlong_config(_section(cfg.reward))
     name = batch_filter_name(cfg.algorithm)
@@ -534,7 +534,7 @@ def _check_critic_model(critic_model: Any) -> None:
     """``critic.model`` names a known source and, with ``path`` set, an existing model folder (cheap:
     no tokenizer or weights load; the tokenizer is checked when the backend starts,
     :func:`rlplug.training.models.resolve_critic_model_path`). Raises :class:`ConfigError`."""
-    from rlplug.training.models import ModelPreparationError, critic_model_folder
+    from rlplug.training.models import ModelPreparationError, critic_model_folder  # deferred: torch
 
     if critic_model.source == "tiny" and not critic_model.path:
         return  # a valid tiny critic: its folder is built (once) when the backend starts
@@ -585,7 +585,6 @@ def check_counts(cfg: Any) -> None:
 
 def _verl_spelling(key: str) -> str:
     """`` (verl's K)`` for an rlplug key that verl spells otherwise (the key table's mapped rows), else ``""``."""
-    from rlplug.config.verl_keys import MAPPED, TABLE
 
     names = [r.key for r in TABLE if r.kind == MAPPED and r.target == key and r.key != key]
     return f" (verl's {' or '.join(names)})" if names else ""
