@@ -34,3 +34,9 @@ def test_other_inputs() -> None:
     assert typed(OptimConfig, SimpleNamespace(lr=0.5)).lr == 0.5
     same = OptimConfig(lr=1.0)
     assert typed(OptimConfig, same) is same
+
+
+def test_a_bare_structured_section_whose_interpolation_points_outside_it_takes_the_default() -> None:
+    bare = OmegaConf.structured(ActorConfig)  # rollout_correction: ${algorithm.rollout_correction}
+    actor = typed(ActorConfig, bare)
+    assert actor.clip_ratio == 0.2 and actor.rollout_correction == ActorConfig.rollout_correction

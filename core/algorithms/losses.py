@@ -20,8 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import InterpolationResolutionError
 
 from rlplug.config.schema import ActorConfig, CriticConfig, config_get, typed
 from rlplug.contracts.registry import get_plugin
@@ -66,20 +64,9 @@ config_value = config_get
 
 def typed_actor(config: Any) -> ActorConfig:
     """``config`` (the ``actor`` section: DictConfig, dataclass, mapping or ``None``) read as the schema's
-    :class:`rlplug.config.schema.ActorConfig` (:func:`rlplug.config.schema.typed`): each field the config's
-    value, or the schema's default where the key is absent or ``None``. An ``ActorConfig`` is returned as it is.
-
-    A bare ``OmegaConf.structured(ActorConfig)`` (e.g. the conformance kit's) holds ``rollout_correction`` as
-    an interpolation of ``algorithm.rollout_correction``, a key outside it; a field that cannot be resolved
-    takes the schema's default instead of raising ``InterpolationResolutionError``.
-    """
-    try:
-        return typed(ActorConfig, config)
-    except InterpolationResolutionError:
-        keys = list(config.keys())
-        return typed(
-            ActorConfig, {k: OmegaConf.select(config, k, default=None, throw_on_resolution_failure=False) for k in keys}
-        )
+    :class:`rlplug.config.schema.ActorConfig`: :func:`rlplug.config.schema.typed` (each field the config's
+    value, or the schema's default where the key is absent, ``None`` or an unresolvable interpolation)."""
+    return typed(ActorConfig, config)
 
 
 # --------------------------------------------------------------------------- masked statistics

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.resources as ir
 import os
 import re
 import shlex
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -34,8 +36,6 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 def config_dir() -> Path:
     """Absolute path of the Hydra config tree (``configs/`` in the source tree or installed package)."""
     try:
-        import importlib.resources as ir
-
         p = Path(str(ir.files("rlplug.configs")))
         if (p / "config.yaml").exists():
             return p
@@ -83,7 +83,8 @@ def typed(cls: type[_S], config: Any) -> _S:
     config), a dataclass or attribute object, or ``None``. Each field of ``cls`` takes the config's value, or the
     schema's default where the config lacks the key or holds ``None`` -- :func:`config_get`'s rule, with the
     schema's default in place of a call site's. A field whose type is a section (a dataclass) is read the same
-    way, recursively. Values are not converted or validated here (the composed run config was validated by
+    way, recursively; a field whose interpolation cannot be resolved (a bare ``OmegaConf.structured(ActorConfig)``
+    holds ``rollout_correction`` as ``${algorithm.rollout_correction}``) takes the default too. Values are not converted or validated here (the composed run config was validated by
     OmegaConf); unknown keys of ``config`` are ignored. Cheap enough per call of a loss (no OmegaConf merge):
     about one attribute read per field. Returns ``config`` itself when it already is a ``cls``.
     """
@@ -94,7 +95,10 @@ def typed(cls: type[_S], config: Any) -> _S:
     for name, section in _schema_fields(cast(type, cls)):
         if config is None:
             break
-        value = config.get(name, None) if mapping else getattr(config, name, None)
+        try:
+            value = config.get(name, None) if mapping else getattr(config, name, None)
+        except InterpolationResolutionError:  # e.g. a bare section whose ${...} points outside it
+            value = None
         if value is None:
             continue
         values[name] = typed(section, value) if section is not None else value
@@ -740,7 +744,7 @@ def register_schema() -> None:
     global _STORED
     if _STORED:
         return
-    from hydra.core.config_store import ConfigStore
+    from hydra.core.config_store import ConfigStore  # deferred: hydra
 
     ConfigStore.instance().store(name="rlplug_schema", node=RunConfig)
     _STORED = True

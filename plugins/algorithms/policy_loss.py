@@ -79,7 +79,6 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from omegaconf.errors import InterpolationResolutionError
 
 from rlplug.plugin import (
     ActorConfig,
@@ -125,21 +124,9 @@ __all__ = [
 
 def _actor(config: Any) -> ActorConfig:
     """``config`` (the ``actor`` section: DictConfig, dataclass, mapping or ``None``) read as the schema's
-    :class:`ActorConfig`, the schema's default for each key it lacks or holds as ``None``; an
-    :class:`ActorConfig` is returned as it is (so the helpers below may call this again for free).
-
-    A bare ``OmegaConf.structured(ActorConfig)`` (the conformance kit's default) holds
-    ``rollout_correction`` as an interpolation of ``algorithm.rollout_correction``, a key outside it:
-    such an unresolvable field takes the schema's default, as :func:`_bypass_settings` always read it.
-    The same rule as :func:`rlplug.algorithms.losses.typed_actor` (which ``rlplug.plugin`` does not export).
-    """
-    try:
-        return typed(ActorConfig, config)
-    except InterpolationResolutionError:
-        keys = list(config.keys())
-        return typed(
-            ActorConfig, {k: OmegaConf.select(config, k, default=None, throw_on_resolution_failure=False) for k in keys}
-        )
+    :class:`ActorConfig` with :func:`typed`; an :class:`ActorConfig` is returned as it is (so the helpers
+    below may call this again for free)."""
+    return typed(ActorConfig, config)
 
 
 def _clip_range(config: Any) -> tuple[float, float]:
