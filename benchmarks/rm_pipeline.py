@@ -133,7 +133,7 @@ def pairwise(rm_dir: Path, pairs_path: Path, limit: int = 200) -> dict[str, Any]
     the answer only."""
     import pyarrow.parquet as pq
 
-    from rlplug.rewards.reward_model import RewardModelScorer
+    from rlplug.plugins.rewards.reward_model import RewardModelScorer
 
     table = pq.read_table(str(pairs_path)).slice(0, limit).to_pylist()
     scorer = RewardModelScorer(rm_dir, device="cpu", micro_batch_size_per_device=16)

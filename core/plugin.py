@@ -25,7 +25,10 @@ runtime-checkable Protocols the registry checks each kind against (``*Protocol``
 :class:`Coordinator`) and the types they exchange (:class:`SamplingParams`,
 :class:`RolloutOutput`, :class:`MiniBatchContext`, :class:`MissingInputError`, the field and
 capability tables). :class:`Batch` and :class:`Fields` are the batch a training backend and an
-advantage estimator receive.
+advantage estimator receive. The multi-turn contracts (:mod:`rlplug.contracts.agents`:
+:class:`EnvironmentProtocol`, :class:`EnvStep`, :class:`ToolProtocol`, :data:`Message`) and the
+weight-transfer contract (:mod:`rlplug.contracts.weights`: :class:`WeightTransfer`,
+:class:`DirectWeightTransfer`).
 
 **The run** (trackers, training backends): :class:`RunContext`, the run directory and the step a
 resumed run starts after, which the engine passes to a factory that declares a ``run`` keyword
@@ -141,6 +144,7 @@ from rlplug.conformance import (
     check_training_backend,
     make_batch,
 )
+from rlplug.contracts.agents import EnvironmentProtocol, EnvStep, Message, ToolProtocol
 from rlplug.contracts.batch import Batch, Fields
 from rlplug.contracts.coordinator import SINGLE_PROCESS, SingleProcessCoordinator
 from rlplug.contracts.hookspecs import hookimpl
@@ -169,6 +173,7 @@ from rlplug.contracts.types import (
     Tracker,
     TrainingBackend,
 )
+from rlplug.contracts.weights import DirectWeightTransfer, WeightTransfer
 from rlplug.rewards.reward_model import (
     RM_NAME,
     RewardModelBase,
@@ -220,6 +225,12 @@ __all__ = [
     "MissingInputError",
     "RewardFunction",
     "RolloutBackend",
+    "EnvironmentProtocol",
+    "EnvStep",
+    "Message",
+    "ToolProtocol",
+    "WeightTransfer",
+    "DirectWeightTransfer",
     "SamplingParams",
     "RolloutOutput",
     "TrainingBackend",
