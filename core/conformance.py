@@ -18,13 +18,17 @@ finiteness, exact zeros on padding, that inputs are not modified in place, and p
   ``loss_agg_mode``); ``rollout_is_weights`` of 1 change nothing and weights of 0 zero the loss;
 * reward functions: a float or a dict with a finite ``"score"``; picklable (worker processes);
 * rollout / training backends and trackers: the built class's methods, then a live instance when
-  you pass one (or the arguments to build one).
+  you pass one (or the arguments to build one);
+* tools: the schema, a call with arguments built from it returns text (awaited for an ``async``
+  tool), a call without a required argument raises; picklable. :class:`LookupTool` is a tool for
+  tests (it returns a stored value verbatim).
 
 Every check raises ``AssertionError`` with a message saying what was wrong and what was expected.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import inspect
 import math
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from rlplug.config.schema import ActorConfig, AlgorithmConfig
+from rlplug.contracts.agents import ToolError, validate_arguments
 from rlplug.contracts.kinds import CONTRACTS, built_classes, check_object
 from rlplug.contracts.registry import get_plugin
 from rlplug.contracts.types import Coordinator, MiniBatchContext, RolloutOutput, SamplingParams
@@ -55,6 +60,8 @@ __all__ = [
     "check_rollout_backend",
     "check_training_backend",
     "check_tracker",
+    "check_tool",
+    "LookupTool",
 ]
 
 LOSS_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
@@ -796,3 +803,112 @@ def check_tracker(tracker: Any, *, builds: Any = None, artifact: Any = None) -> 
         tracker.log_artifact(artifact)
     tracker.close(status="FINISHED")
     tracker.close(status="FINISHED")
+
+
+# ============================================================================ tools
+
+#: a value of each JSON type, for the arguments :func:`check_tool` builds from a schema
+_SAMPLE_VALUES: dict[str, Any] = {
+    "string": "1",
+    "integer": 1,
+    "number": 1.0,
+    "boolean": True,
+    "array": [],
+    "object": {},
+    "null": None,
+}
+
+
+class LookupTool:
+    """A tool for tests (kind ``tool``): ``lookup(key)`` returns the value stored under ``key`` verbatim (as text).
+
+    ``table``: key -> value (values are returned through ``str()``); ``name`` and ``description`` as the
+    model sees them. An unknown key raises :class:`rlplug.contracts.agents.ToolError` (``no entry for 'k'``);
+    a call without ``key``, with another argument or a non-string key raises
+    :class:`rlplug.contracts.agents.ToolArgumentError`. Given the answers to a task it is the tool of the
+    leak test: a trainer that learns from tool tokens learns to copy them.
+    """
+
+    def __init__(self, table: Mapping[str, Any], *, name: str = "lookup", description: str | None = None) -> None:
+        self.table = dict(table)
+        self.name = name
+        self.description = description or "Look up the value stored under a key; returns the value verbatim."
+        self.parameters: dict[str, Any] = {
+            "type": "object",
+            "properties": {"key": {"type": "string", "description": "The key to look up."}},
+            "required": ["key"],
+        }
+
+    def __call__(self, **arguments: Any) -> str:
+        key = validate_arguments(self.name, self.parameters, arguments)["key"]
+        if key not in self.table:
+            raise ToolError(f"{self.name}: no entry for {key!r}")
+        return str(self.table[key])
+
+
+def _call_tool(tool: Any, arguments: Mapping[str, Any]) -> Any:
+    """``tool(**arguments)``, awaited (in a new event loop) when it returns an awaitable."""
+    result = tool(**arguments)
+    if inspect.isawaitable(result):
+
+        async def wait() -> Any:
+            return await result
+
+        return asyncio.run(wait())
+    return result
+
+
+def check_tool(tool: Any, arguments: Mapping[str, Any] | None = None, *, picklable: bool = True) -> None:
+    """Run the tool kit on ``tool`` (the registered object, or its name).
+
+    Checks: the Protocol and the schema, as the registry does (``name``, a non-empty ``description``,
+    ``parameters`` a JSON schema object: ``type: object``, a ``properties`` dict, ``required`` among them, and
+    ``__call__`` accepting those keywords); a call with ``arguments`` -- by default one value per required
+    parameter, by type (``"1"``, ``1``, ``1.0``, ``true``, ``[]``) -- returns a ``str``, awaiting an ``async``
+    tool; for each required parameter, a call without it raises an exception with a message (what the model
+    would read); with ``picklable`` (tools run in worker processes) ``pickle`` round-trips it. Pass
+    ``arguments`` for a tool that refuses the default ones (e.g. a key the tool knows).
+    """
+    tool = _resolve("tool", tool)
+    check_protocol("tool", tool)
+    parameters = tool.parameters
+    properties = parameters["properties"]
+    required = list(parameters.get("required", ()))
+    if arguments is None:
+        arguments = {}
+        for name in required:
+            types = properties[name].get("type", "string")
+            first = types if isinstance(types, str) else next(iter(types), "string")
+            arguments[name] = copy.deepcopy(_SAMPLE_VALUES.get(first, "1"))
+    what = f"tool {tool.name!r}"
+    try:
+        out = _call_tool(tool, dict(arguments))
+    except Exception as exc:
+        raise AssertionError(
+            f"{what}: the call with {dict(arguments)!r} raised {type(exc).__name__}: {exc}; a tool must accept "
+            "arguments that match its schema (pass check_tool(tool, arguments={...}) with ones it accepts)"
+        ) from exc
+    assert isinstance(out, str), f"{what} must return the result as text (str), got {type(out).__name__}: {out!r}"
+    for name in required:
+        partial = {k: v for k, v in arguments.items() if k != name}
+        try:
+            bad = _call_tool(tool, partial)
+        except Exception as exc:
+            assert str(exc).strip(), (
+                f"{what}: a call without the required argument {name!r} raised {type(exc).__name__} with no "
+                "message; the model reads it, so say what is missing"
+            )
+            continue
+        raise AssertionError(
+            f"{what}: a call without the required argument {name!r} returned {bad!r}; it must raise "
+            "(rlplug.plugin.ToolArgumentError, e.g. through rlplug.contracts.agents.validate_arguments)"
+        )
+    if picklable:
+        try:
+            copied = pickle.loads(pickle.dumps(tool))
+        except Exception as exc:
+            raise AssertionError(
+                f"{what} cannot be pickled ({type(exc).__name__}: {exc}); tools run in worker processes: define "
+                "the function (and any class) at module level"
+            ) from exc
+        assert copied.parameters == parameters, f"{what}: its parameters changed when pickled"

@@ -26,7 +26,10 @@ runtime-checkable Protocols the registry checks each kind against (``*Protocol``
 :class:`RolloutOutput`, :class:`MiniBatchContext`, :class:`MissingInputError`, the field and
 capability tables). :class:`Batch` and :class:`Fields` are the batch a training backend and an
 advantage estimator receive. The multi-turn contracts (:mod:`rlplug.contracts.agents`:
-:class:`EnvironmentProtocol`, :class:`EnvStep`, :class:`ToolProtocol`, :data:`Message`) and the
+:class:`EnvironmentProtocol`, :class:`EnvStep`, :class:`ToolProtocol`, :data:`Message`; for tools
+:class:`FunctionTool`, a function as a tool with its schema from the signature and docstring, and the errors
+whose message the model reads, :class:`ToolError` and :class:`ToolArgumentError`, besides
+:class:`ToolSchemaError` for a function that cannot be described) and the
 weight-transfer contract (:mod:`rlplug.contracts.weights`: :class:`WeightTransfer`,
 :class:`DirectWeightTransfer`).
 
@@ -73,7 +76,7 @@ schema's section dataclasses (:class:`RunConfig`, :class:`ActorConfig`, :class:`
 :class:`ConfigError` (what a plugin raises for a bad setting).
 
 **Testing** (a plugin's own tests): the conformance kit of each kind (:func:`check_advantage_estimator`
-... :func:`check_tracker`, :func:`check_protocol`) with its inputs (:func:`make_batch`,
+... :func:`check_tracker`, :func:`check_tool`, :func:`check_protocol`) with its inputs (:func:`make_batch`,
 :func:`algorithm_config`), the helpers of :mod:`rlplug.testing` (:func:`assert_advantage_contract`,
 :func:`reduction_tolerance`; imported when first used, as that module needs pytest) and
 :func:`fault_point`, where the crash tests stop or fail a process (``RLPLUG_TEST_KILL_AT``,
@@ -140,11 +143,21 @@ from rlplug.conformance import (
     check_protocol,
     check_reward_function,
     check_rollout_backend,
+    check_tool,
     check_tracker,
     check_training_backend,
     make_batch,
 )
-from rlplug.contracts.agents import EnvironmentProtocol, EnvStep, Message, ToolProtocol
+from rlplug.contracts.agents import (
+    EnvironmentProtocol,
+    EnvStep,
+    FunctionTool,
+    Message,
+    ToolArgumentError,
+    ToolError,
+    ToolProtocol,
+    ToolSchemaError,
+)
 from rlplug.contracts.batch import Batch, Fields
 from rlplug.contracts.coordinator import SINGLE_PROCESS, SingleProcessCoordinator
 from rlplug.contracts.hookspecs import hookimpl
@@ -229,6 +242,10 @@ __all__ = [
     "EnvStep",
     "Message",
     "ToolProtocol",
+    "FunctionTool",
+    "ToolError",
+    "ToolArgumentError",
+    "ToolSchemaError",
     "WeightTransfer",
     "DirectWeightTransfer",
     "SamplingParams",
@@ -338,6 +355,7 @@ __all__ = [
     "check_rollout_backend",
     "check_training_backend",
     "check_tracker",
+    "check_tool",
     "make_batch",
     "assert_advantage_contract",
     "algorithm_config",

@@ -48,6 +48,7 @@ import math
 
 from rlplug.conformance import (  # make_batch, algorithm_config, REWARD_COMPONENT_NAMES: defined there
     REWARD_COMPONENT_NAMES,
+    LookupTool,
     algorithm_config,
     check_advantage_estimator,
     check_batch_filter,
@@ -56,6 +57,7 @@ from rlplug.conformance import (  # make_batch, algorithm_config, REWARD_COMPONE
     check_protocol,
     check_reward_function,
     check_rollout_backend,
+    check_tool,
     check_tracker,
     check_training_backend,
     make_batch,
@@ -76,6 +78,8 @@ __all__ = [
     "check_rollout_backend",
     "check_training_backend",
     "check_tracker",
+    "check_tool",
+    "LookupTool",
     "reduction_tolerance",
 ]
 

@@ -29,6 +29,7 @@ SELECTED_BY = {
     "training_backend": "trainer.backend",
     "tracker": "trainer.logger",
     "batch_filter": "algorithm.filter_groups",
+    "tool": "rollout.multi_turn.tools",
 }
 
 

@@ -111,6 +111,20 @@ def register_reward_functions(register: Register) -> None:
 
 
 @hookspec
+def register_tools(register: Register) -> None:
+    """Register tools a multi-turn episode can call.
+
+    Call ``register(name, tool)`` with an object implementing
+    :class:`rlplug.contracts.agents.ToolProtocol` (``name`` equal to the registered name,
+    ``description``, ``parameters`` a JSON schema object, and ``__call__(**arguments) -> str`` or an
+    ``async`` one); :class:`rlplug.contracts.agents.FunctionTool` builds one from a plain or async
+    function, its schema from the signature and docstring. The schema is checked when the name is
+    resolved. A tool raises :class:`rlplug.contracts.agents.ToolError` with a message for the model.
+    Selected by the list ``rollout.multi_turn.tools``.
+    """
+
+
+@hookspec
 def register_rollout_backends(register: Register) -> None:
     """Register rollout engines.
 

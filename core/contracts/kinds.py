@@ -14,6 +14,7 @@ reward_function       :class:`~rlplug.contracts.types.RewardFunction`           
 rollout_backend       :class:`~rlplug.contracts.types.RolloutBackend`              a factory (class or ``builds=``)
 training_backend      :class:`~rlplug.contracts.types.TrainingBackend`             a factory (class or ``builds=``)
 tracker               :class:`~rlplug.contracts.types.Tracker`                     a factory (class or ``builds=``)
+tool                  :class:`~rlplug.contracts.agents.ToolProtocol`               the tool itself
 ===================== ====================================== ======================================
 
 :func:`check_registration` runs when the registry resolves a name (``rlplug train`` and
@@ -23,7 +24,10 @@ with ``register(name, factory, builds=Class)`` -- with :mod:`inspect`, without b
 anything. It checks that every member of the Protocol exists (methods callable with the
 arguments the engine passes, attributes present), suggests the intended name for a misspelled
 one, and raises :class:`rlplug.contracts.registry.PluginContractError` naming the kind, the plugin name, the distribution
-that supplied it and every problem found.
+that supplied it and every problem found. A tool is also checked for what the Protocol cannot say
+(:func:`rlplug.contracts.agents.tool_problems`): a valid ``name`` equal to the registered one, a
+non-empty ``description``, ``parameters`` a JSON schema object (``type: object``, ``properties``,
+``required`` among them), and a ``__call__`` that accepts those parameters as keywords.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlplug.contracts import types as T
+from rlplug.contracts.agents import ToolProtocol, schema_problems, tool_problems
 from rlplug.contracts.plugin_errors import PluginContractError
 
 __all__ = ["KindContract", "CONTRACTS", "check_registration", "check_object", "built_classes", "protocol_members"]
@@ -48,7 +53,11 @@ class KindContract:
     builds instances (check the class it builds, not the object). ``call_target``: for wrapper
     objects, a function giving the callable whose signature to check (e.g. a ``PolicyLoss``'s
     ``fn``). ``capabilities``: the optional behaviours the kind may declare in a
-    ``capabilities`` attribute.
+    ``capabilities`` attribute. ``call_keywords``: for objects the engine calls with keyword
+    arguments they describe themselves (a tool's ``parameters``), a function giving those names, or
+    ``None`` when the object does not describe them validly. ``extra_check``: a function giving the
+    problems the Protocol cannot express (e.g. a tool's schema). ``named``: the object carries its
+    own ``name``, which must equal the registered name.
     """
 
     kind: str
@@ -56,6 +65,9 @@ class KindContract:
     factory: bool = False
     call_target: Callable[[Any], Any] | None = None
     capabilities: tuple[str, ...] = ()
+    call_keywords: Callable[[Any], list[str] | None] | None = None
+    extra_check: Callable[[Any], list[str]] | None = None
+    named: bool = False
 
 
 def _wrapped_fn(obj: Any) -> Any:
@@ -63,6 +75,14 @@ def _wrapped_fn(obj: Any) -> Any:
     if isinstance(obj, (T.AdvantageEstimator, T.PolicyLoss, T.KLPenalty, T.BatchFilter)):
         return obj.fn
     return obj
+
+
+def _tool_keywords(tool: Any) -> list[str] | None:
+    # a tool is called with the parameters its schema declares, as keywords
+    parameters: Any = getattr(tool, "parameters", None)
+    if schema_problems(parameters):
+        return None
+    return list(parameters["properties"])
 
 
 CONTRACTS: dict[str, KindContract] = {
@@ -76,6 +96,7 @@ CONTRACTS: dict[str, KindContract] = {
         "training_backend", T.TrainingBackend, factory=True, capabilities=T.TRAINING_CAPABILITIES
     ),
     "tracker": KindContract("tracker", T.Tracker, factory=True),
+    "tool": KindContract("tool", ToolProtocol, call_keywords=_tool_keywords, extra_check=tool_problems, named=True),
 }
 
 
@@ -191,13 +212,17 @@ def check_object(kind: str, target: Any, *, is_class: bool = False, label: str |
     """
     contract = CONTRACTS[kind]
     methods, attributes = protocol_members(contract.protocol)
-    label = label or _name(target)
+    own_name = getattr(target, "name", None) if contract.named and not is_class else None
+    label = label or (own_name if isinstance(own_name, str) and own_name else _name(target))
     problems: list[str] = []
     public = sorted({n for n in dir(target) if not n.startswith("_")})
     missing: list[str] = []
     for name, sig in methods.items():
         pattern = _call_pattern(sig)
         if name == "__call__":  # inspect.signature of a function, bound method or callable instance
+            keywords = contract.call_keywords(target) if contract.call_keywords is not None else None
+            if keywords is not None:
+                pattern = (pattern[0], keywords)
             fn = contract.call_target(target) if contract.call_target is not None else target
             if not callable(fn):
                 problems.append(f"{label} is not callable; expected {_fmt_call('obj', *pattern)}")
@@ -238,6 +263,8 @@ def check_object(kind: str, target: Any, *, is_class: bool = False, label: str |
         unknown = sorted(declared - set(contract.capabilities))
         if unknown:
             problems.append(f"{label}.capabilities lists unknown {unknown}; known: {list(contract.capabilities)}")
+    if contract.extra_check is not None and not is_class:
+        problems += [f"{label}: {p}" for p in contract.extra_check(target)]
     return problems
 
 
@@ -264,6 +291,14 @@ def check_registration(reg: T.Registration) -> None:
                 )
             for cls in classes:
                 problems += check_object(reg.kind, cls, is_class=True, label=_name(cls))
+    elif contract.named:
+        problems += check_object(reg.kind, reg.obj, label=reg.name)
+        own = getattr(reg.obj, "name", reg.name)
+        if isinstance(own, str) and own != reg.name:
+            problems.append(
+                f"it is registered as {reg.name!r} but its name is {own!r}; the model calls it by its name, "
+                f"so register it under that name"
+            )
     else:
         problems += check_object(
             reg.kind, reg.obj, label=_name(_wrapped_fn(reg.obj)) if callable(reg.obj) else reg.name

@@ -47,6 +47,7 @@ KINDS: dict[str, str] = {
     "rollout_backend": "register_rollout_backends",
     "training_backend": "register_training_backends",
     "tracker": "register_trackers",
+    "tool": "register_tools",
 }
 
 _KIND_WORDS = {k: k.replace("_", " ") for k in KINDS}
