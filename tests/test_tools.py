@@ -305,3 +305,22 @@ def test_the_tool_names_are_exported_where_plugins_and_tests_find_them():
         rlplug.plugin.__all__
     )
     assert {"check_tool", "LookupTool"} <= set(rlplug.testing.__all__)
+
+
+def test_rollout_multi_turn_resolves_its_tools_and_is_refused_until_episodes_land() -> None:
+    import pytest as _pytest
+    from _helpers import run_config
+
+    from rlplug.config.schema import ConfigError
+    from rlplug.run.validate import validate_config
+
+    def cfg(*overrides: str):
+        return run_config(["debug=tiny", *overrides], "unused", validate=False)
+
+    validate_config(cfg())  # the default: off, no tools
+    with _pytest.raises(ConfigError, match=r"rollout.multi_turn.tools\[0\]=no_such_tool"):
+        validate_config(cfg("rollout.multi_turn.tools=[no_such_tool]"))
+    with _pytest.raises(ConfigError, match="multi-turn episodes .* are not in this version"):
+        validate_config(cfg("rollout.multi_turn.tools=[calculator]"))
+    with _pytest.raises(ConfigError, match="multi-turn episodes .* are not in this version"):
+        validate_config(cfg("rollout.multi_turn.enable=true"))

@@ -358,6 +358,18 @@ class NScheduleConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """``rollout.multi_turn``: multi-turn episodes with tools (issue 33). The episodes are not in this version
+    yet: ``enable=true`` is refused, and ``tools`` are resolved and checked (kind ``tool``) so that a wrong name
+    fails now, but are refused unless ``enable`` is on (:func:`rlplug.run.validate.validate_config`)."""
+
+    #: run multi-turn episodes (an environment and tools between the engine's turns); not available yet
+    enable: bool = False
+    #: the tools (kind ``tool``, e.g. ``[calculator]``) the episodes may call
+    tools: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RolloutConfig:
     #: rollout backend plugin name (Hydra group ``rollout=``)
     name: str = "hf"
@@ -413,6 +425,8 @@ class RolloutConfig:
     #: the group size over training, e.g. {type: linear, start: 4, end: 16} (type null: rollout.n throughout);
     #: a phase of algorithm.schedule that sets rollout.n in its overrides keeps that n (docs/schedules.md)
     n_schedule: NScheduleConfig = field(default_factory=NScheduleConfig)
+    #: multi-turn episodes with tools (issue 33); refused when set until they land
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

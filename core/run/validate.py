@@ -278,6 +278,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     load_custom_reward_function(cfg.reward.custom_reward_function)  # its file, function and reward_kwargs
     check_reward_model_config(cfg.reward)  # reward.reward_model: a one-label sequence classifier's folder
     _check_batch_filter(cfg, registry, choices)
+    _check_multi_turn(cfg, registry, choices)
     plan = plan_batch(cfg, registry)  # every required batch field has a producer
     # algorithm.rollout_correction and its alias; a loss with PolicyLoss.bypass_mode pairs with bypass mode
     validate_rollout_correction(cfg, plan.per_token, loss_is_bypass=bool(getattr(loss, "bypass_mode", False)))
@@ -463,6 +464,22 @@ def _check_batch_filter(cfg: DictConfig, registry: Registry, choices: list[Plugi
             batch_filter.validate(cfg.algorithm)
         except ValueError as exc:
             raise ConfigError(f"{setting}: {exc}") from exc
+
+
+def _check_multi_turn(cfg: DictConfig, registry: Registry, choices: list[PluginChoice]) -> None:
+    """``rollout.multi_turn``: each of ``tools`` resolves to a registered tool that passes its contract, and
+    the section is refused as a whole while multi-turn episodes are not in this version (issue 33): a setting
+    either takes effect or is refused, never recorded and ignored."""
+    mt = cfg.rollout.multi_turn
+    for i, name in enumerate(mt.tools):
+        _resolve(registry, "tool", f"rollout.multi_turn.tools[{i}]", name, choices)
+    if mt.enable or mt.tools:
+        raise ConfigError(
+            "rollout.multi_turn: multi-turn episodes (an environment and tools between the engine's turns) are "
+            "not in this version of rlplug yet; the tool plugins can be written and checked now "
+            "(rlplug.testing.check_tool) but no run calls them. Remove rollout.multi_turn.enable / "
+            "rollout.multi_turn.tools."
+        )
 
 
 def _check_critic_warmup(cfg: DictConfig, plan: BatchPlan) -> None:
