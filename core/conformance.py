@@ -671,6 +671,7 @@ def check_rollout_backend(
     max_tokens: int = 4,
     n: int = 2,
     vocab_size: int | None = None,
+    tokenizer: Any = None,
 ) -> None:
     """Run the rollout-backend kit.
 
@@ -681,6 +682,14 @@ def check_rollout_backend(
     most ``max_tokens`` long (exactly that long when the reason is ``"length"``), finish reasons
     ``"stop"``/``"length"``, and engine log-probs aligned with the tokens when requested; greedy
     generation is deterministic; ``sleep``/``wake_up`` work around it; ``close`` is idempotent.
+
+    Stop strings (``SamplingParams.stop``): a string is cut from the middle of the first greedy
+    response's decoded text (``tokenizer``, default the backend's ``tokenizer`` attribute; decoded
+    with special tokens kept), spanning two tokens where it can; generating again with it as the
+    stop string must give the first response's ids up to and including the first token at which
+    the decoded prefix contains it, finish reason ``"stop"``. Skipped with a ``UserWarning``
+    giving the reason when there is no tokenizer or the greedy response is shorter than 3 tokens.
+    Raises ``AssertionError`` naming the first violated property.
     """
 
     if inspect.isclass(backend) or inspect.isfunction(backend):
@@ -714,11 +723,63 @@ def check_rollout_backend(
         greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
         first, second = backend.generate(prompts, greedy), backend.generate(prompts, greedy)
         assert first.response_ids == second.response_ids, "greedy generation gave different tokens on the same prompts"
+        _check_stop_strings(backend, prompts, first.response_ids[0], max_tokens, tokenizer)
         backend.sleep()
         backend.wake_up()
     finally:
         backend.close()
     backend.close()  # idempotent
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def _stop_string_for(tokenizer: Any, ids: list[int]) -> str | None:
+    """A stop string from the middle of ``decode(ids)``: the last character before token ``m =
+    len(ids) // 2`` and token ``m``'s text less its last character (two tokens, ending inside the
+    second) where those exist; None when no clean string can be cut."""
+    m = len(ids) // 2
+    prev, cur = _decode(tokenizer, ids[:m]), _decode(tokenizer, ids[: m + 1])
+    if not cur.startswith(prev) or len(cur) == len(prev):
+        return None
+    new = cur[len(prev) :]
+    stop = prev[-1:] + (new[:-1] if len(new) > 1 else new)
+    return stop if stop.strip() and "\ufffd" not in stop else None
+
+
+def _check_stop_strings(
+    backend: Any, prompts: list[list[int]], ids: list[int], max_tokens: int, tokenizer: Any
+) -> None:
+    import warnings
+
+    tokenizer = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
+    if tokenizer is None:
+        warnings.warn("check_rollout_backend: stop-string check skipped: no tokenizer", UserWarning, stacklevel=3)
+        return
+    if len(ids) < 3:
+        warnings.warn(
+            f"check_rollout_backend: stop-string check skipped: the greedy response has {len(ids)} tokens (< 3)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    stop = _stop_string_for(tokenizer, ids)
+    if stop is None:
+        warnings.warn(
+            "check_rollout_backend: stop-string check skipped: no clean string in the greedy response's text",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    k = next(k for k in range(1, len(ids) + 1) if stop in _decode(tokenizer, ids[:k]))
+    out = backend.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=(stop,)))
+    got, reason = out.response_ids[0], out.finish_reasons[0]
+    assert got == ids[:k], (
+        f"stop={stop!r}: the response must be the sampled ids up to and including the token completing the string "
+        f"(the first {k} of {ids}), got {got}"
+    )
+    assert reason == "stop", f"stop={stop!r}: finish reason {reason!r}, expected 'stop'"
 
 
 def check_training_backend(backend: Any, *, builds: Any = None, batch: Any = None, update: bool = True) -> None:

@@ -377,6 +377,15 @@ class SamplingParams:
     exactly ``max_tokens`` tokens long (EOS and the other stop tokens are suppressed, like vLLM's
     ``min_tokens = max_tokens``); it is for benchmarks that need a fixed length (verl's
     ``rollout.ignore_eos``), not for training.
+
+    ``stop``: stop strings (a tuple of non-empty ``str``; a list is turned into a tuple). A
+    response ends after the first sampled token at which its decoded text (special tokens
+    included) contains one of them; the stopping text is kept, like vLLM's
+    ``include_stop_str_in_output=True``: the token ids are exactly the sampled ids up to and
+    including the token that completed the string (never re-tokenized or trimmed, so a string
+    ending inside a token keeps that whole token), and the finish reason is ``"stop"``. Empty (the
+    default): only EOS stops. Raises ``ValueError`` for a bare string or an empty or non-string
+    entry.
     """
 
     n: int = 1
@@ -387,6 +396,22 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+            raise ValueError(
+                f"SamplingParams.stop must be a tuple of stop strings, got {type(stop).__name__} {stop!r}; "
+                f"write stop=({stop!r},) for one string."
+            )
+        stop = tuple(stop)
+        for i, s in enumerate(stop):
+            if not isinstance(s, str) or not s:
+                raise ValueError(
+                    f"SamplingParams.stop[{i}] is {type(s).__name__} {s!r}; every stop string must be a non-empty str."
+                )
+        self.stop = stop
 
     @property
     def greedy(self) -> bool:

@@ -70,6 +70,39 @@ class _LogProbRecorder:
         return torch.stack(self.steps, dim=1).cpu()
 
 
+class _StopStrings:
+    """Stopping criterion for ``SamplingParams.stop``: a row is done after the first generated token
+    at which its decoded response text contains a stop string.
+
+    Only the tail is decoded at each step: the last ``4 * longest + 4`` generated tokens (a
+    character takes at most 4 byte tokens), so a string completed by the newest token lies inside
+    it. ``hit[i]`` is the number of generated tokens of row ``i`` up to and including that token
+    (``None`` while the row runs). Decoding keeps special tokens (``skip_special_tokens=False``),
+    as the server backends request.
+    """
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], prompt_len: int, rows: int) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.prompt_len = prompt_len
+        self.window = 4 * max(len(s) for s in stops) + 4
+        self.hit: list[int | None] = [None] * rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        n_gen = input_ids.shape[1] - self.prompt_len
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if n_gen <= 0:
+            return done
+        tail = input_ids[:, max(self.prompt_len, input_ids.shape[1] - self.window) :].tolist()
+        for i, ids in enumerate(tail):
+            if self.hit[i] is None:
+                text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                if any(s in text for s in self.stops):
+                    self.hit[i] = n_gen
+            done[i] = self.hit[i] is not None
+        return done
+
+
 class HFRollout:
     """transformers ``generate`` rollout engine (see module docstring).
 
@@ -115,8 +148,11 @@ class HFRollout:
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.contracts.types.RolloutOutput`).
 
-        Each response is cut after its first EOS token (kept, ``finish_reason="stop"``); a
-        response without EOS has exactly ``params.max_tokens`` tokens (``"length"``).
+        Each response is cut after its first EOS token (kept, ``finish_reason="stop"``) or after
+        the token that completes a stop string of ``params.stop`` (the sampled ids kept unchanged
+        up to and including it, ``"stop"``), whichever comes first; a response without either
+        has exactly ``params.max_tokens`` tokens (``"length"``). ``params.ignore_eos`` also
+        disables the stop strings.
         Raises ``ValueError`` for bad prompts or settings, ``RuntimeError`` after :meth:`close`.
         """
         self._check_open()
@@ -143,7 +179,7 @@ class HFRollout:
     def _generate_micro_batch(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
     ) -> tuple[list[list[int]], list[str], list[list[float]] | None]:
-        from transformers import GenerationConfig, LogitsProcessorList  # deferred: transformers
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList  # deferred: transformers
         from transformers.generation.logits_process import (  # deferred: transformers
             TemperatureLogitsWarper,
             TopKLogitsWarper,
@@ -183,6 +219,12 @@ class HFRollout:
             bos_token_id=self.model.generation_config.bos_token_id,
             use_cache=True,
         )
+        stops = (
+            _StopStrings(self.tokenizer, tuple(params.stop), P, len(prompts))
+            if params.stop and not params.ignore_eos
+            else None
+        )
+        extra: dict[str, Any] = {} if stops is None else {"stopping_criteria": StoppingCriteriaList([stops])}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             seqs = self.model.generate(
@@ -190,6 +232,7 @@ class HFRollout:
                 attention_mask=attention_mask.to(self.device),
                 generation_config=gen_cfg,
                 logits_processor=processors,
+                **extra,
             )
         gen = seqs[:, P:].cpu()  # (mb, T_gen)
         lps = recorder.finish(seqs) if recorder is not None else None
@@ -200,8 +243,11 @@ class HFRollout:
         for i in range(gen.shape[0]):
             row = gen[i]
             hits = torch.nonzero(torch.isin(row, eos), as_tuple=False)
-            if hits.numel():
-                length, reason = int(hits[0, 0]) + 1, "stop"
+            cuts = [int(hits[0, 0]) + 1] if hits.numel() else []
+            if stops is not None and stops.hit[i] is not None:
+                cuts.append(int(stops.hit[i]))  # type: ignore[arg-type]
+            if cuts:
+                length, reason = min(cuts), "stop"
             else:
                 length, reason = int(params.max_tokens), "length"
                 if row.shape[0] < length:  # cannot happen: an unfinished row runs to max_new_tokens

