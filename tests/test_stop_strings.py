@@ -205,3 +205,32 @@ def test_sglang_request_carries_stop_without_trimming() -> None:
     assert body["sampling_params"]["stop"] == ["ab"] and body["sampling_params"]["no_stop_trim"] is True
     _, plain = srv._request([1, 2], SamplingParams(max_tokens=8), seed=0)
     assert "stop" not in plain["sampling_params"]
+
+
+@pytest.mark.vllm
+def test_vllm_inprocess_engine_stops_like_hf_and_passes_the_kit(tok) -> None:
+    pytest.importorskip("vllm")
+    from rlplug.plugins.rollout.vllm import create_vllm_rollout
+    from rlplug.training.models import resolve_model_path
+
+    vcfg = compose(
+        [
+            "model=tiny",
+            "model.tiny.num_attention_heads=2",
+            "model.tiny.num_key_value_heads=1",
+            "rollout=vllm",
+            "rollout.dtype=fp32",
+            "rollout.kv_cache_space_gib=1",
+            "trainer.seed=7",
+        ]
+    )
+    mp = resolve_model_path(vcfg.model)  # 2 heads: a head size vLLM-CPU supports (test_rollout_vllm.py)
+    with HFRollout(vcfg, mp, tok) as h, create_vllm_rollout(vcfg, mp, tok) as v:
+        ids = h.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_tokens=MAX)).response_ids[0]
+        stop = two_token_stop(tok, ids, 5)
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=MAX, stop=(stop,))
+        a, b = h.generate(PROMPTS, params), v.generate(PROMPTS, params)
+        k = first_hit(tok, ids, stop)
+        assert a.response_ids[0] == ids[:k] and a.finish_reasons[0] == "stop"
+        assert b.response_ids == a.response_ids and b.finish_reasons == a.finish_reasons
+        check_rollout_backend(v, max_tokens=6, n=2, tokenizer=tok)
