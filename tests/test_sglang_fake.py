@@ -452,3 +452,14 @@ def test_real_sglang_greedy_matches_hf() -> None:  # pragma: no cover - needs SG
     params = SamplingParams(n=2, temperature=0.0, max_tokens=8)
     with SGLangRollout(cfg, path, tok) as s, HFRollout(cfg, path, tok) as h:
         assert s.generate(prompts, params).response_ids == h.generate(prompts, params).response_ids
+
+
+def test_a_stop_string_finish_is_accepted_only_when_stop_strings_were_asked(make) -> None:
+    # a server that honoured SamplingParams.stop answers 'stop' with no EOS: the ids end with the token that
+    # completed the string (include_stop_str_in_output / no_stop_trim) and come back unchanged
+    b = make()
+    b._post = lambda path, body, timeout, parse, cancel: ([10, 11, 12], "stop", None)
+    out = b.generate([[5, 3]], SamplingParams(temperature=0.0, max_tokens=5, stop=("xy",)))
+    assert out.response_ids == [[10, 11, 12]] and out.finish_reasons == ["stop"]
+    with pytest.raises(ServerError, match="with reason 'stop' but no EOS token"):
+        b.generate([[5, 3]], SamplingParams(temperature=0.0, max_tokens=5))

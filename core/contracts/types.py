@@ -426,7 +426,8 @@ class RolloutOutput:
 
     * ``response_ids``: list of ``B`` lists of int token ids (EOS included when generated,
       no padding).
-    * ``finish_reasons``: ``"stop"`` (EOS generated) or ``"length"`` (hit ``max_tokens``).
+    * ``finish_reasons``: ``"stop"`` (EOS generated, or a stop string of :attr:`SamplingParams.stop`
+      completed) or ``"length"`` (hit ``max_tokens``).
     * ``log_probs``: optional list of ``B`` lists of float (nats) from the engine, aligned with
       ``response_ids``; used only for the optional importance-sampling correction.
     * ``prompt_index``: ``B`` ints, the index of the prompt each response answers.

@@ -735,6 +735,8 @@ class ServerRollout:
             if cut is not None:
                 ids, reason = ids[:cut], "stop"
                 lp = lp[:cut] if lp is not None else None
+            elif reason == "stop" and params.stop:
+                pass  # a stop string (SamplingParams.stop) ended it: the ids end with the token that completed it
             elif reason == "length":
                 if len(ids) > params.max_tokens:
                     raise ServerError(
@@ -743,7 +745,7 @@ class ServerRollout:
             else:
                 raise ServerError(
                     f"{self.engine} finished prompt {i} sample {j} with reason '{reason}' but no EOS token {sorted(eos)} in its "
-                    f"{len(ids)} tokens; expected 'stop' with EOS or 'length'."
+                    f"{len(ids)} tokens; expected 'stop' with EOS (or a stop string of SamplingParams.stop) or 'length'."
                 )
             responses.append(ids)
             reasons.append(reason)
