@@ -359,14 +359,40 @@ class NScheduleConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """``rollout.multi_turn``: multi-turn episodes with tools (issue 33). The episodes are not in this version
-    yet: ``enable=true`` is refused, and ``tools`` are resolved and checked (kind ``tool``) so that a wrong name
-    fails now, but are refused unless ``enable`` is on (:func:`rlplug.run.validate.validate_config`)."""
+    """``rollout.multi_turn``: multi-turn episodes, an environment (kind ``environment``) and tools (kind
+    ``tool``) between the engine's turns (:mod:`rlplug.orchestration`; verl's ``actor_rollout_ref.rollout.
+    multi_turn.*`` and ``rollout.agent.*`` map onto these keys, :mod:`rlplug.config.verl_keys`)."""
 
-    #: run multi-turn episodes (an environment and tools between the engine's turns); not available yet
+    #: run multi-turn episodes; off: one response per prompt (every other key here is then refused)
     enable: bool = False
+    #: the environment (kind ``environment``) of a row without its own ``agent_name`` (verl's convention:
+    #: the row's ``agent_name`` column or ``extra_info.agent_name`` picks it per row)
+    environment: str = "tool_agent"
     #: the tools (kind ``tool``, e.g. ``[calculator]``) the episodes may call
     tools: list[str] = field(default_factory=list)
+    #: how ``tool_agent`` reads tool calls: ``tags`` (``<calculator>12*7</calculator>``, the tool's one
+    #: string argument between tags named after it) or ``hermes`` (``<tool_call>{"name": ..., "arguments":
+    #: {...}}</tool_call>``, the tools' schemas given to the chat template)
+    format: str = "tags"
+    #: most assistant turns per episode (verl's name); the episode ends after that many
+    max_assistant_turns: int = 5
+    #: most observation (tool / user) turns per episode (verl's name)
+    max_user_turns: int = 5
+    #: most tool calls run from one assistant message; calls beyond it get an error message
+    max_parallel_calls: int = 1
+    #: a tool reply longer than this many characters is cut (verl's max_tool_response_length, characters)
+    max_tool_response_length: int = 256
+    #: wall seconds one tool call may take; then its worker is killed and the model reads a timeout message
+    tool_timeout_s: float = 10.0
+    #: wall seconds one episode may take (generation and tools); then it ends where it is
+    episode_timeout_s: float = 120.0
+    #: an observation that does not fit in data.max_response_length: ``truncate`` it (the episode then ends
+    #: when no token is left) or ``end`` the episode without it
+    on_overflow: str = "truncate"
+    #: memory limit of a tool worker process, MiB (RLIMIT_AS); 0: none
+    tool_memory_mb: int = 1024
+    #: tool worker processes (calls run in parallel up to this many)
+    tool_workers: int = 2
 
 
 @dataclass

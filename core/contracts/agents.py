@@ -40,6 +40,9 @@ __all__ = [
     "ToolArgumentError",
     "ToolSchemaError",
     "FunctionTool",
+    "ToolResult",
+    "TOOL_STATUSES",
+    "EnvironmentContext",
     "JSON_TYPES",
     "TOOL_NAME_PATTERN",
     "schema_problems",
@@ -69,11 +72,65 @@ class EnvStep:
 
 @runtime_checkable
 class EnvironmentProtocol(Protocol):
-    """One trajectory's environment (kind ``environment``). Methods may be coroutines (``async def``)."""
+    """One trajectory's environment (kind ``environment``). Methods may be coroutines (``async def``).
+
+    The registered object is a factory, ``factory(context: EnvironmentContext) -> EnvironmentProtocol``,
+    called once per trajectory. Optional members: ``close()`` (called once when the episode ends, also
+    after an error or a timeout); ``stop`` (a sequence of stop strings the engine ends an assistant turn
+    at, e.g. ``("</calculator>",)`` so that a tool call is answered before the model goes on; the stopping
+    text is kept in the turn).
+    """
 
     def reset(self, row: Mapping[str, Any]) -> Sequence[Message] | Awaitable[Sequence[Message]]: ...
 
     def step(self, assistant_message: Message) -> EnvStep | Awaitable[EnvStep]: ...
+
+
+#: what became of one tool call (:attr:`ToolResult.status`): ``ok``; ``error`` (the tool raised, its message is the
+#: text); ``bad_arguments`` (the call did not match the schema, or could not be parsed); ``unknown_tool``;
+#: ``timeout`` (past ``rollout.multi_turn.tool_timeout_s`` or the episode's deadline: the worker is killed);
+#: ``crash`` (the worker process died: a signal, out of memory)
+TOOL_STATUSES: tuple[str, ...] = ("ok", "error", "bad_arguments", "unknown_tool", "timeout", "crash")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The outcome of one tool call, as the engine's tool workers return it (never an exception).
+
+    ``text``: what the model reads as the tool's reply (the result, or the error message), already cut to
+    ``rollout.multi_turn.max_tool_response_length`` characters. ``status``: one of :data:`TOOL_STATUSES`.
+    ``seconds``: wall time of the call. ``truncated``: the text was cut.
+    """
+
+    text: str
+    status: str = "ok"
+    seconds: float = 0.0
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class EnvironmentContext:
+    """What an environment factory gets for one trajectory (kind ``environment``):
+    ``factory(context) -> EnvironmentProtocol``.
+
+    ``tools``: the selected tools by name (``rollout.multi_turn.tools``; their ``name``, ``description`` and
+    ``parameters`` for prompts and parsing). ``call_tool(name, arguments)``: a coroutine running the call in a
+    tool worker process under the configured timeout and limits; it returns a :class:`ToolResult` and never
+    raises (an unknown name, bad arguments, a timeout or a crash come back as a status and a message for the
+    model). ``settings``: the ``rollout.multi_turn`` section (``format``, ``max_parallel_calls`` ...).
+    ``seed``: this trajectory's seed (from the run seed, the step and the trajectory's index, so a resumed
+    run gives every environment the same seed). ``index``: the trajectory's index in the step's batch.
+    """
+
+    tools: Mapping[str, Any]
+    call_tool: Callable[[str, Mapping[str, Any]], Awaitable[ToolResult]]
+    settings: Any = None
+    seed: int = 0
+    index: int = 0
 
 
 @runtime_checkable
