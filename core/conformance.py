@@ -21,7 +21,10 @@ finiteness, exact zeros on padding, that inputs are not modified in place, and p
   you pass one (or the arguments to build one);
 * tools: the schema, a call with arguments built from it returns text (awaited for an ``async``
   tool), a call without a required argument raises; picklable. :class:`LookupTool` is a tool for
-  tests (it returns a stored value verbatim).
+  tests (it returns a stored value verbatim);
+* environments: built from a context whose tools run in this process (:func:`environment_context`), one
+  episode of scripted assistant replies: ``reset`` returns messages, each ``step`` an ``EnvStep`` of
+  observation messages, a finite reward or ``None`` and a ``done`` flag; ``close`` is called.
 
 Every check raises ``AssertionError`` with a message saying what was wrong and what was expected.
 """
@@ -33,15 +36,23 @@ import copy
 import inspect
 import math
 import pickle
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from rlplug.config.schema import ActorConfig, AlgorithmConfig
-from rlplug.contracts.agents import ToolError, validate_arguments
+from rlplug.config.schema import ActorConfig, AlgorithmConfig, MultiTurnConfig, typed
+from rlplug.contracts.agents import (
+    EnvironmentContext,
+    EnvStep,
+    ToolArgumentError,
+    ToolError,
+    ToolResult,
+    validate_arguments,
+)
 from rlplug.contracts.kinds import CONTRACTS, built_classes, check_object
-from rlplug.contracts.registry import get_plugin
+from rlplug.contracts.registry import get_plugin, get_registry
 from rlplug.contracts.types import Coordinator, MiniBatchContext, RolloutOutput, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,6 +73,10 @@ __all__ = [
     "check_tracker",
     "check_tool",
     "LookupTool",
+    "check_environment",
+    "environment_context",
+    "InProcessTools",
+    "DEFAULT_ENVIRONMENT_ROW",
 ]
 
 LOSS_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
@@ -973,3 +988,218 @@ def check_tool(tool: Any, arguments: Mapping[str, Any] | None = None, *, picklab
                 "the function (and any class) at module level"
             ) from exc
         assert copied.parameters == parameters, f"{what}: its parameters changed when pickled"
+
+
+# ============================================================================ environments
+
+#: the row :func:`check_environment` resets an environment with by default (verl's row schema)
+DEFAULT_ENVIRONMENT_ROW: dict[str, Any] = {
+    "prompt": [{"role": "user", "content": "What is 12*7? Answer with the number."}],
+    "data_source": "check_environment",
+    "reward_model": {"style": "rule", "ground_truth": "84"},
+    "extra_info": {"index": 0},
+}
+
+_MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+_OBSERVATION_ROLES = ("tool", "user", "system")
+
+
+class InProcessTools:
+    """``call_tool(name, arguments)`` of an :class:`rlplug.contracts.agents.EnvironmentContext` that runs the tools
+    in this process (for kits and tests; a run's calls go to the engine's tool worker processes instead).
+
+    ``tools``: name -> tool (:class:`rlplug.contracts.agents.ToolProtocol`). ``settings``: the
+    ``rollout.multi_turn`` section (:class:`rlplug.config.schema.MultiTurnConfig`, or ``None`` for its
+    defaults): ``max_tool_response_length`` characters cut a reply, ``tool_timeout_s`` bounds an ``async``
+    tool (a plain tool runs to completion in the event loop's thread: this class cannot stop it).
+
+    Awaiting a call returns a :class:`rlplug.contracts.agents.ToolResult` and never raises: an unknown name is
+    ``unknown_tool``; arguments that do not match the tool's schema
+    (:func:`rlplug.contracts.agents.validate_arguments`) or a tool raising ``ToolArgumentError`` are
+    ``bad_arguments``; a tool raising ``ToolError`` is ``error`` with its message as the text, any other
+    exception ``error`` with ``"<name>: <ExceptionType>: <message>"``; an ``async`` tool past
+    ``tool_timeout_s`` seconds is ``timeout``. ``calls`` records every ``(name, arguments, result)``.
+    """
+
+    def __init__(self, tools: Mapping[str, Any], settings: Any = None) -> None:
+        self.tools = dict(tools)
+        self.settings = typed(MultiTurnConfig, settings)
+        self.calls: list[tuple[str, dict[str, Any], ToolResult]] = []
+
+    async def __call__(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
+        start = time.monotonic()
+        text, status = await self._run(name, arguments)
+        limit = self.settings.max_tool_response_length
+        truncated = limit > 0 and len(text) > limit
+        result = ToolResult(text[:limit] if truncated else text, status, time.monotonic() - start, truncated)
+        self.calls.append((name, dict(arguments) if isinstance(arguments, Mapping) else {}, result))
+        return result
+
+    async def _run(self, name: str, arguments: Mapping[str, Any]) -> tuple[str, str]:
+        tool = self.tools.get(name)
+        if tool is None:
+            listing = ", ".join(sorted(self.tools)) or "none"
+            return f"unknown tool {name!r}; the tools are: {listing}", "unknown_tool"
+        timeout = self.settings.tool_timeout_s
+        try:
+            checked = validate_arguments(name, tool.parameters, arguments)
+            out = tool(**checked)
+            if inspect.isawaitable(out):
+                out = await asyncio.wait_for(_awaited(out), timeout=timeout if timeout > 0 else None)
+        except ToolArgumentError as exc:
+            return str(exc), "bad_arguments"
+        except ToolError as exc:
+            return str(exc), "error"
+        except TimeoutError:
+            return f"{name}: the call took longer than {timeout:g} s and was stopped", "timeout"
+        except Exception as exc:
+            return f"{name}: {type(exc).__name__}: {exc}", "error"
+        return (out if isinstance(out, str) else str(out)), "ok"
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+def environment_context(
+    tools: Any = None, settings: Any = None, *, seed: int = 0, index: int = 0
+) -> EnvironmentContext:
+    """An :class:`rlplug.contracts.agents.EnvironmentContext` whose ``call_tool`` runs the tools in this process
+    (:class:`InProcessTools`), for building an environment in a test: ``factory(environment_context([...]))``.
+
+    ``tools``: ``None`` (none), a mapping name -> tool, or a sequence of tools and registered tool names (a
+    name is resolved through the registry). ``settings``: the ``rollout.multi_turn`` section or a partial
+    mapping of it (``{"format": "hermes"}``); passed on as a :class:`rlplug.config.schema.MultiTurnConfig`,
+    the schema's defaults filling the rest. ``seed`` / ``index``: the trajectory's seed and batch index.
+    """
+    if tools is None:
+        selected: dict[str, Any] = {}
+    elif isinstance(tools, Mapping):
+        selected = dict(tools)
+    else:
+        resolved = [_resolve("tool", t) for t in tools]
+        selected = {t.name: t for t in resolved}
+    config = typed(MultiTurnConfig, settings)
+    return EnvironmentContext(
+        tools=selected, call_tool=InProcessTools(selected, config), settings=config, seed=seed, index=index
+    )
+
+
+def _check_messages(messages: Any, roles: tuple[str, ...], what: str) -> list[dict[str, Any]]:
+    """``messages`` as a list of dicts, or ``AssertionError`` naming the first message that is not a chat message
+    with a ``role`` among ``roles`` and a ``str`` ``content``."""
+    assert isinstance(messages, (list, tuple)), (
+        f"{what} must be a list of messages ({{'role': ..., 'content': ...}} dicts), got {type(messages).__name__}"
+    )
+    out = []
+    for i, message in enumerate(messages):
+        assert isinstance(message, Mapping), f"{what}[{i}] must be a message dict, got {type(message).__name__}"
+        role, content = message.get("role"), message.get("content")
+        assert role in roles, f"{what}[{i}] has role {role!r}; expected one of {roles}"
+        assert isinstance(content, str), f"{what}[{i}] content must be a str, got {type(content).__name__}"
+        out.append(dict(message))
+    return out
+
+
+def _check_step(result: Any, what: str) -> EnvStep:
+    assert isinstance(result, EnvStep), (
+        f"{what} must return an EnvStep(observations, reward, done, info), got {type(result).__name__}: {result!r}"
+    )
+    _check_messages(list(result.observations), _OBSERVATION_ROLES, f"{what}.observations")
+    reward = result.reward
+    if reward is not None:
+        assert isinstance(reward, (int, float)) and not isinstance(reward, bool), (
+            f"{what}.reward must be None or a float, got {type(reward).__name__}: {reward!r}"
+        )
+        assert math.isfinite(reward), f"{what}.reward must be finite, got {reward!r}"
+    assert isinstance(result.done, bool), f"{what}.done must be a bool, got {type(result.done).__name__}"
+    assert isinstance(result.info, Mapping), f"{what}.info must be a mapping, got {type(result.info).__name__}"
+    return result
+
+
+def check_environment(
+    environment: Any,
+    row: Mapping[str, Any] | None = None,
+    replies: Iterable[Any] | None = None,
+    *,
+    tools: Any = None,
+    settings: Any = None,
+    builds: Any = None,
+) -> tuple[list[dict[str, Any]], list[EnvStep]]:
+    """Run the environment kit: build one environment and play one episode with scripted assistant replies.
+
+    ``environment``: the registered factory (a class, or a function with ``builds``), its registered name, or an
+    environment already built. ``row``: the dataset row to ``reset`` with (default
+    :data:`DEFAULT_ENVIRONMENT_ROW`, verl's row schema). ``replies``: the assistant turns, each a string (the
+    content) or a message dict (default one final answer, ``"The answer is 84."``). ``tools`` and ``settings``:
+    the context's tools and ``rollout.multi_turn`` settings (:func:`environment_context`; tools run in this
+    process, :class:`InProcessTools`).
+
+    Checks: the Protocol on the class it builds (``reset(row)``, ``step(assistant_message)``, optional
+    ``close()`` and ``stop``, as the registry does); ``factory(context)`` builds it; ``stop``, when set, is a
+    tuple of non-empty strings; ``reset(row)`` returns a non-empty list of messages (``role`` system / user /
+    assistant / tool, ``content`` a ``str``); each ``step(reply)`` returns an
+    :class:`rlplug.contracts.agents.EnvStep` whose observations are messages with role tool / user / system and
+    ``str`` content, ``reward`` ``None`` or a finite float, ``done`` a bool and ``info`` a mapping; the steps
+    go on until ``done`` or the replies run out; ``close()``, when present, is called at the end (also after a
+    failure). ``async def`` methods are awaited. Environments live in the trainer process: no pickling.
+
+    Returns ``(initial_messages, steps)`` for further assertions. Raises ``AssertionError`` naming what was
+    wrong (a method that raised is named with its exception).
+    """
+    extra_builds = builds
+    if isinstance(environment, str):
+        reg = get_registry().registration("environment", environment)
+        environment, extra_builds = reg.obj, builds if builds is not None else reg.extra.get("builds")
+    built = hasattr(environment, "reset") and not inspect.isclass(environment)
+    if built:
+        check_protocol("environment", type(environment))
+        env = environment
+    else:
+        check_protocol("environment", environment, builds=extra_builds)
+        context = environment_context(tools, settings)
+        try:
+            env = environment(context)
+        except Exception as exc:
+            raise AssertionError(
+                f"building the environment, {_name_of(environment)}(context), raised {type(exc).__name__}: {exc}"
+            ) from exc
+        check_protocol("environment", type(env))
+    label = type(env).__qualname__
+    stop = getattr(env, "stop", None)
+    if stop is not None:
+        assert isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop), (
+            f"{label}.stop must be a tuple of non-empty stop strings, got {stop!r}"
+        )
+    script = ["The answer is 84."] if replies is None else list(replies)
+    row = DEFAULT_ENVIRONMENT_ROW if row is None else row
+
+    async def call(method: str, *args: Any) -> Any:
+        try:
+            out = getattr(env, method)(*args)
+            return await out if inspect.isawaitable(out) else out
+        except Exception as exc:
+            raise AssertionError(f"{label}.{method}() raised {type(exc).__name__}: {exc}") from exc
+
+    async def episode() -> tuple[list[dict[str, Any]], list[EnvStep]]:
+        steps: list[EnvStep] = []
+        try:
+            initial = _check_messages(
+                await call("reset", copy.deepcopy(dict(row))), _MESSAGE_ROLES, f"{label}.reset(row)"
+            )
+            assert initial, f"{label}.reset(row) returned no message; it must return the prompt's messages at least"
+            for i, reply in enumerate(script):
+                message = {"role": "assistant", "content": reply} if isinstance(reply, str) else dict(reply)
+                steps.append(_check_step(await call("step", message), f"{label}.step() (turn {i})"))
+                if steps[-1].done:
+                    break
+        finally:
+            if callable(getattr(env, "close", None)):
+                await call("close")
+        return initial, steps
+
+    return asyncio.run(episode())
+
+
+def _name_of(obj: Any) -> str:
+    return str(getattr(obj, "__qualname__", None) or type(obj).__qualname__)

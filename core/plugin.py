@@ -26,7 +26,9 @@ runtime-checkable Protocols the registry checks each kind against (``*Protocol``
 :class:`RolloutOutput`, :class:`MiniBatchContext`, :class:`MissingInputError`, the field and
 capability tables). :class:`Batch` and :class:`Fields` are the batch a training backend and an
 advantage estimator receive. The multi-turn contracts (:mod:`rlplug.contracts.agents`:
-:class:`EnvironmentProtocol`, :class:`EnvStep`, :class:`ToolProtocol`, :data:`Message`; for tools
+:class:`EnvironmentProtocol`, :class:`EnvStep`, :class:`ToolProtocol`, :data:`Message`; what an environment
+factory gets, :class:`EnvironmentContext`, whose ``call_tool`` returns a :class:`ToolResult` with one of the
+:data:`TOOL_STATUSES`; for tools
 :class:`FunctionTool`, a function as a tool with its schema from the signature and docstring, and the errors
 whose message the model reads, :class:`ToolError` and :class:`ToolArgumentError`, besides
 :class:`ToolSchemaError` for a function that cannot be described) and the
@@ -76,7 +78,7 @@ schema's section dataclasses (:class:`RunConfig`, :class:`ActorConfig`, :class:`
 :class:`ConfigError` (what a plugin raises for a bad setting).
 
 **Testing** (a plugin's own tests): the conformance kit of each kind (:func:`check_advantage_estimator`
-... :func:`check_tracker`, :func:`check_tool`, :func:`check_protocol`) with its inputs (:func:`make_batch`,
+... :func:`check_tracker`, :func:`check_tool`, :func:`check_environment`, :func:`check_protocol`) with its inputs (:func:`make_batch`,
 :func:`algorithm_config`), the helpers of :mod:`rlplug.testing` (:func:`assert_advantage_contract`,
 :func:`reduction_tolerance`; imported when first used, as that module needs pytest) and
 :func:`fault_point`, where the crash tests stop or fail a process (``RLPLUG_TEST_KILL_AT``,
@@ -123,6 +125,7 @@ from rlplug.config.schema import (
     DataConfig,
     KLControlConfig,
     ModelConfig,
+    MultiTurnConfig,
     OptimConfig,
     PrometheusConfig,
     RewardConfig,
@@ -138,6 +141,7 @@ from rlplug.conformance import (
     algorithm_config,
     check_advantage_estimator,
     check_batch_filter,
+    check_environment,
     check_kl_penalty,
     check_policy_loss,
     check_protocol,
@@ -149,6 +153,8 @@ from rlplug.conformance import (
     make_batch,
 )
 from rlplug.contracts.agents import (
+    TOOL_STATUSES,
+    EnvironmentContext,
     EnvironmentProtocol,
     EnvStep,
     FunctionTool,
@@ -156,6 +162,7 @@ from rlplug.contracts.agents import (
     ToolArgumentError,
     ToolError,
     ToolProtocol,
+    ToolResult,
     ToolSchemaError,
 )
 from rlplug.contracts.batch import Batch, Fields
@@ -239,6 +246,7 @@ __all__ = [
     "RewardFunction",
     "RolloutBackend",
     "EnvironmentProtocol",
+    "EnvironmentContext",
     "EnvStep",
     "Message",
     "ToolProtocol",
@@ -246,6 +254,8 @@ __all__ = [
     "ToolError",
     "ToolArgumentError",
     "ToolSchemaError",
+    "ToolResult",
+    "TOOL_STATUSES",
     "WeightTransfer",
     "DirectWeightTransfer",
     "SamplingParams",
@@ -336,6 +346,7 @@ __all__ = [
     "DataConfig",
     "KLControlConfig",
     "ModelConfig",
+    "MultiTurnConfig",
     "OptimConfig",
     "PrometheusConfig",
     "RewardConfig",
@@ -356,6 +367,7 @@ __all__ = [
     "check_training_backend",
     "check_tracker",
     "check_tool",
+    "check_environment",
     "make_batch",
     "assert_advantage_contract",
     "algorithm_config",

@@ -52,6 +52,7 @@ from rlplug.conformance import (  # make_batch, algorithm_config, REWARD_COMPONE
     algorithm_config,
     check_advantage_estimator,
     check_batch_filter,
+    check_environment,
     check_kl_penalty,
     check_policy_loss,
     check_protocol,
@@ -60,6 +61,7 @@ from rlplug.conformance import (  # make_batch, algorithm_config, REWARD_COMPONE
     check_tool,
     check_tracker,
     check_training_backend,
+    environment_context,
     make_batch,
 )
 from rlplug.contracts.registry import Registry, get_plugin, set_registry
@@ -80,6 +82,8 @@ __all__ = [
     "check_tracker",
     "check_tool",
     "LookupTool",
+    "check_environment",
+    "environment_context",
     "reduction_tolerance",
 ]
 

@@ -125,6 +125,22 @@ def register_tools(register: Register) -> None:
 
 
 @hookspec
+def register_environments(register: Register) -> None:
+    """Register environments a multi-turn episode talks to.
+
+    Call ``register(name, factory)`` with the class, or ``register(name, factory, builds=TheClass)`` for a
+    factory function; ``factory(context)`` gets a :class:`rlplug.contracts.agents.EnvironmentContext` (the
+    selected tools, ``call_tool(name, arguments)`` returning a :class:`rlplug.contracts.agents.ToolResult`,
+    the ``rollout.multi_turn`` settings, the trajectory's seed) and returns one object per trajectory
+    implementing :class:`rlplug.contracts.agents.EnvironmentProtocol`: ``reset(row)`` -> the initial messages,
+    ``step(assistant_message)`` -> an :class:`rlplug.contracts.agents.EnvStep`, optional ``close()`` and
+    ``stop`` strings (plain or ``async`` methods; checked on the class when the name is resolved). Selected
+    per row by the row's ``agent_name`` (its own column or ``extra_info.agent_name``, verl's convention),
+    else by ``rollout.multi_turn.environment``.
+    """
+
+
+@hookspec
 def register_rollout_backends(register: Register) -> None:
     """Register rollout engines.
 

@@ -15,6 +15,7 @@ rollout_backend       :class:`~rlplug.contracts.types.RolloutBackend`           
 training_backend      :class:`~rlplug.contracts.types.TrainingBackend`             a factory (class or ``builds=``)
 tracker               :class:`~rlplug.contracts.types.Tracker`                     a factory (class or ``builds=``)
 tool                  :class:`~rlplug.contracts.agents.ToolProtocol`               the tool itself
+environment           :class:`~rlplug.contracts.agents.EnvironmentProtocol`        a factory (class or ``builds=``)
 ===================== ====================================== ======================================
 
 :func:`check_registration` runs when the registry resolves a name (``rlplug train`` and
@@ -27,7 +28,9 @@ one, and raises :class:`rlplug.contracts.registry.PluginContractError` naming th
 that supplied it and every problem found. A tool is also checked for what the Protocol cannot say
 (:func:`rlplug.contracts.agents.tool_problems`): a valid ``name`` equal to the registered one, a
 non-empty ``description``, ``parameters`` a JSON schema object (``type: object``, ``properties``,
-``required`` among them), and a ``__call__`` that accepts those parameters as keywords.
+``required`` among them), and a ``__call__`` that accepts those parameters as keywords. An environment's
+class is also checked for its optional members (:func:`environment_class_problems`): ``close()`` callable
+with no argument, ``stop`` (when set on the class) a sequence of non-empty strings.
 """
 
 from __future__ import annotations
@@ -39,10 +42,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlplug.contracts import types as T
-from rlplug.contracts.agents import ToolProtocol, schema_problems, tool_problems
+from rlplug.contracts.agents import EnvironmentProtocol, ToolProtocol, schema_problems, tool_problems
 from rlplug.contracts.plugin_errors import PluginContractError
 
-__all__ = ["KindContract", "CONTRACTS", "check_registration", "check_object", "built_classes", "protocol_members"]
+__all__ = [
+    "KindContract",
+    "CONTRACTS",
+    "check_registration",
+    "check_object",
+    "built_classes",
+    "protocol_members",
+    "environment_class_problems",
+]
 
 
 @dataclass(frozen=True)
@@ -56,8 +67,10 @@ class KindContract:
     ``capabilities`` attribute. ``call_keywords``: for objects the engine calls with keyword
     arguments they describe themselves (a tool's ``parameters``), a function giving those names, or
     ``None`` when the object does not describe them validly. ``extra_check``: a function giving the
-    problems the Protocol cannot express (e.g. a tool's schema). ``named``: the object carries its
-    own ``name``, which must equal the registered name.
+    problems the Protocol cannot express (e.g. a tool's schema); ``class_check`` the same for the class a
+    factory builds (e.g. an environment's optional ``close`` and ``stop``). ``named``: the object carries its
+    own ``name``, which must equal the registered name. ``optional``: members the Protocol leaves out but the
+    engine uses when present (never suggested as the misspelling of a missing member: ``stop`` for ``step``).
     """
 
     kind: str
@@ -67,7 +80,9 @@ class KindContract:
     capabilities: tuple[str, ...] = ()
     call_keywords: Callable[[Any], list[str] | None] | None = None
     extra_check: Callable[[Any], list[str]] | None = None
+    class_check: Callable[[type], list[str]] | None = None
     named: bool = False
+    optional: tuple[str, ...] = ()
 
 
 def _wrapped_fn(obj: Any) -> Any:
@@ -85,6 +100,31 @@ def _tool_keywords(tool: Any) -> list[str] | None:
     return list(parameters["properties"])
 
 
+def environment_class_problems(cls: type) -> list[str]:
+    """Problems of an environment class's optional members (empty: none): ``close``, when present, must be a
+    method callable with no argument; ``stop``, when set on the class (not a property), must be a list or tuple
+    of non-empty strings (a bare string would be read as its characters)."""
+    problems: list[str] = []
+    label = _name(cls)
+    close = getattr(cls, "close", None)
+    if close is not None:
+        member = inspect.getattr_static(cls, "close")
+        if not callable(close):
+            problems.append(f"{label}.close is a {type(member).__name__}, not a method")
+        else:
+            static = isinstance(member, (staticmethod, classmethod))
+            problem = _bind_problem(close, f"{label}.close", ([], []), drop_self=not static)
+            if problem:
+                problems.append(problem)
+    stop = inspect.getattr_static(cls, "stop", None)
+    if stop is not None and not isinstance(stop, (property, staticmethod, classmethod)) and not callable(stop):
+        if isinstance(stop, str) or not isinstance(stop, (list, tuple)):
+            problems.append(f"{label}.stop must be a tuple of stop strings, e.g. ('</calculator>',), got {stop!r}")
+        elif not all(isinstance(s, str) and s for s in stop):
+            problems.append(f"{label}.stop must hold non-empty strings only, got {stop!r}")
+    return problems
+
+
 CONTRACTS: dict[str, KindContract] = {
     "advantage_estimator": KindContract("advantage_estimator", T.AdvantageEstimatorProtocol, call_target=_wrapped_fn),
     "policy_loss": KindContract("policy_loss", T.PolicyLossProtocol, call_target=_wrapped_fn),
@@ -97,6 +137,13 @@ CONTRACTS: dict[str, KindContract] = {
     ),
     "tracker": KindContract("tracker", T.Tracker, factory=True),
     "tool": KindContract("tool", ToolProtocol, call_keywords=_tool_keywords, extra_check=tool_problems, named=True),
+    "environment": KindContract(
+        "environment",
+        EnvironmentProtocol,
+        factory=True,
+        class_check=environment_class_problems,
+        optional=("close", "stop"),
+    ),
 }
 
 
@@ -250,7 +297,7 @@ def check_object(kind: str, target: Any, *, is_class: bool = False, label: str |
         close = [
             c
             for c in difflib.get_close_matches(name, public, n=2, cutoff=0.75)
-            if c not in methods and c not in attributes
+            if c not in methods and c not in attributes and c not in contract.optional
         ]
         hint = f" (found {' / '.join(repr(c) for c in close)}: misnamed?)" if close else ""
         problems.append(f"{label} has no {what}{hint}")
@@ -265,6 +312,8 @@ def check_object(kind: str, target: Any, *, is_class: bool = False, label: str |
             problems.append(f"{label}.capabilities lists unknown {unknown}; known: {list(contract.capabilities)}")
     if contract.extra_check is not None and not is_class:
         problems += [f"{label}: {p}" for p in contract.extra_check(target)]
+    if contract.class_check is not None and is_class:
+        problems += contract.class_check(target)
     return problems
 
 

@@ -48,6 +48,7 @@ KINDS: dict[str, str] = {
     "training_backend": "register_training_backends",
     "tracker": "register_trackers",
     "tool": "register_tools",
+    "environment": "register_environments",
 }
 
 _KIND_WORDS = {k: k.replace("_", " ") for k in KINDS}
