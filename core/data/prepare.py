@@ -37,6 +37,8 @@ chain_sum           2-4 terms, 1-2 digits, ``+``/``-`` (reasoning-gym: 2-6 terms
 countdown           3-4 numbers in 1..25, target 10..100 (reasoning-gym: 4-6 numbers in
                     1..100, target 100..999).
 gsm_symbolic        GSM8K-style word problems (85 templates); only ``difficulty=1.0`` exists.
+calc_arith          not reasoning-gym: multi-digit integer arithmetic for the ``calculator`` tool
+                    (:mod:`rlplug.data.calc_arith`, its settings and defaults there).
 ==================  =======================================================================
 """
 
@@ -55,6 +57,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlplug.config.schema import default_cache_dir
+from rlplug.data import calc_arith
 
 __all__ = [
     "TASKS",
@@ -108,6 +111,7 @@ _INSTRUCTIONS = {
     "chain_sum": GSM8K_INSTRUCTION,
     "gsm_symbolic": GSM8K_INSTRUCTION,
     "countdown": COUNTDOWN_INSTRUCTION,
+    calc_arith.TASK: calc_arith.INSTRUCTION,
 }
 
 #: bump when this module changes how prompts or ground truths are written: part of the cache key of
@@ -150,16 +154,17 @@ def parquet_schema():
 
 def _unknown_task(task: str) -> ValueError:
 
-    close = difflib.get_close_matches(str(task), TASKS, n=2, cutoff=0.5)
+    choices = (*TASKS, calc_arith.TASK)
+    close = difflib.get_close_matches(str(task), choices, n=2, cutoff=0.5)
     hint = (" Did you mean " + " or ".join(f"'{c}'" for c in close) + "?") if close else ""
     return ValueError(
-        f"Unknown task '{task}'.{hint} Available tasks: {', '.join(TASKS)}. "
+        f"Unknown task '{task}'.{hint} Available tasks: {', '.join(choices)}. "
         "For other data, write parquet files in verl's schema and pass them as data.train_files/data.val_files."
     )
 
 
 def _task_kwargs(task: str, task_kwargs: dict | None) -> dict[str, Any]:
-    kwargs = dict(TASK_DEFAULTS[task])
+    kwargs = dict(calc_arith.DEFAULTS if task == calc_arith.TASK else TASK_DEFAULTS[task])
     for key, value in dict(task_kwargs or {}).items():
         if key in ("seed", "size"):
             raise ValueError(
@@ -171,6 +176,8 @@ def _task_kwargs(task: str, task_kwargs: dict | None) -> dict[str, Any]:
 
 
 def _make_generator(task: str, kwargs: dict[str, Any], seed: int, size: int):
+    if task == calc_arith.TASK:  # rlplug's own generator, indexable like reasoning-gym's
+        return calc_arith.CalcArithDataset(kwargs, seed, size)
     import reasoning_gym  # deferred: reasoning_gym
     from reasoning_gym.factory import DATASETS  # deferred: reasoning_gym
 
@@ -298,7 +305,7 @@ def prepare_dataset(
         ValueError: unknown task (lists the available ones), bad sizes, or invalid ``task_kwargs``
             (lists the valid keys).
     """
-    if task not in TASK_DEFAULTS:
+    if task not in TASK_DEFAULTS and task != calc_arith.TASK:
         raise _unknown_task(task)
     for name, value in (("train_size", train_size), ("test_size", test_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -381,6 +388,8 @@ def prepared_data_files(cfg: Any) -> tuple[list[str], list[str]]:
         "defaults": TASK_DEFAULTS.get(d.task),
         "format": DATA_FORMAT_VERSION,
     }
+    if d.task == calc_arith.TASK:
+        spec.update(defaults=calc_arith.DEFAULTS, calc_arith_format=calc_arith.FORMAT_VERSION)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     out = default_cache_dir() / "data" / f"{d.task}-{key}"
     train, test = out / "train.parquet", out / "test.parquet"
