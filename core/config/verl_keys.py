@@ -40,6 +40,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlplug.config.schema import ConfigError, RunConfig, training_world_size
+from rlplug.contracts.plugin_errors import UnknownKindError
+from rlplug.contracts.registry import get_registry
 
 #: the verl commit the table describes (verl-project/verl)
 VERL_COMMIT = "1dda039b9"
@@ -101,6 +103,11 @@ class VerlKey:
     its rlplug ``target`` (None: the per-device size has no effect here, ``note`` says why) and
     ``dynamic_bsz``, the rlplug switches that decide whether verl checks it against the replacement
     (the first one given counts; verl skips the check with token-budget micro-batches).
+    ``implies`` (a mapped row): ``implies(value) -> [(rlplug key, value), ...]``, further settings the verl
+    value stands for (``agent.default_agent_loop=tool_agent`` also turns multi-turn episodes on).
+    ``reads`` (an inert row accepting only ``null``): ``reads(path) -> [(rlplug key, value), ...]``, a verl
+    file given as a path is read into rlplug settings (or raises :class:`ConfigError` naming what rlplug
+    cannot run); null stays inert.
     """
 
     key: str
@@ -115,6 +122,8 @@ class VerlKey:
     must_equal: str | None = None
     replacement: str | None = None
     dynamic_bsz: tuple[str, ...] = ()
+    implies: Callable[[Any], list[tuple[str, Any]]] | None = None
+    reads: Callable[[str], list[tuple[str, Any]]] | None = None
 
     def accepts(self, value: Any) -> bool:
         """Whether ``value`` (a Python value, or an interpolation string) may be given for this key."""
@@ -200,6 +209,135 @@ _MERGE = (
 )
 
 
+#: verl's default agent loop: one generation per row
+SINGLE_TURN_AGENT = "single_turn_agent"
+
+
+def _agent_loop_environment(value: Any) -> Any:
+    """verl's ``agent.default_agent_loop`` as ``rollout.multi_turn.environment``: the loop's name (an
+    environment of that name); verl's ``single_turn_agent`` -> None (not set: rlplug's default stays)."""
+    return None if value == SINGLE_TURN_AGENT else value
+
+
+def _agent_loop_implies(value: Any) -> list[tuple[str, Any]]:
+    """A default agent loop other than ``single_turn_agent`` runs every row as an episode in verl: multi-turn on."""
+    return [] if value in (None, SINGLE_TURN_AGENT) else [("rollout.multi_turn.enable", True)]
+
+
+def _read_yaml(path: str, key: str) -> Any:
+    """The plain data of the YAML file at ``path`` (given as verl key ``key``); raises :class:`ConfigError`."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{key}={path}: no such file ({p.resolve()}); give the path of the YAML file.")
+    try:
+        return OmegaConf.to_container(OmegaConf.load(p), resolve=False)
+    except Exception as exc:
+        raise ConfigError(f"{key}={path}: not a YAML file OmegaConf can read: {exc}") from exc
+
+
+def _registered(kind: str) -> list[str]:
+    """The names registered for ``kind`` in the process registry (none when this version lacks the kind)."""
+    try:
+        return get_registry().names(kind)
+    except UnknownKindError:
+        return []
+
+
+def read_verl_tool_config(path: str) -> list[tuple[str, Any]]:
+    """verl's ``multi_turn.tool_config_path`` YAML (``tools: [{class_name, config, tool_schema: {type: function,
+    function: {name, description, parameters}}}]``) as ``[("rollout.multi_turn.tools", [names])]``: each
+    entry selects the registered rlplug tool named by its ``tool_schema.function.name`` (its own schema is what
+    the model sees; verl's class is not run).
+
+    Raises:
+        ConfigError: no such file; not a mapping with a non-empty ``tools`` list; an entry without
+            ``tool_schema.function.name`` (verl's MCP tools); an entry whose ``config`` holds settings of verl's
+            class (anything but ``type: native``); a name given twice; a name no rlplug tool is registered under
+            (the message says how to write one and lists the registered tools).
+    """
+    key = f"{_MT}.tool_config_path"
+    data = _read_yaml(path, key)
+    entries = data.get("tools") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(
+            f"{key}={path}: expected verl's tool config, a mapping with a non-empty 'tools' list of "
+            "{class_name, config, tool_schema} entries."
+        )
+    names: list[str] = []
+    unknown: list[str] = []
+    registered = _registered("tool")
+    for i, entry in enumerate(entries):
+        where = f"{key}={path}: tools[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where} is {entry!r}, not a {{class_name, config, tool_schema}} mapping.")
+        schema = entry.get("tool_schema")
+        function = schema.get("function") if isinstance(schema, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        cls = entry.get("class_name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(
+                f"{where} ({cls}) has no tool_schema.function.name: rlplug selects its tools by that name (verl's "
+                f"MCP tools, whose schemas come from a server, are not available). {_WRITE_TOOL}."
+            )
+        config = entry.get("config") or {}
+        settings = sorted(k for k in config if k != "type") if isinstance(config, dict) else [str(config)]
+        if settings or (isinstance(config, dict) and config.get("type", "native") != "native"):
+            raise ConfigError(
+                f"{where} ({name}) has config {config}: settings of verl's class {cls}, which rlplug does not "
+                f"run; the rlplug tool '{name}' takes its settings from its own plugin. Remove them (type: native "
+                "may stay)."
+            )
+        if name in names:
+            raise ConfigError(f"{where}: the tool '{name}' is listed twice; list each tool once.")
+        if name not in registered:
+            unknown.append(f"{name} ({cls})")
+        names.append(name)
+    if unknown:
+        raise ConfigError(
+            f"{key}={path}: no rlplug tool is registered as {', '.join(unknown)}. {_WRITE_TOOL}. Registered "
+            f"tools: {', '.join(registered) or 'none'}."
+        )
+    return [("rollout.multi_turn.tools", names)]
+
+
+def read_verl_agent_loops(path: str) -> list[tuple[str, Any]]:
+    """verl's ``agent.agent_loop_config_path`` YAML (a list of ``{name, _target_}``): each agent loop must be a
+    registered rlplug environment of the same name, which the rows' ``agent_name`` then selects as verl's
+    does; returns no settings (the environments are found by name).
+
+    Raises:
+        ConfigError: no such file; not a non-empty list of mappings with a ``name``; an entry with more keys
+            than ``name`` and ``_target_`` (arguments of verl's class); a name no rlplug environment is
+            registered under (the message says how to write one and lists the registered environments).
+    """
+    key = f"{RO}.agent.agent_loop_config_path"
+    data = _read_yaml(path, key)
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{key}={path}: expected verl's agent loop config, a non-empty list of {{name, _target_}}.")
+    registered = _registered("environment")
+    unknown: list[str] = []
+    for i, entry in enumerate(data):
+        where = f"{key}={path}: [{i}]"
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where} is {entry!r}: each agent loop needs a name (and verl's _target_ class).")
+        target = entry.get("_target_")
+        arguments = sorted(set(entry) - {"name", "_target_"})
+        if arguments:
+            raise ConfigError(
+                f"{where} ({name}) sets {', '.join(arguments)}: arguments of verl's class {target}, which rlplug "
+                f"does not run. {_WRITE_ENV}; it takes its settings from its own plugin. Remove them."
+            )
+        if name not in registered:
+            unknown.append(f"{name} ({target})")
+    if unknown:
+        raise ConfigError(
+            f"{key}={path}: no rlplug environment is registered as {', '.join(unknown)}. {_WRITE_ENV}. "
+            f"Registered environments: {', '.join(registered) or 'none'}."
+        )
+    return []
+
+
 # ============================================================================ the table
 
 A = "actor_rollout_ref.actor"
@@ -234,7 +372,17 @@ _RM_ENGINE = (
     "process on trainer.device (reward.reward_model.micro_batch_size_per_device, max_length: docs/reward_models.md)"
 )
 _NO_RAY = "rlplug does not use Ray"
-_MULTI_TURN = "Multi-turn/agent rollouts (tool calls) are not implemented in rlplug: rollouts are single-turn."
+_MT = f"{RO}.multi_turn"
+_WRITE_TOOL = (
+    "rlplug cannot run verl's BaseTool classes: write each tool as an rlplug tool plugin (a FunctionTool(fn) "
+    "registered in a register_tools hook, its schema taken from fn's signature and docstring; CONTRIBUTING.md) "
+    "and name it in rollout.multi_turn.tools"
+)
+_WRITE_ENV = (
+    "rlplug cannot run verl's AgentLoopBase classes: write the agent loop as an rlplug environment plugin "
+    "(reset(row) -> messages, step(assistant_message) -> EnvStep; registered in a register_environments hook "
+    "under the name the rows' agent_name gives)"
+)
 _NO_LORA_ADAPTER = (
     "Starting from a pre-trained LoRA adapter is not implemented: merge it into its base model (peft's "
     "merge_and_unload, then save_pretrained) and set model.path to that folder; model.lora_rank trains new adapters."
@@ -527,6 +675,100 @@ def _actor_rows() -> list[VerlKey]:
     ]
 
 
+def _multi_turn_rows() -> list[VerlKey]:
+    """verl's ``rollout.multi_turn.*`` and ``rollout.agent.*`` keys onto ``rollout.multi_turn.*``
+    (:class:`rlplug.config.schema.MultiTurnConfig`)."""
+    uncapped = "verl's null (no cap) is not set here: rlplug keeps its cap (5); data.max_response_length bounds too"
+    return [
+        _m(f"{_MT}.enable", "rollout.multi_turn.enable", True, "multi-turn episodes: an environment and tools"),
+        _m(f"{_MT}.max_assistant_turns", "rollout.multi_turn.max_assistant_turns", 3, uncapped),
+        _m(f"{_MT}.max_user_turns", "rollout.multi_turn.max_user_turns", 3, uncapped),
+        _m(f"{_MT}.max_parallel_calls", "rollout.multi_turn.max_parallel_calls", 2),
+        _m(f"{_MT}.max_tool_response_length", "rollout.multi_turn.max_tool_response_length", 512, "characters"),
+        _m(
+            f"{_MT}.format",
+            "rollout.multi_turn.format",
+            "hermes",
+            "hermes: <tool_call>JSON</tool_call>, the tools' schemas given to the chat template; verl's default "
+            "hermes is not set while multi-turn is off (rlplug's default is tags)",
+            allowed={"hermes", "tags"},
+            otherwise='rlplug reads tool calls as hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>) '
+            "or tags (<tool>argument</tool>); verl's other parsers (llama3_json, gpt-oss ...) are not available.",
+        ),
+        _i(
+            f"{_MT}.tool_response_truncate_side",
+            "rlplug keeps the first max_tool_response_length characters of a tool reply (verl's right); another "
+            "side is refused when multi-turn is on",
+            {"left", "middle", "right"},
+            "verl's truncate sides are left, middle and right.",
+        ),
+        _i(
+            f"{_MT}.use_inference_chat_template",
+            "rlplug trains on the token ids the engine sampled, as verl's false",
+            {False},
+            "rlplug always trains on the sampled token ids and never re-renders the history with the chat "
+            "template (token-in-token-out); verl's use_inference_chat_template=true is not available.",
+        ),
+        _i(
+            f"{_MT}.tokenization_sanity_check_mode",
+            "rlplug checks the chat template once (rlplug.orchestration.chat.check_template) and never "
+            "re-tokenizes, as verl's strict",
+            {"strict"},
+            "rlplug never re-tokenizes a conversation, and refuses a chat template whose rendering is not "
+            "turn-by-turn consistent (verl's strict); the check cannot be turned off or relaxed.",
+        ),
+        _i(
+            f"{_MT}.num_repeat_rollouts",
+            "one episode per response",
+            {None},
+            "Repeated multi-turn rollouts per sample are not available: use rollout.n (responses per prompt).",
+        ),
+        _i(
+            f"{_MT}.tool_config_path",
+            "no verl tool config given",
+            {None},
+            "give the path of verl's tool config YAML (tools: [{class_name, config, tool_schema}]); each "
+            "tool_schema.function.name selects the rlplug tool plugin of that name (rollout.multi_turn.tools)",
+            reads=read_verl_tool_config,
+        ),
+        _i(
+            f"{_MT}.function_tool_path",
+            "no tool file given",
+            {None},
+            "rlplug does not load tool functions from a file: register each function as a tool plugin, "
+            "FunctionTool(fn) in a register_tools hook (the same signature and docstring verl's @function_tool "
+            "reads), and name it in rollout.multi_turn.tools.",
+        ),
+        _i(
+            f"{_MT}.interaction_config_path",
+            "no interactions",
+            {None},
+            "verl's interactions (a simulated user answering each turn) are an environment here: write an "
+            "environment plugin (step(assistant_message) returns the user's reply) and select it with "
+            "rollout.multi_turn.environment or the rows' agent_name.",
+        ),
+        _m(
+            f"{RO}.agent.default_agent_loop",
+            "rollout.multi_turn.environment",
+            "my_agent",
+            "the environment of a row without agent_name; another loop than single_turn_agent also turns "
+            "rollout.multi_turn.enable on. single_turn_agent is not set: a row then runs as one turn in verl, and "
+            "here as an episode of rollout.multi_turn.environment, whose first turn ends it when the model calls "
+            "no tool",
+            convert=_agent_loop_environment,
+            implies=_agent_loop_implies,
+        ),
+        _i(
+            f"{RO}.agent.agent_loop_config_path",
+            "no agent loops configured",
+            {None},
+            "give the path of verl's agent loop YAML (a list of {name, _target_}); each name must be an rlplug "
+            "environment plugin of that name (the rows' agent_name selects it)",
+            reads=read_verl_agent_loops,
+        ),
+    ]
+
+
 def _rollout_rows() -> list[VerlKey]:
     quant = "Quantized rollout inference is not available in rlplug."
     return [
@@ -629,13 +871,16 @@ def _rollout_rows() -> list[VerlKey]:
         _m(f"{RO}.val_kwargs.temperature", "rollout.val_kwargs.temperature", 0.6),
         _m(f"{RO}.val_kwargs.n", "rollout.val_kwargs.n", 4),
         _i(f"{RO}.val_kwargs.do_sample", "validation samples when val_kwargs.temperature > 0, else it is greedy"),
-        _i(f"{RO}.multi_turn.enable", "multi-turn rollouts off", {False}, _MULTI_TURN),
-        _i(f"{RO}.multi_turn.*", "used only with multi_turn.enable=true"),
+        *_multi_turn_rows(),
         _m(f"{RO}.calculate_log_probs", "rollout.calculate_log_probs", True),
-        _i(f"{RO}.agent.default_agent_loop", "single-turn generation", {"single_turn_agent"}, _MULTI_TURN),
-        _i(f"{RO}.agent.agent_loop_config_path", "no agent loops configured", {None}, _MULTI_TURN),
-        _i(f"{RO}.agent.custom_async_server.path", "no custom server", {None}, _MULTI_TURN),
-        _i(f"{RO}.agent.*", "verl's agent-loop workers; rlplug generates single-turn in the rollout backend"),
+        _i(
+            f"{RO}.agent.custom_async_server.path",
+            "no custom server",
+            {None},
+            "A custom async inference server class is not loaded: rlplug's engines are the rollout backends "
+            "(rollout=hf, vllm, vllm_server, sglang, or a rollout_backend plugin).",
+        ),
+        _i(f"{RO}.agent.*", "verl's agent-loop worker settings; rlplug runs the episodes in the trainer's process"),
         _i(f"{RO}.checkpoint_engine.*", "weight transfer: rlplug pushes the actor's weights after every update"),
         _i(
             f"{RO}.trace.backend",
@@ -720,8 +965,18 @@ def _data_rows() -> list[VerlKey]:
             "batches until the step is full); a separate gen_batch_size is not available.",
         ),
         _m("data.val_batch_size", "data.val_batch_size", 64),
-        _i("data.tool_config_path", "no tools configured", {None}, _MULTI_TURN),
-        _i("data.function_tool_path", "no tools configured", {None}, _MULTI_TURN),
+        _i(
+            "data.tool_config_path",
+            "verl's copy of actor_rollout_ref.rollout.multi_turn.tool_config_path for its dataset",
+            {None},
+            f"Give the tool config as {_MT}.tool_config_path (rlplug reads it there).",
+        ),
+        _i(
+            "data.function_tool_path",
+            "verl's copy of actor_rollout_ref.rollout.multi_turn.function_tool_path for its dataset",
+            {None},
+            f"Give it as {_MT}.function_tool_path (where rlplug explains what to do instead).",
+        ),
         _i("data.return_raw_input_ids", "an internal format switch of verl's dataset"),
         _i("data.return_raw_chat", "an internal format switch of verl's dataset"),
         _i("data.return_full_prompt", "an internal format switch of verl's dataset"),
@@ -1321,9 +1576,10 @@ def translate_overrides(overrides: Sequence[str]) -> Translation:
     must_equal: list[tuple[str, VerlKey, Any]] = []
     for override in overrides:
         sent = _translate_one(override, out, given, must_equal, inert_given)
-        if sent is not None:
-            out.overrides.append(sent)
+        for one in [sent] if isinstance(sent, str) else sent or []:
+            out.overrides.append(one)
             out.sources.append(override)
+    _check_multi_turn(out, given, inert_given)
     _check_conflicts(given)
     for shown, row, value in must_equal:
         _check_must_equal(shown, row, value, given)
@@ -1338,8 +1594,8 @@ def _translate_one(
     given: dict[str, dict[str, Any]],
     must_equal: list[tuple[str, VerlKey, Any]],
     inert_given: dict[str, dict[str, Any]],
-) -> str | None:
-    """The override to send to Hydra for ``override`` (None: nothing), recording notes, values and checks."""
+) -> str | list[str] | None:
+    """The override(s) to send to Hydra for ``override`` (None: nothing), recording notes, values and checks."""
     m = _OVERRIDE.fullmatch(override)
     if m is None or "@" in override.split("=", 1)[0]:
         return override  # a package override or something Hydra will judge
@@ -1366,6 +1622,8 @@ def _translate_one(
     if row.kind == DEPRECATED:
         _record_deprecated(out, row, key, canon, shown, ok, value)
         return None
+    if row.reads is not None and ok and isinstance(value, str) and not _is_interpolation(value):
+        return _settings(row.reads(value), key, given)  # a verl file read into rlplug settings
     if ok and not row.accepts(value):
         raise ConfigError(f"{shown}: {row.otherwise or row.note}")
     if row.kind == INERT:
@@ -1377,14 +1635,63 @@ def _translate_one(
         if key not in keys:
             keys.append(key)
         return None
+    implied = _settings(row.implies(value), key, given) if row.implies and ok and not _is_interpolation(value) else []
     sent = _mapped_text(row, key, target, text, ok, value)
     if sent is None:
-        return None
+        return implied or None
     if ok and _is_interpolation(value):  # recorded as rlplug's spelling of it (verl keys renamed)
         _record(given, target, key, _comparable_interpolation(str(value), key))
     elif ok:
         _record(given, target, key, row.convert(value) if row.convert else value)
-    return sent if row.group else ("++" if prefix == "++" else "") + f"{target}={sent}"
+    return [sent if row.group else ("++" if prefix == "++" else "") + f"{target}={sent}", *implied]
+
+
+def _settings(settings: list[tuple[str, Any]], key: str, given: dict[str, dict[str, Any]]) -> list[str]:
+    """The overrides setting each ``(rlplug key, value)`` of ``settings``, recorded as given by verl ``key``."""
+    for target, value in settings:
+        _record(given, target, key, value)
+    return [f"{target}={hydra_value(value)}" for target, value in settings]
+
+
+def _multi_turn_on(given: dict[str, dict[str, Any]]) -> bool:
+    """Whether the overrides turn multi-turn episodes on (``rollout.multi_turn.enable`` true in any spelling)."""
+    return any(v is True for v in given.get("rollout.multi_turn.enable", {}).values())
+
+
+def _check_multi_turn(
+    out: Translation, given: dict[str, dict[str, Any]], inert_given: dict[str, dict[str, Any]]
+) -> None:
+    """verl's multi-turn keys that depend on whether the overrides turn multi-turn on.
+
+    Off: verl's default ``multi_turn.format=hermes`` (rlplug's default is ``tags``) is dropped, so that verl's
+    whole config, with multi-turn off, sets no multi-turn key (the run refuses them while it is off). On:
+    ``tool_response_truncate_side`` must be ``right`` (rlplug keeps the head of a long tool reply).
+
+    Raises:
+        ConfigError: multi-turn on and ``tool_response_truncate_side`` other than ``right``.
+    """
+    if _multi_turn_on(given):
+        for key, side in inert_given.get(f"{_MT}.tool_response_truncate_side", {}).items():
+            if side != "right":
+                raise ConfigError(
+                    f"{key}={side}: rlplug keeps the first rollout.multi_turn.max_tool_response_length characters "
+                    "of a long tool reply (verl's right); cutting it on the left or in the middle is not available. "
+                    "Set it to right, or drop it."
+                )
+        return
+    verl_format = f"{_MT}.format"
+    spellings = given.get("rollout.multi_turn.format", {})
+    if spellings.get(verl_format) == "hermes":
+        del spellings[verl_format]
+        if not spellings:
+            del given["rollout.multi_turn.format"]
+        keep = [
+            (o, src)
+            for o, src in zip(out.overrides, out.sources)
+            if (override_target(src) != "rollout.multi_turn.format" or not src.startswith(verl_format + "="))
+        ]
+        out.overrides = [o for o, _ in keep]
+        out.sources = [src for _, src in keep]
 
 
 def _record_deprecated(out: Translation, row: VerlKey, key: str, canon: str, shown: str, ok: bool, value: Any) -> None:
@@ -1672,15 +1979,18 @@ def markdown_table() -> str:
                 + ": an error, as in verl"
                 + (" (not with use_dynamic_bsz=true)" if row.dynamic_bsz else "")
             )
+        elif row.reads is not None:  # a verl file: null is inert, a path is read into rlplug settings
+            text = f"null: {row.note}; a path: {row.otherwise}"
         else:
             text = row.note
-        if row.allowed is not _ANY:
+        if row.allowed is not _ANY and row.reads is None:
             extra.append(f"{_allowed_text(row)}; else: {row.otherwise}")
         if row.must_equal:
             extra.append(f"must equal {row.must_equal}")
         if extra:
             text += " (" + "; ".join(extra) + ")"
         kind = row.kind if row.allowed is _ANY and not row.must_equal else f"{row.kind}, else rejected"
+        kind = "inert when null, else read" if row.reads is not None else kind
         lines.append(f"| `{row.key}` | {kind} | {text.replace('|', '/')} |")
     lines += ["", "verl's legacy top-level reward keys are read as the key they stand for:", ""]
     lines += ["| verl legacy key | read as |", "|---|---|"]
