@@ -231,3 +231,66 @@ def test_preset_passes_validation_but_for_multi_turn():
         validate_config(cfg)
     except ConfigError as exc:
         assert str(exc).startswith("rollout.multi_turn"), exc
+
+
+def _pilot():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "calc_tool_pilot.py"
+    spec = importlib.util.spec_from_file_location("calc_tool_pilot", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_no_tool_baseline_validates():
+    from rlplug.run.validate import validate_config
+
+    pilot = _pilot()
+    cfg = compose(pilot.overrides_for(3, "no_tools", 200, ["rollout=hf"]))
+    assert not cfg.rollout.multi_turn.enable and list(cfg.rollout.multi_turn.tools) == []
+    validate_config(cfg)  # raises on any refused setting
+
+
+def test_pilot_arguments_and_summary():
+    pilot = _pilot()
+    args, extra = pilot.parse_args(["--digits", "2,4", "--modes", "no_tools", "--", "rollout=hf"])
+    assert (args.digits, args.modes, args.problems, args.n, args.temperature) == ([2, 4], ["no_tools"], 200, 8, 0.8)
+    assert extra == ["rollout=hf"]
+    with pytest.raises(SystemExit):
+        pilot.parse_args(["--modes", "tool"])
+    assert pilot.overrides_for(4, "tools", 200)[:3] == [
+        "experiment=calc_tool",
+        "data.task_kwargs.digits=[4]",
+        "data.test_size=200",
+    ]
+    assert pilot.count_calls("<calculator>1*2</calculator> 2 <calculator>3</calculator> <calculator>4") == 2
+    msgs = [
+        {"role": "user", "content": "<calculator>9*9</calculator>"},  # the prompt's example is not a call
+        {"role": "assistant", "content": "<calculator>12*34</calculator>"},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "#### 408"},
+    ]
+    assert pilot.transcript_calls(msgs) == 1
+    # 2 problems x 2 samples: problem 0 mixed (1, 0), problem 1 all wrong; 3 responses call the tool, one twice
+    records = [
+        {"prompt": 0, "acc": 1.0, "score": 1.0, "calls": 1},
+        {"prompt": 0, "acc": 0.0, "score": 0.0, "calls": 2},
+        {"prompt": 1, "acc": 0.0, "score": 0.0, "calls": 0},
+        {"prompt": 1, "acc": 0.0, "score": 0.0, "calls": 1},
+    ]
+    got = pilot.summarize(records)
+    assert got == {
+        "problems": 2,
+        "responses": 4,
+        "accuracy": 0.25,
+        "pass_at_n": 0.5,
+        "tool_call_rate": 0.75,
+        "calls_per_response": 1.0,
+        "mixed_groups": 0.5,
+    }
+    assert pilot.eligible({"tools": got, "no_tools": {**got, "accuracy": 0.04}}) is True
+    assert pilot.eligible({"tools": got, "no_tools": {**got, "accuracy": 0.05}}) is False
+    assert pilot.eligible({"tools": {**got, "mixed_groups": 0.19}, "no_tools": {**got, "accuracy": 0.0}}) is False
+    assert pilot.eligible({"tools": got}) is None
