@@ -35,9 +35,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlplug.config.compose import compose
 from rlplug.config.schema import ConfigError, ShapingConfig
+from rlplug.config.verl_keys import override_target
+from rlplug.contracts.agents import ToolSchemaError
 from rlplug.contracts.registry import get_registry
 from rlplug.contracts.reward_contract import RewardContractError, as_reward_function, callable_name, required_columns
 from rlplug.data.dataset import DatasetError
+from rlplug.orchestration.python_env import TRLEnvironmentFactory, as_tool
 from rlplug.rewards.manager import FAILED, RewardManager
 from rlplug.run.metrics import read_metrics_jsonl
 
@@ -48,6 +51,8 @@ __all__ = [
     "build_config",
     "dataset_to_parquet",
     "register_reward_funcs",
+    "register_tools",
+    "register_environment",
     "reward_weights_for",
 ]
 
@@ -239,6 +244,74 @@ def register_reward_funcs(reward_funcs: Sequence[Any], registry: Any = None, con
     return names
 
 
+def _register_runtime(registry: Any, kind: str, name: str, obj: Any, what: str, **extra: Any) -> None:
+    """Register ``obj`` as ``name`` in ``kind`` for this process's :func:`train` calls, replacing one an earlier
+    call registered; raises :class:`ConfigError` when an installed plugin has the name."""
+    existing = registry.entries[kind].get(name)
+    if existing is not None and existing.distribution != _DIST:
+        raise ConfigError(
+            f"train(): a {kind.replace('_', ' ')} named '{name}' is already registered by {existing.distribution}; "
+            f"rename your {what}."
+        )
+    registry.entries[kind].pop(name, None)
+    registry.register(kind, name, obj, distribution=_DIST, **extra)
+
+
+def register_tools(tools: Sequence[Any], registry: Any = None) -> list[str]:
+    """Register TRL's ``tools=`` (plain or ``async`` functions with type hints and a docstring, tool objects, or
+    names of registered tools) as kind ``tool`` and return their names: a function becomes
+    :class:`rlplug.contracts.agents.FunctionTool` (its name, its docstring's summary, its signature's schema).
+
+    Raises:
+        rlplug.config.schema.ConfigError: a function that cannot be described as a tool (the cause says which
+            parameter), two tools of one name, or a name an installed plugin has.
+    """
+    registry = registry or get_registry()
+    names: list[str] = []
+    for i, fn in enumerate(tools):
+        if isinstance(fn, str):
+            names.append(fn)
+            continue
+        try:
+            tool = as_tool(fn)
+        except ToolSchemaError as exc:
+            raise ConfigError(f"train(tools[{i}]): {exc}") from exc
+        if tool.name in names:
+            raise ConfigError(f"train(tools=...): two tools are named '{tool.name}'; the model calls a tool by name.")
+        _register_runtime(registry, "tool", tool.name, tool, "tool function")
+        names.append(tool.name)
+    return names
+
+
+def register_environment(environment_factory: Any, registry: Any = None) -> TRLEnvironmentFactory:
+    """Register TRL's ``environment_factory`` (a class, or a function returning an instance) as kind
+    ``environment`` under the factory's ``__name__`` (:class:`rlplug.orchestration.python_env.TRLEnvironmentFactory`,
+    which builds one probe instance to read its tools); returns the registered factory.
+
+    Raises:
+        rlplug.config.schema.ConfigError: a dict of factories (TRL's multi-environment form; register each as an
+            environment plugin and give the rows an ``agent_name`` instead), an instance without ``reset`` or with
+            a public method that cannot be described as a tool, or a name an installed plugin has.
+    """
+    if isinstance(environment_factory, Mapping):
+        raise ConfigError(
+            "train(environment_factory={...}): TRL's dict of environments is not taken here; register each as an "
+            "environment plugin (register_environments) and give each row an agent_name column naming its "
+            "environment (verl's convention)."
+        )
+    try:
+        factory = TRLEnvironmentFactory(environment_factory)
+    except ToolSchemaError as exc:
+        raise ConfigError(f"train(environment_factory=...): {exc}") from exc
+    _register_runtime(registry or get_registry(), "environment", factory.name, factory, "environment class")
+    return factory
+
+
+def _zero_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """No reward of its own: the environment's ``get_reward()`` (a step reward) is the whole score."""
+    return 0.0
+
+
 def reward_weights_for(reward_weights: Any, names: Sequence[str]) -> list[float]:
     """TRL's ``reward_weights`` for the reward functions ``names``: one finite number per function (None:
     1.0 each, TRL's default), as floats.
@@ -321,12 +394,58 @@ def _check_columns(names: Sequence[str], columns: set[str] | None, cfg: Any, reg
             )
 
 
+def _format_given(config_or_overrides: Any) -> bool:
+    """Whether the config :func:`train` got sets ``rollout.multi_turn.format`` itself (in any spelling); a
+    composed config counts as setting every key."""
+    if isinstance(config_or_overrides, DictConfig) and "trainer" in config_or_overrides:
+        return True
+    if isinstance(config_or_overrides, (Mapping, DictConfig)):
+        values = OmegaConf.to_container(OmegaConf.create(dict(config_or_overrides)), resolve=False)
+        assert isinstance(values, dict)
+        if OmegaConf.select(OmegaConf.create(values), "rollout.multi_turn.format") is not None:
+            return True
+        config_or_overrides = values.get("overrides") or []
+    if isinstance(config_or_overrides, Sequence) and not isinstance(config_or_overrides, str):
+        return any(override_target(str(o)) == "rollout.multi_turn.format" for o in config_or_overrides)
+    return False
+
+
+def _multi_turn_settings(
+    cfg: Any, config_or_overrides: Any, tools: Sequence[Any] | None, environment_factory: Any, no_reward_funcs: bool
+) -> None:
+    """Register ``tools`` / ``environment_factory`` and select them in ``cfg.rollout.multi_turn`` (:func:`train`)."""
+    mt = cfg.rollout.multi_turn
+    if tools is not None:
+        listed = [tools] if callable(tools) or isinstance(tools, str) else list(tools)
+        mt.tools = register_tools(listed)
+    if environment_factory is not None:
+        factory = register_environment(environment_factory)
+        clash = sorted(set(factory.tool_names) & set(mt.tools))
+        if clash:
+            raise ConfigError(
+                f"train(): {factory.name}'s method(s) {', '.join(clash)} share the name of a tool in tools=; rename "
+                "one of them (the model calls a tool by name)."
+            )
+        mt.environment = factory.name
+        if no_reward_funcs and factory.has_reward:  # TRL: get_reward() alone may score
+            _register_runtime(get_registry(), "reward_function", "environment_reward_only", _zero_reward, "function")
+            cfg.reward.reward_fn_map = {}
+            cfg.reward.default = "environment_reward_only"
+            cfg.reward.custom_reward_function.path = None
+            cfg.reward.shaping = []
+    mt.enable = True
+    if not _format_given(config_or_overrides):
+        mt.format = "hermes"
+
+
 def train(
     config_or_overrides: Any = None,
     train_dataset: Any = None,
     eval_dataset: Any = None,
     reward_funcs: Sequence[Any] | Callable[..., Any] | None = None,
     reward_weights: Sequence[float] | None = None,
+    tools: Sequence[Any] | None = None,
+    environment_factory: Any = None,
 ) -> TrainResult:
     """Train with rlplug from Python, TRL-style; returns a :class:`TrainResult`.
 
@@ -348,6 +467,18 @@ def train(
             ``None`` adds nothing). None: the config's reward.
         reward_weights: TRL's ``reward_weights``: one weight per function of ``reward_funcs`` (None: 1.0
             each). The first is ``reward.correctness_weight``, the others the shaping terms' weights.
+        tools: TRL's ``tools``: functions (type hints and a Google-style docstring; sync or ``async``), tool
+            objects or registered tool names, registered as kind ``tool`` (:func:`register_tools`) and selected as
+            ``rollout.multi_turn.tools``; multi-turn episodes are turned on (``rollout.multi_turn.enable``) with
+            ``rollout.multi_turn.format=hermes`` (JSON tool calls through the chat template, as TRL), unless the
+            config gives the format. A function runs in a tool worker process, so it must be picklable (defined at
+            a module's top level).
+        environment_factory: TRL's ``environment_factory``: a class (or function) whose instance, one per
+            rollout, gets ``reset(**example)`` (a returned string is appended to the prompt), exposes its public
+            methods as tools and may define ``get_reward()`` (the episode's reward, beside ``reward_funcs``;
+            :mod:`rlplug.orchestration.python_env`). Registered as kind ``environment`` under its ``__name__``
+            and selected as ``rollout.multi_turn.environment``. Without ``reward_funcs`` (and an environment with
+            ``get_reward``) the data's reward function scores 0, so ``get_reward()`` is the whole score.
 
     Raises:
         rlplug.config.schema.ConfigError: a bad config, a reward-function name clash or contract problem, a TRL
@@ -401,6 +532,8 @@ def train(
             if reward_weights is not None:
                 cfg.reward.correctness_weight = weights[0]
             cfg.reward.shaping = [ShapingConfig(name=n, weight=w) for n, w in zip(names[1:], weights[1:])]
+        if tools is not None or environment_factory is not None:
+            _multi_turn_settings(cfg, config_or_overrides, tools, environment_factory, reward_funcs is None)
     validate_config(cfg)
 
     OmegaConf.set_readonly(cfg, False)
