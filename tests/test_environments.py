@@ -144,6 +144,10 @@ def test_tool_agent_passes_the_kit_in_the_hermes_format():
     # (3+4)*5 - 6//4 = 35 - 1 = 34
     assert steps[0].observations == [{"role": "tool", "content": "34", "name": "calculator"}]
     assert (steps[0].done, steps[1].done, steps[1].observations) == (False, True, ())
+    # an environment already built is played as it is
+    built = ToolAgentEnvironment(environment_context([calculator_tool], {"format": "hermes"}))
+    _, steps = check_environment(built, replies=[call.replace("6//4", "6//5")])
+    assert steps[0].observations == [{"role": "tool", "content": "34", "name": "calculator"}]  # 35 - 1
 
 
 # ============================================================================ the kit on broken environments
