@@ -290,6 +290,13 @@ def value_loss(
             raise ValueError(
                 f"value_loss: {name} has shape {tuple(t.shape)}, values has {tuple(values.shape)}; all must be (B, T)."
             )
+    # masked positions (padding, environment tokens of a multi-turn response) hold 0.0 before any
+    # arithmetic, so whatever they held (NaN, inf) reaches neither the loss nor the gradient
+    valid = _valid(response_mask)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    values = torch.where(valid, values, zero)
+    old_values = torch.where(valid, old_values, zero)
+    returns = torch.where(valid, returns, zero)
     v_clip = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     if loss_type == "huber":
         l1 = torch.nn.functional.huber_loss(values, returns, reduction="none", delta=float(huber_delta))
@@ -395,21 +402,24 @@ def apply_kl_penalty(
 
 # --------------------------------------------------------------------------- value targets
 def mc_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """Monte-Carlo returns ``G_t = sum_{t' >= t} gamma^(t' - t) r_t'`` over each response's valid tokens,
+    """Monte-Carlo returns ``G_k = sum_{j >= k} gamma^(j - k) r_j`` over each response's valid tokens,
     ``(B, T) float32``, 0.0 where ``response_mask`` (``(B, T)``) is 0. ``token_level_rewards`` ``(B, T)``
-    float32, reward units per token. GAE with ``lam = 1`` gives the same returns whatever the values
-    (Schulman et al. 2016, eq. 18; verl's ``compute_gae_advantage_return`` with lam=1)."""
+    float32, reward units per token. ``k``, ``j`` count valid tokens: masked positions inside a
+    response (the environment's tokens of a multi-turn response) are skipped, neither discounted
+    nor a reset, as in the packaged ``gae`` estimator. GAE with
+    ``lam = 1`` gives the same returns whatever the values (Schulman et al. 2016, eq. 18; verl's
+    ``compute_gae_advantage_return`` with lam=1)."""
     valid = response_mask > 0
     rewards = torch.where(
         valid, token_level_rewards.float(), torch.zeros_like(token_level_rewards, dtype=torch.float32)
     )
     if gamma == 1.0:
         returns = rewards.flip(-1).cumsum(-1).flip(-1)
-    else:
+    else:  # masked positions are skipped: the discount counts the model's own tokens only
         returns = torch.zeros_like(rewards)
         running = torch.zeros(rewards.shape[0], dtype=torch.float32, device=rewards.device)
         for t in reversed(range(rewards.shape[1])):
-            running = rewards[:, t] + gamma * running
+            running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
             returns[:, t] = running
     return torch.where(valid, returns, torch.zeros_like(returns))
 

@@ -268,7 +268,11 @@ def actor_objective(
             parts["mean:" + key] = float(pg_metrics[key])
     if kl_penalty is not None:
         ref_log_probs = _require(tensors, "ref_log_probs", "the KL loss, actor.use_kl_loss")
-        kl = kl_penalty(log_probs, ref_log_probs)
+        # 0.0 on masked positions first: a NaN or inf there would reach the gradient through the
+        # estimator's derivative (exp, square) even though agg_loss drops its value
+        valid = mask != 0
+        zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+        kl = kl_penalty(torch.where(valid, log_probs, zero), torch.where(valid, ref_log_probs, zero))
         kl_agg = agg_loss(kl, mask, loss_agg_mode, normalizer, max_response_length)
         # a partial config without actor.kl_loss_coef gets the schema default 0.001, as a composed run
         loss = loss + float(actor.kl_loss_coef) * kl_agg

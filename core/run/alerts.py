@@ -480,8 +480,10 @@ def kl_seq_sum_metrics(batch: Any) -> dict[str, float]:
         policy = batch.get("rollout_log_probs")
     if policy is None:
         return {}
-    mask = batch["response_mask"]
-    per_seq = ((policy.float() - batch["ref_log_probs"].float().to(policy.device)) * mask.to(policy.device)).sum(-1)
+    valid = batch["response_mask"].to(policy.device) != 0
+    diff = policy.float() - batch["ref_log_probs"].float().to(policy.device)
+    # masked_fill, not a product with the mask: whatever masked positions hold (NaN, inf) stays out
+    per_seq = diff.masked_fill(~valid, 0.0).sum(-1)
     return {KL_SEQ_SUM: float(per_seq.mean().item())} if per_seq.numel() else {}
 
 

@@ -160,7 +160,10 @@ def step_metrics(
     advantages, returns = batch["advantages"], batch["returns"]
     out: dict[str, float] = {}
     out.update(stats("critic/score", torch.tensor(list(scores), dtype=torch.float32)[keep]))
-    out.update(stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)[keep.to(mask.device)]))
+    rewards = batch["token_level_rewards"]
+    # torch.where, not a product with the mask: whatever masked positions hold (NaN, inf) stays out
+    summed = torch.where(mask != 0, rewards, torch.zeros((), dtype=rewards.dtype, device=rewards.device)).sum(-1)
+    out.update(stats("critic/rewards", summed[keep.to(mask.device)]))
     out.update(stats("critic/advantages", advantages, mask))
     out.update(stats("critic/returns", returns, mask))
     if use_critic:

@@ -56,7 +56,8 @@ def metric_values(data: Mapping[str, torch.Tensor], metric: str) -> torch.Tensor
         field = "token_level_rewards" if metric == "seq_final_reward" else "token_level_scores"
         if data.get(field) is None:
             raise MissingInputError(f"filter_groups: metric {metric} needs the batch field '{field}'.")
-        values = (data[field] * data["response_mask"]).sum(-1).to(torch.float32)
+        # masked_fill, not a product with the mask: whatever masked positions hold (NaN, inf) stays out
+        values = data[field].masked_fill(data["response_mask"] == 0, 0.0).sum(-1).to(torch.float32)
         overlong = _column(data, "overlong_reward") if metric == "score" else None
         return values if overlong is None else values - torch.nan_to_num(overlong)
     column = _column(data, metric)

@@ -150,8 +150,11 @@ def _check_shapes(old_log_probs, log_probs, advantages, response_mask) -> None:
         raise ValueError(f"policy loss inputs must all be (B, T); got {shapes}.")
 
 
-def _weighted(per_token: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
-    """``per_token * rollout_is_weights`` (detached weights), or ``per_token`` without weights."""
+def _weighted(
+    per_token: torch.Tensor, rollout_is_weights: torch.Tensor | None, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``per_token * rollout_is_weights`` (detached weights, 0.0 on masked positions: a NaN there would
+    reach the gradient through the product), or ``per_token`` without weights."""
     if rollout_is_weights is None:
         return per_token
     if rollout_is_weights.shape != per_token.shape:
@@ -159,7 +162,8 @@ def _weighted(per_token: torch.Tensor, rollout_is_weights: torch.Tensor | None) 
             f"rollout_is_weights has shape {tuple(rollout_is_weights.shape)} but the policy loss inputs are "
             f"{tuple(per_token.shape)}; both must be (B, T)."
         )
-    return per_token * rollout_is_weights.detach()
+    w = rollout_is_weights.detach()
+    return per_token * torch.where(response_mask != 0, w, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
 def _surrogate(old_log_probs, log_probs, advantages, config):
@@ -212,12 +216,12 @@ def vanilla_policy_loss(
     terms. Returns ``(loss, metrics)``; see the module docstring. Raises ``ValueError`` on
     mismatched shapes or a bad aggregation.
     """
-    _check_shapes(old_log_probs, log_probs, advantages, response_mask)
     actor = _actor(config)
-    l1, l2, per_token = _surrogate(old_log_probs, log_probs, advantages, actor)
-    per_token = _weighted(per_token, rollout_is_weights)
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
+    l1, l2, per_token = _surrogate(old, new, adv, actor)
+    per_token = _weighted(per_token, rollout_is_weights, response_mask)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(actor, max_response_length))
-    return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask)
+    return loss, _ppo_metrics(l1, l2, old, new, response_mask)
 
 
 def validate_dual_clip(config: Any) -> None:
@@ -258,15 +262,15 @@ def dual_clip_policy_loss(
     """
     actor = _actor(config)
     validate_dual_clip(actor)
-    _check_shapes(old_log_probs, log_probs, advantages, response_mask)
+    old, new, adv = _prepare(old_log_probs, log_probs, advantages, response_mask)
     c = float(actor.clip_ratio_c)
-    l1, l2, clipped = _surrogate(old_log_probs, log_probs, advantages, actor)
-    l3 = -advantages * c
-    negative = advantages < 0
+    l1, l2, clipped = _surrogate(old, new, adv, actor)
+    l3 = -adv * c
+    negative = adv < 0
     per_token = torch.where(negative, torch.minimum(clipped, l3), clipped)
-    per_token = _weighted(per_token, rollout_is_weights)
+    per_token = _weighted(per_token, rollout_is_weights, response_mask)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(actor, max_response_length))
-    return loss, _ppo_metrics(l1, l2, old_log_probs, log_probs, response_mask, lower_clipped=(clipped > l3) & negative)
+    return loss, _ppo_metrics(l1, l2, old, new, response_mask, lower_clipped=(clipped > l3) & negative)
 
 
 # --------------------------------------------------------------------------- verl's other losses
@@ -283,8 +287,9 @@ def _share(flags: torch.Tensor, response_mask: torch.Tensor) -> float:
 
 
 def _prepare(old_log_probs, log_probs, advantages, response_mask):
-    """Check the shapes and put 0.0 on padded positions of the three inputs, so that garbage there
-    (NaN, inf, huge log-ratios) reaches neither the loss nor, through ``exp``, the gradient."""
+    """Check the shapes and put 0.0 on masked positions of the three inputs (padding, and the
+    environment's tokens inside a multi-turn response), so that garbage there (NaN, inf, huge
+    log-ratios) reaches neither the loss nor, through ``exp``, the gradient."""
     _check_shapes(old_log_probs, log_probs, advantages, response_mask)
     valid = response_mask != 0
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
@@ -297,7 +302,7 @@ def _prepare(old_log_probs, log_probs, advantages, response_mask):
 
 def _agg(per_token, response_mask, config, loss_agg_mode, normalizer, max_response_length, rollout_is_weights):
     """``agg_loss(w * per_token)`` with ``actor.loss_scale_factor`` honoured (see :func:`seq_norm_length`)."""
-    per_token = _weighted(per_token, rollout_is_weights)
+    per_token = _weighted(per_token, rollout_is_weights, response_mask)
     return agg_loss(per_token, response_mask, loss_agg_mode, normalizer, seq_norm_length(config, max_response_length))
 
 
@@ -1031,10 +1036,11 @@ def bypass_mode_policy_loss(
             rollout_is_weights=rollout_is_weights,
         )
     else:
-        per_token = -advantages * log_probs
+        _, new, adv = _prepare(old_log_probs, log_probs, advantages, mask)
+        per_token = -adv * new
         if w is not None:
             per_token = per_token * w
-        per_token = _weighted(per_token, rollout_is_weights)
+        per_token = _weighted(per_token, rollout_is_weights, mask)
         loss = agg_loss(per_token, mask, loss_agg_mode, normalizer, seq_norm_length(actor, max_response_length))
         metrics = {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": _ppo_kl(log_probs - old_log_probs, mask)}
     metrics.update({f"rollout_corr/{k}": v for k, v in extra.items()})
