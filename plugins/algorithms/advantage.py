@@ -238,7 +238,11 @@ def _discounted_returns(rewards: torch.Tensor, valid: torch.Tensor, gamma: float
 def reinforce_plus_plus_advantage(data: Mapping[str, Any], config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return ``G_t = r_t + gamma * G_{t+1}`` over valid
     tokens (``gamma`` from config, 1.0 default; masked tokens are skipped, like GAE), whitened over
-    the valid tokens of the batch and masked. ``returns`` = ``G`` (not whitened).
+    the valid tokens of the batch and masked. ``returns`` = ``G`` (not whitened). A masked span
+    inside a response (a multi-turn response's environment tokens) is neither discounted nor a
+    reset **(differs from verl, whose running return is multiplied by the mask at every position,
+    so it restarts from 0 before each masked span)**; with a mask that is 1 then 0 (no span inside)
+    the two agree.
     """
     rewards, valid = _rewards_and_mask(data)
     gamma = float(typed(AlgorithmConfig, config).gamma)
