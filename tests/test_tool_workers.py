@@ -318,6 +318,7 @@ def test_network_only_for_tools_that_declare_it(runner):
 
 
 def test_one_sleeping_tool_does_not_hold_the_others(runner):
+    runner.start()  # earlier tests killed workers; replace them now, so that no start is timed below
     async def timed(name, arguments):
         t0 = time.monotonic()
         result = await runner.call(name, arguments)
@@ -372,3 +373,50 @@ def test_stats_count_statuses():
         "truncated": 1,
         "crash": 0,
     }
+
+
+def test_cancelling_a_running_call_kills_its_worker(runner):
+    starts = runner.stats["worker_starts"]
+
+    async def main():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(runner.call("sleep_for", {"seconds": 1e6}), 0.3)
+        t0 = time.monotonic()  # both workers free again within a poll: the sleeper's was killed
+        results = await asyncio.gather(*(runner.call("sleep_for", {"seconds": 0.2}) for _ in range(2)))
+        return results, time.monotonic() - t0
+
+    results, seconds = asyncio.run(main())
+    assert [r.text for r in results] == ["slept 0.2", "slept 0.2"]
+    assert seconds < 2.0
+    assert runner.stats["worker_starts"] == starts + 1
+
+
+def test_memory_limit_below_the_worker_itself_says_so(caplog):
+    with ToolRunner(TOOLS, memory_mb=16, max_chars=1000, workers=1) as pool:
+        result = pool.call_sync("echo", {"text": "a"})
+    assert "Traceback" in caplog.text  # the whole story is logged for the operator
+    assert result.status == "crash"
+    assert result.text.startswith("Error: the worker process for tool 'echo' could not start: it failed while starting")
+    assert "above its limit of 16 MiB (rollout.multi_turn.tool_memory_mb); raise the limit" in result.text
+    assert "Traceback" not in result.text
+
+
+def test_unpicklable_tool_runs_in_a_forked_worker(capfd):
+    def shout(text: str) -> str:
+        """Shout, printing a lot on the way.
+
+        Args:
+            text: The text.
+        """
+        print("z" * 1_000_000)
+        return text.upper()
+
+    with pytest.warns(RuntimeWarning, match=r"cannot be pickled.*shout.*forks of this process"):
+        pool = ToolRunner({"shout": FunctionTool(shout), "sleep_for": FunctionTool(sleep_for)}, workers=1)
+    with pool:
+        capfd.readouterr()
+        assert pool.call_sync("shout", {"text": "hey"}).text == "HEY"
+        assert len("".join(capfd.readouterr())) < 4096
+        timed_out = pool.call_sync("sleep_for", {"seconds": 1e6}, timeout_s=0.5)
+        assert timed_out.status == "timeout"
+        assert pool.call_sync("shout", {"text": "again"}).text == "AGAIN"
