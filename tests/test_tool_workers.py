@@ -319,6 +319,7 @@ def test_network_only_for_tools_that_declare_it(runner):
 
 def test_one_sleeping_tool_does_not_hold_the_others(runner):
     runner.start()  # earlier tests killed workers; replace them now, so that no start is timed below
+
     async def timed(name, arguments):
         t0 = time.monotonic()
         result = await runner.call(name, arguments)
@@ -420,3 +421,14 @@ def test_unpicklable_tool_runs_in_a_forked_worker(capfd):
         timed_out = pool.call_sync("sleep_for", {"seconds": 1e6}, timeout_s=0.5)
         assert timed_out.status == "timeout"
         assert pool.call_sync("shout", {"text": "again"}).text == "AGAIN"
+
+
+def test_worker_killed_while_idle_is_replaced_before_the_call():
+    with ToolRunner(TOOLS, memory_mb=256, workers=1) as pool:
+        assert pool.call_sync("echo", {"text": "first"}).text == "first"
+        (worker,) = pool._idle
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.popen.wait(5)
+        result = pool.call_sync("echo", {"text": "fresh"})
+        assert (result.status, result.text) == ("ok", "fresh")
+        assert pool.stats["worker_starts"] == 2

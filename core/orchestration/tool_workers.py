@@ -671,23 +671,27 @@ class ToolRunner:
 
     def _run_job(self, job: _Job, started: float) -> ToolResult:
         """The blocking part of a call, on one of the runner's threads."""
-        worker = self._acquire(job)
-        if isinstance(worker, str):
-            status = "crash" if "could not start" in worker else "error"
-            if worker == "late":
-                return self._late(job, started)
-            if worker == "cancelled":
-                worker = f"Error: the call to tool {job.name!r} was cancelled"
-            return self._error(worker, status, started)
+        for attempt in range(2):  # a worker found dead while idle (killed from outside) is replaced once
+            acquired = self._acquire(job)
+            if isinstance(acquired, str):
+                status = "crash" if "could not start" in acquired else "error"
+                if acquired == "late":
+                    return self._late(job, started)
+                if acquired == "cancelled":
+                    acquired = f"Error: the call to tool {job.name!r} was cancelled"
+                return self._error(acquired, status, started)
+            worker = acquired
+            try:
+                worker.requests.send((job.name, job.arguments))
+                break
+            except (OSError, ValueError):  # the worker died while idle: the tool has not run
+                self._release(worker, healthy=False)
+                if attempt:
+                    why = worker.describe_death()
+                    return self._error(f"Error: the process running tool {job.name!r} died {why}", "crash", started)
         budget = job.timeout_s
         if job.deadline is not None:
             budget = min(budget, job.deadline - time.monotonic())
-        try:
-            worker.requests.send((job.name, job.arguments))
-        except (OSError, ValueError):  # the worker died while idle
-            self._release(worker, healthy=False)
-            why = worker.describe_death()
-            return self._error(f"Error: the process running tool {job.name!r} died {why}", "crash", started)
         run_start = time.monotonic()
         while True:
             left = run_start + budget - time.monotonic()
