@@ -163,6 +163,9 @@ class _FakeTrainer:
         ids = [[p[0], j] for p in prompt_ids for j in range(params.n)]
         return RolloutOutput(ids, ["stop"] * len(ids), [k for k in range(len(prompt_ids)) for _ in range(params.n)])
 
+    def _rollout(self, rows, params):
+        return self._generate([r["prompt_ids"] for r in rows], params)
+
     def _decode(self, out):
         return [str(r) for r in out.response_ids]
 

@@ -30,6 +30,7 @@ SELECTED_BY = {
     "tracker": "trainer.logger",
     "batch_filter": "algorithm.filter_groups",
     "tool": "rollout.multi_turn.tools",
+    "environment": "rollout.multi_turn.environment",
 }
 
 

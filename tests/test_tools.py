@@ -307,7 +307,7 @@ def test_the_tool_names_are_exported_where_plugins_and_tests_find_them():
     assert {"check_tool", "LookupTool"} <= set(rlplug.testing.__all__)
 
 
-def test_rollout_multi_turn_resolves_its_tools_and_is_refused_until_episodes_land() -> None:
+def test_rollout_multi_turn_resolves_its_plugins_and_refuses_settings_without_enable() -> None:
     import pytest as _pytest
     from _helpers import run_config
 
@@ -318,9 +318,18 @@ def test_rollout_multi_turn_resolves_its_tools_and_is_refused_until_episodes_lan
         return run_config(["debug=tiny", *overrides], "unused", validate=False)
 
     validate_config(cfg())  # the default: off, no tools
+    on = "rollout.multi_turn.enable=true"
+    validate_config(cfg(on, "rollout.multi_turn.tools=[calculator]"))
     with _pytest.raises(ConfigError, match=r"rollout.multi_turn.tools\[0\]=no_such_tool"):
-        validate_config(cfg("rollout.multi_turn.tools=[no_such_tool]"))
-    with _pytest.raises(ConfigError, match="multi-turn episodes .* are not in this version"):
+        validate_config(cfg(on, "rollout.multi_turn.tools=[no_such_tool]"))
+    with _pytest.raises(ConfigError, match="rollout.multi_turn.environment=no_such_env"):
+        validate_config(cfg(on, "rollout.multi_turn.environment=no_such_env"))
+    # a setting without enable would be recorded and ignored: refused, naming the key
+    with _pytest.raises(ConfigError, match="rollout.multi_turn.tools is set but rollout.multi_turn.enable is false"):
         validate_config(cfg("rollout.multi_turn.tools=[calculator]"))
-    with _pytest.raises(ConfigError, match="multi-turn episodes .* are not in this version"):
-        validate_config(cfg("rollout.multi_turn.enable=true"))
+    with _pytest.raises(ConfigError, match="format=json: use one of tags, hermes"):
+        validate_config(cfg(on, "rollout.multi_turn.format=json"))
+    with _pytest.raises(ConfigError, match="tool_timeout_s=0.0: must be > 0 seconds"):
+        validate_config(cfg(on, "rollout.multi_turn.tool_timeout_s=0.0"))
+    with _pytest.raises(ConfigError, match="on_overflow=drop: use one of truncate, end"):
+        validate_config(cfg(on, "rollout.multi_turn.on_overflow=drop"))

@@ -189,17 +189,29 @@ class Batch:
 
 
 def build_batch(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], prompt_index: Sequence[int], pad_id: int
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    prompt_index: Sequence[int],
+    pad_id: int,
+    *,
+    response_masks: Sequence[Sequence[int]] | None = None,
+    response_prompts: Sequence[Sequence[int]] | None = None,
 ) -> Batch:
     """Pack prompts (left-padded) and responses (right-padded) into the rollout's batch tensors:
     ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask`` and
-    ``index`` (the table above). Response ``i`` answers ``prompt_ids[prompt_index[i]]``.
+    ``index`` (the table above). Response ``i`` answers ``prompt_ids[prompt_index[i]]``, or
+    ``response_prompts[i]`` when given (a multi-turn environment rewrote its prompt).
 
     ``response_mask`` is 1.0 on each response's own tokens (EOS included when generated) and
-    0.0 on padding -- built from lengths, never from ``ids != pad_id`` (pad may equal EOS).
+    0.0 on padding -- built from lengths, never from ``ids != pad_id`` (pad may equal EOS). With
+    ``response_masks`` (multi-turn trajectories: 0/1 per response token) it is that mask: 0.0 on the
+    environment's tokens inside a response too; ``attention_mask`` is 1 on every response token.
     """
     B = len(response_ids)
-    prompts = [prompt_ids[i] for i in prompt_index]
+    if response_prompts is not None:
+        prompts = [list(p) for p in response_prompts]
+    else:
+        prompts = [list(prompt_ids[i]) for i in prompt_index]
     P = max(len(p) for p in prompts)
     T = max(1, max(len(r) for r in response_ids))
     input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
@@ -211,7 +223,10 @@ def build_batch(
         if r:
             input_ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
             attention_mask[i, P : P + len(r)] = 1
-            response_mask[i, : len(r)] = 1.0
+            if response_masks is None:
+                response_mask[i, : len(r)] = 1.0
+            else:
+                response_mask[i, : len(r)] = torch.tensor(list(response_masks[i]), dtype=torch.float32)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return Batch(
         {
@@ -222,6 +237,19 @@ def build_batch(
             "response_mask": response_mask,
             "index": torch.tensor(list(prompt_index), dtype=torch.long),
         }
+    )
+
+
+def rollout_batch(prompt_ids: Sequence[Sequence[int]], out: Any, pad_id: int) -> Batch:
+    """:func:`build_batch` for a :class:`rlplug.contracts.types.RolloutOutput` ``out`` answering the prompts
+    ``prompt_ids`` (one per prompt): multi-turn trajectories bring their own prompts and response masks."""
+    return build_batch(
+        prompt_ids,
+        out.response_ids,
+        out.prompt_index,
+        pad_id,
+        response_masks=out.response_masks,
+        response_prompts=out.prompts,
     )
 
 

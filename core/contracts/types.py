@@ -14,7 +14,7 @@ a plugin by name.  New inputs go on the batch, not into the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -434,6 +434,19 @@ class RolloutOutput:
     * ``metrics``: optional numbers about the engine (``rollout/<name>``, run totals or gauges such as
       ``rollout/resent_requests`` and ``rollout/live_replicas`` of the server backends), logged with
       the step's metrics; a backend declares their names in its ``metrics`` attribute.
+
+    Multi-turn episodes (:mod:`rlplug.orchestration.episodes`; a rollout backend leaves these ``None``): a
+    response is the whole trajectory after the prompt, the engine's turns and the environment's replies.
+
+    * ``response_masks``: ``B`` lists of 0/1 aligned with ``response_ids``: 1 on tokens the engine
+      sampled, 0 on the environment's (tool results, template tokens); the batch's ``response_mask``.
+    * ``prompts``: ``B`` prompt id lists, one per response, when an environment's ``reset`` rewrote the
+      prompt (else the dataset's prompt of ``prompt_index`` is the response's).
+    * ``step_rewards``: ``B`` lists of ``(position, reward)``: an environment's reward for a turn, at the
+      position (in ``response_ids``) of that turn's last sampled token; added to the final reward there.
+    * ``solutions``: ``B`` texts the reward functions score (``solution_str``): the last assistant message.
+    * ``transcripts``: ``B`` lists of chat messages (the conversation, prompt included), given to the reward
+      functions as ``extra_info["messages"]`` and shown in dumps and reports.
     """
 
     response_ids: list[list[int]]
@@ -441,6 +454,11 @@ class RolloutOutput:
     prompt_index: list[int]
     log_probs: list[list[float]] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    response_masks: list[list[int]] | None = None
+    prompts: list[list[int]] | None = None
+    step_rewards: list[list[tuple[int, float]]] | None = None
+    solutions: list[str] | None = None
+    transcripts: list[list[dict]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -449,6 +467,55 @@ class RolloutOutput:
                 f"RolloutOutput fields disagree in length: response_ids {n}, finish_reasons "
                 f"{len(self.finish_reasons)}, prompt_index {len(self.prompt_index)}"
             )
+        for name in ("response_masks", "prompts", "step_rewards", "solutions", "transcripts"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"RolloutOutput.{name} has {len(value)} entries for {n} responses")
+        if self.response_masks is not None:
+            for i, (ids, mask) in enumerate(zip(self.response_ids, self.response_masks)):
+                if len(ids) != len(mask):
+                    raise ValueError(
+                        f"RolloutOutput.response_masks[{i}] has {len(mask)} entries for {len(ids)} response ids"
+                    )
+
+    #: the optional fields with one entry per response (None, or a list aligned with ``response_ids``)
+    PER_RESPONSE_OPTIONAL = ("log_probs", "response_masks", "prompts", "step_rewards", "solutions", "transcripts")
+
+    def take(self, responses: Sequence[int], prompt_index: Sequence[int]) -> RolloutOutput:
+        """The responses ``responses`` (indices, in that order) with new ``prompt_index`` values; every
+        per-response field follows; ``metrics`` are copied."""
+        picked = {
+            name: (None if getattr(self, name) is None else [getattr(self, name)[i] for i in responses])
+            for name in self.PER_RESPONSE_OPTIONAL
+        }
+        return RolloutOutput(
+            response_ids=[self.response_ids[i] for i in responses],
+            finish_reasons=[self.finish_reasons[i] for i in responses],
+            prompt_index=list(prompt_index),
+            metrics=dict(self.metrics),
+            **picked,
+        )
+
+    @staticmethod
+    def join(parts: Sequence[RolloutOutput], prompt_index: Sequence[int], metrics: dict[str, float]) -> RolloutOutput:
+        """``parts`` one after another with the given ``prompt_index`` and ``metrics``; an optional field
+        is kept only when every part has it."""
+        joined: dict[str, Any] = {}
+        for name in RolloutOutput.PER_RESPONSE_OPTIONAL:
+            values = [getattr(p, name) for p in parts]
+            joined[name] = None if any(v is None for v in values) else [x for v in values for x in v]
+        return RolloutOutput(
+            response_ids=[r for p in parts for r in p.response_ids],
+            finish_reasons=[f for p in parts for f in p.finish_reasons],
+            prompt_index=list(prompt_index),
+            metrics=dict(metrics),
+            **joined,
+        )
+
+    @property
+    def multi_turn(self) -> bool:
+        """The responses are multi-turn trajectories (:attr:`response_masks` is set)."""
+        return self.response_masks is not None
 
     @property
     def response_lengths(self) -> list[int]:

@@ -43,12 +43,12 @@ from typing import Any
 
 import torch
 
-from rlplug.algorithms.losses import compute_token_level_scores
 from rlplug.base.exit_codes import ExitCode, TrainingStopped
 from rlplug.config.schema import AlgorithmConfig, ConfigError, typed
-from rlplug.contracts.batch import Batch, build_batch
+from rlplug.contracts.batch import Batch, rollout_batch
 from rlplug.contracts.reward_contract import trl_inputs
 from rlplug.contracts.types import RolloutOutput
+from rlplug.orchestration.episodes import rows_for_scoring, token_level_scores
 from rlplug.rewards.manager import components_tensor, scored_rows
 from rlplug.run.metrics import stage
 
@@ -114,14 +114,7 @@ class ScoredRollout:
         new_id = {p: k for k, p in enumerate(prompts)}
         resp = [i for i, p in enumerate(self.out.prompt_index) if p in new_id and keep[i]]
         resp.sort(key=lambda i: new_id[self.out.prompt_index[i]])  # stable: responses stay in order
-        o = self.out
-        out = RolloutOutput(
-            response_ids=[o.response_ids[i] for i in resp],
-            finish_reasons=[o.finish_reasons[i] for i in resp],
-            prompt_index=[new_id[o.prompt_index[i]] for i in resp],
-            log_probs=None if o.log_probs is None else [o.log_probs[i] for i in resp],
-            metrics=dict(o.metrics),
-        )
+        out = self.out.take(resp, [new_id[self.out.prompt_index[i]] for i in resp])
         return ScoredRollout(
             rows=[self.rows[p] for p in prompts],
             prompt_ids=[self.prompt_ids[p] for p in prompts],
@@ -137,11 +130,8 @@ class ScoredRollout:
         report is NaN in the others (as the reward manager does); ``reward_metrics`` (counts) are summed."""
         rows: list[dict] = []
         prompt_ids: list[list[int]] = []
-        resp_ids: list[list[int]] = []
-        finish: list[str] = []
         index: list[int] = []
         scores: list[float] = []
-        log_probs: list[list[float]] | None = []
         keys = list(dict.fromkeys(k for p in parts for k in p.extra))
         extra: dict[str, list[float]] = {k: [] for k in keys}
         metrics: dict[str, float] = {}
@@ -149,21 +139,15 @@ class ScoredRollout:
             offset = len(prompt_ids)
             rows += p.rows
             prompt_ids += p.prompt_ids
-            resp_ids += p.out.response_ids
-            finish += p.out.finish_reasons
             index += [offset + i for i in p.out.prompt_index]
             scores += p.scores
-            if log_probs is not None and p.out.log_probs is not None:
-                log_probs += p.out.log_probs
-            else:
-                log_probs = None
             n = len(p.scores)
             for k in keys:
                 extra[k] += p.extra.get(k, [math.nan] * n)
             for k, v in p.reward_metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
         # the engine's numbers are run totals and gauges: the latest generation's
-        out = RolloutOutput(resp_ids, finish, index, log_probs, metrics=dict(parts[-1].out.metrics) if parts else {})
+        out = RolloutOutput.join([p.out for p in parts], index, dict(parts[-1].out.metrics) if parts else {})
         return ScoredRollout(rows, prompt_ids, out, scores, extra, metrics)
 
 
@@ -172,10 +156,10 @@ def filter_input(part: ScoredRollout, pad_id: int) -> Batch:
     :func:`rlplug.contracts.batch.build_batch` plus ``token_level_scores`` / ``token_level_rewards``
     ``(B, T) float32`` (the score on the last valid token, 0 for a failed reward; the in-reward KL
     comes later, so the two are equal) and ``reward_components`` ``(B, K) float32``."""
-    batch = build_batch(part.prompt_ids, part.out.response_ids, part.out.prompt_index, pad_id)
+    batch = rollout_batch(part.prompt_ids, part.out, pad_id)
     ok = scored_rows(part.extra, len(part.scores))
-    batch["token_level_scores"] = compute_token_level_scores(
-        torch.tensor(part.scores, dtype=torch.float32) * ok, batch["response_mask"]
+    batch["token_level_scores"] = token_level_scores(
+        torch.tensor(part.scores, dtype=torch.float32) * ok, batch["response_mask"], part.out, ok
     )
     batch["token_level_rewards"] = batch["token_level_scores"]
     batch.set_columns("reward_components", *components_tensor(part.extra, len(part.scores)))
@@ -212,7 +196,7 @@ def _score(trainer: Any, part_rows: list[dict], prompt_ids: list[list[int]], out
     """Score ``out`` now (on the main process; every process gets the result)."""
     result = None
     if trainer.is_main:
-        rows = [part_rows[i] for i in out.prompt_index]
+        rows = rows_for_scoring(part_rows, out)
         result = trainer.reward.score(
             rows, trainer._decode(out), lengths=out.response_lengths, **trl_inputs(trainer, out)
         )
@@ -233,7 +217,7 @@ def collect_rollouts(trainer: Any, step: int, metrics: dict[str, float]) -> tupl
     ``timing_s/gen`` and ``timing_s/reward`` add up every batch.
 
     ``trainer`` provides ``cfg``, ``registry``, ``loader``, ``pad_id``, ``reward``, ``is_main``,
-    ``coordinator``, ``sampling_params(step=...)``, ``_generate`` and ``_decode`` (a
+    ``coordinator``, ``sampling_params(step=...)``, ``_rollout`` and ``_decode`` (a
     :class:`rlplug.run.trainer.Trainer`).
 
     Raises:
@@ -248,7 +232,7 @@ def collect_rollouts(trainer: Any, step: int, metrics: dict[str, float]) -> tupl
         rows, epoch = trainer.loader.next_batch()
         prompt_ids = [r["prompt_ids"] for r in rows]
         with stage(metrics, "gen", fault=None):
-            out = trainer._generate(prompt_ids, params)
+            out = trainer._rollout(rows, params)
         return rows, epoch, prompt_ids, out, None
     batch_filter = trainer.registry.get("batch_filter", name)
     target = int(cfg.data.train_batch_size)
@@ -268,7 +252,7 @@ def collect_rollouts(trainer: Any, step: int, metrics: dict[str, float]) -> tupl
         prompt_ids = [r["prompt_ids"] for r in rows]
         seed = None if params.seed is None else params.seed + num_gen * SEED_STRIDE
         with stage(metrics, "gen", fault=None):
-            out = trainer._generate(prompt_ids, dataclasses.replace(params, seed=seed))
+            out = trainer._rollout(rows, dataclasses.replace(params, seed=seed))
         num_gen += 1
         t0 = time.perf_counter()
         part = _score(trainer, rows, prompt_ids, out)

@@ -15,6 +15,7 @@ from rlplug.contracts.reward_contract import trl_ids
 from rlplug.contracts.types import RolloutOutput, SamplingParams
 from rlplug.data.dataset import _chat_ids, dataset_read_kwargs, read_dataset
 from rlplug.data.prepare import prepared_data_files
+from rlplug.orchestration.episodes import EpisodeEngine, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import ACC_REPORTED, FAILED, PRED, RewardManager
 from rlplug.run.metrics import (  # noqa: F401 - verl's statistics: their old home (rlplug.run.metrics)
     BOOTSTRAP_SEED,
@@ -48,7 +49,7 @@ def _model_path(cfg: DictConfig, checkpoint: str | None, stack: ExitStack) -> st
 
 def score_responses(
     rows: Sequence[Mapping[str, Any]],
-    generate: Callable[[list[list[int]]], RolloutOutput],
+    generate: Callable[[list[Mapping[str, Any]]], RolloutOutput],
     decode: Callable[[RolloutOutput], list[str]],
     reward: RewardManager,
     *,
@@ -58,8 +59,8 @@ def score_responses(
     validation and ``rlplug eval`` so both report the same numbers for the same model.
 
     ``rows`` are dataset rows with ``prompt_ids`` (and ``data_source``, ``ground_truth``);
-    ``generate(prompt_ids)`` returns the :class:`rlplug.contracts.types.RolloutOutput` for a list of prompts (its
-    sampling settings fixed by the caller); ``decode`` turns it into the response texts; ``reward`` scores
+    ``generate(rows)`` returns the :class:`rlplug.contracts.types.RolloutOutput` for a list of rows (its
+    sampling settings fixed by the caller; multi-turn episodes need the rows, a plain engine their ``prompt_ids``); ``decode`` turns it into the response texts; ``reward`` scores
     them (``score(..., report_acc=True)``). Prompts go ``batch_size`` at a time (``data.val_batch_size``;
     None: all at once). Returns one :class:`rlplug.run.metrics.ScoredResponse` per response, in prompt order;
     :func:`rlplug.run.metrics.validation_metrics` turns them into the metrics.
@@ -71,9 +72,9 @@ def score_responses(
     scored: list[ScoredResponse] = []
     for start in range(0, len(rows), size):
         chunk = rows[start : start + size]
-        out = generate([list(r["prompt_ids"]) for r in chunk])
+        out = generate(chunk)
         texts = decode(out)
-        rows_out = [chunk[i] for i in out.prompt_index]
+        rows_out = rows_for_scoring(chunk, out)
         scores, extra, _ = reward.score(rows_out, texts, report_acc=True, **trl_ids(reward, out))
         names = [k for k in extra if k not in skip and not k.startswith("shaping/")]
         for j, i in enumerate(out.prompt_index):
@@ -164,16 +165,25 @@ def evaluate(
         reward = stack.enter_context(RewardManager(cfg.reward, validation=True))
         reward.check_data_sources({r["data_source"] for r in rows})
         params = eval_sampling_params(cfg, k, temperature)
-        rollout = get_registry().get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
+        registry = get_registry()
+        rollout = registry.get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
+        episodes = None
         try:
+            generate: Callable[[list[Mapping[str, Any]]], RolloutOutput]
+            if cfg.rollout.multi_turn.enable:  # the trainer's multi-turn episodes, as its validation runs them
+                engine = EpisodeEngine(
+                    cfg, registry, tok, rollout.generate, per_trajectory=cfg.rollout.mode == "server"
+                )
+                episodes = engine
+                generate = lambda chunk: engine.generate(chunk, params)  # noqa: E731
+            else:
+                generate = lambda chunk: rollout.generate([list(r["prompt_ids"]) for r in chunk], params)  # noqa: E731
             scored = score_responses(
-                rows,
-                lambda prompt_ids: rollout.generate(prompt_ids, params),
-                lambda out: tok.batch_decode(out.response_ids, skip_special_tokens=True),
-                reward,
-                batch_size=cfg.data.val_batch_size,
+                rows, generate, lambda out: solution_texts(out, tok), reward, batch_size=cfg.data.val_batch_size
             )
         finally:
+            if episodes is not None:
+                episodes.close()
             rollout.close()
     result = []
     for src in sorted({s.row["data_source"] for s in scored}):

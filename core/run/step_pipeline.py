@@ -30,11 +30,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from omegaconf import DictConfig
 
-from rlplug.algorithms.losses import apply_kl_penalty, compute_token_level_scores, masked_mean, value_targets
+from rlplug.algorithms.losses import apply_kl_penalty, masked_mean, value_targets
 from rlplug.algorithms.rollout_correction import apply_rollout_correction, use_rollout_log_probs_as_old
 from rlplug.base.exit_codes import TrainingStopped
-from rlplug.contracts.batch import build_batch, estimate_on_rows, padded_rows, rows_left_out
+from rlplug.contracts.batch import estimate_on_rows, padded_rows, rollout_batch, rows_left_out
 from rlplug.contracts.types import RolloutOutput
+from rlplug.orchestration.episodes import token_level_scores
 from rlplug.rewards.manager import components_tensor, scored_rows
 from rlplug.run.alerts import kl_seq_sum_metrics, lower_lr
 from rlplug.run.batch_filter import collect_rollouts
@@ -93,7 +94,7 @@ class SyncStepPipeline:
         t_start = time.perf_counter()
         # a batch filter (algorithm.batch_filter) generates and scores more prompts until enough are kept
         rows, epoch, prompt_ids, out, scoring = collect_rollouts(trainer, step, metrics)
-        batch = build_batch(prompt_ids, out.response_ids, out.prompt_index, trainer.pad_id)
+        batch = rollout_batch(prompt_ids, out, trainer.pad_id)  # multi-turn: environment tokens masked
         if trainer.plan.baseline:
             with stage(metrics, "gen_baseline", fault=None):
                 batch["reward_baselines"] = trainer._baseline_scores(rows, prompt_ids, out)
@@ -120,7 +121,8 @@ class SyncStepPipeline:
         metrics.update(reward_metrics)
         scored = scored_rows(extra, len(scores), batch.get("reward_baselines"))  # failed: left out of training
         seq_scores = trainer.score_norm(torch.tensor(scores, dtype=torch.float32), scored, batch, metrics)
-        batch["token_level_scores"] = compute_token_level_scores(seq_scores * scored, batch["response_mask"])
+        # the score on each response's last model token; a multi-turn environment's step rewards at their turns
+        batch["token_level_scores"] = token_level_scores(seq_scores * scored, batch["response_mask"], state.out, scored)
         batch.set_columns("reward_components", *components_tensor(extra, len(scores)))
         with stage(metrics, "adv"):
             token_level_rewards(batch, metrics, trainer.kl_in_reward, trainer.kl_ctrl, scored)

@@ -59,6 +59,7 @@ from rlplug.contracts.types import RolloutOutput, SamplingParams
 from rlplug.contracts.weights import DirectWeightTransfer, WeightTransfer
 from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
+from rlplug.orchestration.episodes import EpisodeEngine, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
 from rlplug.run import evaluate  # evaluate.score_responses: looked up at call time (tests patch it)
@@ -196,6 +197,17 @@ class Trainer:
         self.model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
         self.train_ds, self.val_ds = read_run_datasets(cfg, self.tokenizer, self.reward.check_data_sources)
+        #: multi-turn episodes over the engine (rollout.multi_turn.enable; None: one response per prompt);
+        #: built now so that a chat template that cannot be extended turn by turn is refused before models load
+        self.episodes: EpisodeEngine | None = None
+        if cfg.rollout.multi_turn.enable:
+            self.episodes = EpisodeEngine(
+                cfg,
+                self.registry,
+                self.tokenizer,
+                lambda prompt_ids, params: self.rollout.generate(prompt_ids, params),
+                per_trajectory=cfg.rollout.mode == "server",
+            )
         self.loader = make_train_loader(cfg, self.train_ds)  # data.train_weights: a weighted mix of the files
         self.total_steps = int(
             cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
@@ -295,18 +307,32 @@ class Trainer:
         finally:
             self.rollout.sleep()
 
+    @on_main_then_broadcast
+    def _rollout(self, rows: list[dict], params: SamplingParams, label: str = "rollout") -> RolloutOutput:
+        """The rollout of ``rows`` (dataset rows): :meth:`_generate` of their prompts, or with
+        ``rollout.multi_turn.enable`` the multi-turn episodes (:class:`rlplug.orchestration.episodes.EpisodeEngine`)."""
+        if self.episodes is None:
+            return Trainer._generate.__wrapped__(self, [r["prompt_ids"] for r in rows], params, label)  # type: ignore[attr-defined]
+        self.rollout.wake_up()
+        try:
+            _fault_point(label)
+            return self.episodes.generate(rows, params, step=self.global_step + 1)
+        finally:
+            self.rollout.sleep()
+
     def _decode(self, out: RolloutOutput) -> list[str]:
-        return self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        """The texts the reward scores: each response's text, or a trajectory's last assistant message."""
+        return solution_texts(out, self.tokenizer)
 
     @on_main_then_broadcast
     def _score(self, rows: list[dict], out: RolloutOutput) -> tuple[list[float], dict, dict]:
-        return self.reward.score([rows[i] for i in out.prompt_index], self._decode(out), **trl_inputs(self, out))
+        return self.reward.score(rows_for_scoring(rows, out), self._decode(out), **trl_inputs(self, out))
 
     def _baseline_scores(self, rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput) -> torch.Tensor:
         """``(B,) float32``: the score of a greedy response to each response's prompt (ReMax's baseline);
         NaN where that score failed, which leaves the responses to that prompt out of training."""
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
-        base, extra, _ = self._score(rows, self._generate(prompt_ids, params, label="rollout_baseline"))
+        base, extra, _ = self._score(rows, self._rollout(rows, params, label="rollout_baseline"))
         ok = scored_rows(extra, len(base)).tolist()
         return torch.tensor([base[i] if ok[i] else math.nan for i in out.prompt_index], dtype=torch.float32)
 
@@ -315,7 +341,7 @@ class Trainer:
         thread with ``reward.overlap=false``); returns the future, joined by :meth:`_finish_scoring`."""
         if not self.is_main:
             return None
-        rows_out, overlap = [rows[i] for i in out.prompt_index], bool(self.cfg.reward.overlap)
+        rows_out, overlap = rows_for_scoring(rows, out), bool(self.cfg.reward.overlap)
         return self.reward.score_async(
             rows_out, lambda: self._decode(out), overlap=overlap, lengths=out.response_lengths, **trl_inputs(self, out)
         )
@@ -357,8 +383,8 @@ class Trainer:
         """Generate and score the validation rows on the main process (the one that owns the engine and
         has prepared the rewards: a judge's server starts there only); every process gets the result."""
 
-        # the undecorated generate: this already runs on the main process alone
-        generate = functools.partial(Trainer._generate.__wrapped__, self, params=params, label="validation")  # type: ignore[attr-defined]
+        # the undecorated rollout: this already runs on the main process alone
+        generate = functools.partial(Trainer._rollout.__wrapped__, self, params=params, label="validation")  # type: ignore[attr-defined]
         return evaluate.score_responses(
             rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size
         )
@@ -488,7 +514,14 @@ class Trainer:
     def close(self) -> None:
         """Close the reward manager (after a running scoring, bounded by ``reward.timeout_s``), the rollout
         engine and the backend, then release the run directory's lock (``self.ckpt``); idempotent."""
-        for obj in (self.reward, self.val_reward, self.rollout, self.backend, self.ckpt):
+        for obj in (
+            self.reward,
+            self.val_reward,
+            getattr(self, "episodes", None),
+            self.rollout,
+            self.backend,
+            self.ckpt,
+        ):
             if obj is not None:
                 with contextlib.suppress(Exception):
                     obj.close()

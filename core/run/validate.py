@@ -30,7 +30,7 @@ from rlplug.algorithms.rollout_correction import (
 from rlplug.algorithms.token_budget import token_budgets
 from rlplug.base.precision import DTYPE_CHOICES
 from rlplug.config.phases import check_schedule_config
-from rlplug.config.schema import ConfigError, config_get
+from rlplug.config.schema import ConfigError, MultiTurnConfig, config_get
 from rlplug.config.verl_keys import MAPPED, TABLE
 from rlplug.contracts.kinds import built_classes
 from rlplug.contracts.registry import PluginError, Registry, get_registry
@@ -466,20 +466,54 @@ def _check_batch_filter(cfg: DictConfig, registry: Registry, choices: list[Plugi
             raise ConfigError(f"{setting}: {exc}") from exc
 
 
+#: the values of rollout.multi_turn.format and rollout.multi_turn.on_overflow
+MULTI_TURN_FORMATS = ("tags", "hermes")
+ON_OVERFLOW = ("truncate", "end")
+
+
 def _check_multi_turn(cfg: DictConfig, registry: Registry, choices: list[PluginChoice]) -> None:
-    """``rollout.multi_turn``: each of ``tools`` resolves to a registered tool that passes its contract, and
-    the section is refused as a whole while multi-turn episodes are not in this version (issue 33): a setting
-    either takes effect or is refused, never recorded and ignored."""
+    """``rollout.multi_turn``: with ``enable``, the environment and every tool resolve to registered plugins
+    that pass their contracts, the format and overflow policy are known, the caps and timeouts positive.
+    Without it, a setting that differs from the default is refused (it would be recorded and ignored)."""
     mt = cfg.rollout.multi_turn
+    defaults = MultiTurnConfig()
+    if not mt.enable:
+        changed = [k for k in mt if k != "enable" and mt[k] != getattr(defaults, str(k), None)]
+        if changed:
+            raise ConfigError(
+                f"rollout.multi_turn.{changed[0]} is set but rollout.multi_turn.enable is false, so no episode would "
+                "use it. Add rollout.multi_turn.enable=true for multi-turn episodes, or remove "
+                + ", ".join(f"rollout.multi_turn.{k}" for k in changed)
+                + "."
+            )
+        return
+    _resolve(registry, "environment", "rollout.multi_turn.environment", mt.environment, choices)
     for i, name in enumerate(mt.tools):
         _resolve(registry, "tool", f"rollout.multi_turn.tools[{i}]", name, choices)
-    if mt.enable or mt.tools:
+    if mt.format not in MULTI_TURN_FORMATS:
         raise ConfigError(
-            "rollout.multi_turn: multi-turn episodes (an environment and tools between the engine's turns) are "
-            "not in this version of rlplug yet; the tool plugins can be written and checked now "
-            "(rlplug.testing.check_tool) but no run calls them. Remove rollout.multi_turn.enable / "
-            "rollout.multi_turn.tools."
+            f"rollout.multi_turn.format={mt.format}: use one of {', '.join(MULTI_TURN_FORMATS)} (tags: "
+            '<calculator>12*7</calculator>; hermes: <tool_call>{{"name": ..., "arguments": ...}}</tool_call>).'
         )
+    if mt.on_overflow not in ON_OVERFLOW:
+        raise ConfigError(f"rollout.multi_turn.on_overflow={mt.on_overflow}: use one of {', '.join(ON_OVERFLOW)}.")
+    for key in (
+        "max_assistant_turns",
+        "max_user_turns",
+        "max_parallel_calls",
+        "max_tool_response_length",
+        "tool_workers",
+    ):
+        if int(mt[key]) < 1:
+            raise ConfigError(f"rollout.multi_turn.{key}={mt[key]}: must be at least 1.")
+    for key in ("tool_timeout_s", "episode_timeout_s"):
+        if not float(mt[key]) > 0:
+            raise ConfigError(
+                f"rollout.multi_turn.{key}={mt[key]}: must be > 0 seconds (a tool call or an episode without a "
+                "deadline can hang training)."
+            )
+    if int(mt.tool_memory_mb) < 0:
+        raise ConfigError(f"rollout.multi_turn.tool_memory_mb={mt.tool_memory_mb}: MiB >= 0 (0: no limit).")
 
 
 def _check_critic_warmup(cfg: DictConfig, plan: BatchPlan) -> None:
