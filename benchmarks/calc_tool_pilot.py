@@ -56,8 +56,6 @@ MODES = ("tools", "no_tools")
 #: refuses a multi-turn setting without ``enable``); the training baseline's overrides too
 NO_TOOL_OVERRIDES = (
     "rollout.multi_turn.enable=false",
-    "rollout.multi_turn.tools=[]",
-    "rollout.multi_turn.max_assistant_turns=5",
 )
 #: the issue's rule for picking operand sizes
 MAX_NO_TOOL_ACCURACY = 0.05

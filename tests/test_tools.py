@@ -307,7 +307,7 @@ def test_the_tool_names_are_exported_where_plugins_and_tests_find_them():
     assert {"check_tool", "LookupTool"} <= set(rlplug.testing.__all__)
 
 
-def test_rollout_multi_turn_resolves_its_plugins_and_refuses_settings_without_enable() -> None:
+def test_rollout_multi_turn_resolves_its_plugins_and_names_settings_without_enable() -> None:
     import pytest as _pytest
     from _helpers import run_config
 
@@ -324,8 +324,8 @@ def test_rollout_multi_turn_resolves_its_plugins_and_refuses_settings_without_en
         validate_config(cfg(on, "rollout.multi_turn.tools=[no_such_tool]"))
     with _pytest.raises(ConfigError, match="rollout.multi_turn.environment=no_such_env"):
         validate_config(cfg(on, "rollout.multi_turn.environment=no_such_env"))
-    # a setting without enable would be recorded and ignored: refused, naming the key
-    with _pytest.raises(ConfigError, match="rollout.multi_turn.tools is set but rollout.multi_turn.enable is false"):
+    # a setting without enable has no effect: said (a preset's no-tool baseline), never dropped silently
+    with _pytest.warns(UserWarning, match=r"no effect: rollout.multi_turn.tools=\['calculator'\]"):
         validate_config(cfg("rollout.multi_turn.tools=[calculator]"))
     with _pytest.raises(ConfigError, match="format=json: use one of tags, hermes"):
         validate_config(cfg(on, "rollout.multi_turn.format=json"))

@@ -340,8 +340,11 @@ class EpisodeEngine:
         return call_tool
 
     async def _reset(self, t: _Trajectory) -> None:
+        # environments get verl's row schema: the prompt messages under "prompt" (rlplug's dataset rows hold
+        # them as "messages", already tokenized as "prompt_ids")
+        row = t.row if t.row.get("prompt") is not None else {**t.row, "prompt": t.row.get("messages")}
         try:
-            messages = _messages(await asyncio.wait_for(_call(t.env.reset, t.row), timeout=max(0.001, t.remaining())))
+            messages = _messages(await asyncio.wait_for(_call(t.env.reset, row), timeout=max(0.001, t.remaining())))
         except Exception as exc:
             raise EpisodeError(
                 f"environment {t.env_name!r} failed to start the episode of row {t.prompt_index} "
@@ -353,7 +356,7 @@ class EpisodeEngine:
                 "must return the prompt as a list of chat messages."
             )
         t.messages = messages
-        row_prompt = t.row.get("prompt")
+        row_prompt = row.get("prompt")
         same = row_prompt is not None and "prompt_ids" in t.row and _same_messages(messages, row_prompt)
         t.prompt_ids = list(t.row["prompt_ids"]) if same else self.renderer.prompt_ids(messages)
 

@@ -13,6 +13,8 @@ a field that no stage would produce under the config is a :class:`ConfigError` h
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -474,17 +476,20 @@ ON_OVERFLOW = ("truncate", "end")
 def _check_multi_turn(cfg: DictConfig, registry: Registry, choices: list[PluginChoice]) -> None:
     """``rollout.multi_turn``: with ``enable``, the environment and every tool resolve to registered plugins
     that pass their contracts, the format and overflow policy are known, the caps and timeouts positive.
-    Without it, a setting that differs from the default is refused (it would be recorded and ignored)."""
+    Without it, the settings that differ from the default are named in a ``UserWarning`` (a preset's no-tool
+    baseline: ``experiment=calc_tool rollout.multi_turn.enable=false``), never dropped silently."""
     mt = cfg.rollout.multi_turn
     defaults = MultiTurnConfig()
     if not mt.enable:
         changed = [k for k in mt if k != "enable" and mt[k] != getattr(defaults, str(k), None)]
         if changed:
-            raise ConfigError(
-                f"rollout.multi_turn.{changed[0]} is set but rollout.multi_turn.enable is false, so no episode would "
-                "use it. Add rollout.multi_turn.enable=true for multi-turn episodes, or remove "
-                + ", ".join(f"rollout.multi_turn.{k}" for k in changed)
-                + "."
+            # a preset's multi-turn settings with enable=false (its no-tool baseline): said, never silently dropped
+            warnings.warn(
+                "rollout.multi_turn.enable is false, so no multi-turn episode runs and these settings have no effect: "
+                + ", ".join(f"rollout.multi_turn.{k}={mt[k]}" for k in changed)
+                + ". Add rollout.multi_turn.enable=true to use them.",
+                UserWarning,
+                stacklevel=2,
             )
         return
     _resolve(registry, "environment", "rollout.multi_turn.environment", mt.environment, choices)
