@@ -35,7 +35,7 @@ def prepared(tmp_path_factory):
     return info, _rows(info["train_path"]), _rows(info["test_path"])
 
 
-def test_rows_are_verl_schema_with_one_prompt_explaining_the_protocol(prepared):
+def test_rows_are_verl_schema_with_the_protocol_shown_once_as_a_worked_example(prepared):
     info, train, test = prepared
     assert pq.read_schema(info["train_path"]).equals(parquet_schema(), check_metadata=False)
     assert (len(train), len(test)) == (300, 60)
@@ -43,12 +43,15 @@ def test_rows_are_verl_schema_with_one_prompt_explaining_the_protocol(prepared):
         for i, r in enumerate(rows):
             assert r["data_source"] == "calc_arith" and r["ability"] == "math"
             assert r["extra_info"]["split"] == split and r["extra_info"]["index"] == i
-            (msg,) = r["prompt"]
-            assert msg["role"] == "user"
-            assert msg["content"] == f"{r['extra_info']['question']} {calc_arith.INSTRUCTION}"
-            # the protocol shown once: one worked call, one answer line
-            assert msg["content"].count("<calculator>12*34+5</calculator>") == 1
-            assert msg["content"].endswith('"####" and the number on the last line:\n#### 413')
+            msgs = [dict(m) for m in r["prompt"]]
+            assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "user"]
+            assert msgs[-1]["content"] == r["extra_info"]["question"]
+            # the protocol shown once: the system message, one worked call with its reply, one answer line
+            assert (
+                msgs[0]["content"] == calc_arith.SYSTEM and "<calculator>expression</calculator>" in msgs[0]["content"]
+            )
+            assert msgs[2]["content"] == "<calculator>12*34+5</calculator>" and msgs[3]["content"] == "413"
+            assert msgs[4]["content"] == "#### 413"
     assert calculator("12*34+5") == "413"  # the prompt's worked example is right
 
 

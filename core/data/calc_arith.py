@@ -44,6 +44,9 @@ __all__ = [
     "DEFAULTS",
     "FORMAT_VERSION",
     "INSTRUCTION",
+    "SYSTEM",
+    "DEMONSTRATION",
+    "prompt_messages",
     "OPERATORS",
     "CalcArithDataset",
     "check_kwargs",
@@ -64,14 +67,35 @@ DEFAULTS: dict[str, Any] = {
 
 #: bump when this module changes the items or the prompt it writes for the same settings (part of the data
 #: cache key, :func:`rlplug.data.prepare.prepared_data_files`)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
-#: the answer-format sentence after each question: the ``tags`` protocol once, one worked example, ``####``
-INSTRUCTION = (
-    "You have a calculator: write <calculator>expression</calculator> (integers, + - * and parentheses) and "
-    "its result is given back to you. Example: for 12 * 34 + 5, write <calculator>12*34+5</calculator>, "
-    'read the result 413, then write "####" and the number on the last line:\n#### 413'
+#: the system message: the ``tags`` protocol and the answer format, once
+SYSTEM = (
+    "You are a helpful assistant with a calculator. To compute, write <calculator>expression</calculator> "
+    "(integers, + - * and parentheses) and wait for the result. Then give the final answer as: #### number"
 )
+
+#: one worked example as a conversation before the question: the call, the calculator's reply, the answer.
+#: The 135M default model does not follow the protocol from a description alone (the pilot,
+#: benchmarks/results/calc_tool_pilot*.json: 1% of its responses called the tool); shown as turns, it does.
+DEMONSTRATION: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "Calculate 12 * 34 + 5."},
+    {"role": "assistant", "content": "<calculator>12*34+5</calculator>"},
+    {"role": "tool", "content": "413"},
+    {"role": "assistant", "content": "#### 413"},
+)
+
+#: kept for callers of the first version: the protocol as one sentence (the prompt now uses SYSTEM and
+#: DEMONSTRATION; ``data.instruction``, when set, is appended to the question instead)
+INSTRUCTION = ""
+
+
+def prompt_messages(question: str, instruction: str | None = None) -> list[dict[str, str]]:
+    """The prompt of one problem: :data:`SYSTEM`, the :data:`DEMONSTRATION` turns, then the question as the
+    last user message (``instruction``, ``data.instruction`` when set, appended to it)."""
+    text = question.strip() if not instruction else f"{question.strip()} {instruction.strip()}"
+    return [{"role": "system", "content": SYSTEM}, *(dict(m) for m in DEMONSTRATION), {"role": "user", "content": text}]
+
 
 #: the operators a problem may use, with Python's precedence (higher binds tighter)
 OPERATORS: dict[str, int] = {"+": 1, "-": 1, "*": 2, "//": 2}

@@ -220,7 +220,9 @@ def build_rows(task: str, items: list[dict], split: str, config: dict, instructi
         rows.append(
             {
                 "data_source": task,
-                "prompt": [{"role": "user", "content": _prompt_text(task, item["question"], instruction)}],
+                "prompt": calc_arith.prompt_messages(item["question"], instruction)
+                if task == calc_arith.TASK
+                else [{"role": "user", "content": _prompt_text(task, item["question"], instruction)}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": _ground_truth(task, item)},
                 "extra_info": {
