@@ -20,6 +20,7 @@ from rlplug.contracts.batch import rollout_batch
 from rlplug.contracts.types import RolloutOutput, SamplingParams
 from rlplug.orchestration.chat import TemplateError, TurnRenderer, check_template, render_text
 from rlplug.orchestration.episodes import (
+    MULTI_TURN_METRICS,
     EpisodeEngine,
     EpisodeError,
     agent_name,
@@ -175,6 +176,8 @@ def test_each_turn_prompt_is_a_prefix_of_the_next_and_the_whole_matches_the_temp
     assert out.step_rewards[0] == [(len(first) - 1, 0.25)]
     assert solution_texts(out, tok) == ["The answer is 5."]
     assert out.metrics["multi_turn/tool_calls"] == 1.0 and out.metrics["multi_turn/ended_by_done"] == 1.0
+    assert out.metrics["num_turns/mean"] == 4.0  # verl: 2 assistant + 1 tool + 1
+    assert set(out.metrics) == set(MULTI_TURN_METRICS)
     assert out.metrics["multi_turn/masked_token_share"] == pytest.approx(len(env_ids) / len(out.response_ids[0]))
     assert scripted.calls[0][1].stop == ("</calc>",)
 
@@ -301,13 +304,13 @@ def test_rewritten_prompt_is_rendered_and_special_tokens_in_text_are_plain(tok: 
 
 
 def test_server_engines_run_trajectories_independently(tok: Any) -> None:
-    """7 of 8 trajectories finish while the 8th one's tool sleeps 4 s (rollout.mode=server)."""
+    """7 of 8 trajectories finish while the 8th one's tool sleeps 5 s (rollout.mode=server)."""
 
     class SleepEnv(CalcEnv):
         async def step(self, message: Mapping[str, Any]) -> EnvStep:
             if "<calc>" not in message["content"]:
                 return EnvStep(done=True)
-            name, arg = ("sleepy", "4") if self.context.index == 7 else ("calc", "1+1")
+            name, arg = ("sleepy", "5") if self.context.index == 7 else ("calc", "1+1")
             result = await self.context.call_tool(name, {"expression": arg})
             return EnvStep([{"role": "tool", "content": result.text}])
 
@@ -331,7 +334,7 @@ def test_server_engines_run_trajectories_independently(tok: Any) -> None:
         out = eng.generate(rows(tok, keys), PARAMS)
     fast = sorted(finished[i] - t0 for i in range(7))
     assert fast[-1] < 3.0, fast  # the seven did not wait for the sleeping tool
-    assert finished[7] - t0 >= 4.0, out.transcripts[7]
+    assert finished[7] - t0 >= 5.0, out.transcripts[7]
     assert all(len(c[0]) == 1 for c in scripted.calls)  # one trajectory per request
     assert out.transcripts[7][3]["content"] == "slept"
 

@@ -25,7 +25,8 @@ so a slow tool holds only its own trajectory. Seeds: turn ``k`` of the lockstep 
 step's seed, so a resumed run repeats the episodes exactly when every tool call finishes inside its timeout
 (a timeout depends on wall time: a resumed run may time out elsewhere).
 
-Metrics (``multi_turn/*``, per step): ``turns_mean`` / ``turns_max`` (assistant turns per trajectory),
+Metrics, per step: verl's ``num_turns/{mean,max,min}`` (assistant turns + observation turns + 1, as verl's agent
+loop counts them); ``multi_turn/*``: ``turns_mean`` / ``turns_max`` (assistant turns per trajectory),
 ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_crashes``, ``malformed_calls``, ``ended_by_done``,
 ``ended_by_turn_cap``, ``ended_by_length``, ``ended_by_timeout``, ``env_errors``, ``overflow``
 (observations cut or refused for length), ``masked_token_share`` (environment tokens / response tokens).
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 TURN_SEED_STRIDE = 1_000_033
 
 #: the per-step metrics of multi-turn episodes (module docstring)
-MULTI_TURN_METRICS: tuple[str, ...] = tuple(
+MULTI_TURN_METRICS: tuple[str, ...] = ("num_turns/mean", "num_turns/max", "num_turns/min") + tuple(
     f"multi_turn/{k}"
     for k in (
         "turns_mean",
@@ -507,7 +508,12 @@ class EpisodeEngine:
         tokens = sum(len(t.response_ids) for t in trajectories)
         masked = sum(len(t.mask) - sum(t.mask) for t in trajectories)
         turns = [t.assistant_turns for t in trajectories] or [0]
+        # verl's num_turns (its agent loop's __num_turns__): assistant turns + observation turns + 1 (the prompt)
+        num_turns = [t.assistant_turns + t.user_turns + 1 for t in trajectories] or [0]
         metrics = {
+            "num_turns/mean": sum(num_turns) / max(1, n),
+            "num_turns/max": float(max(num_turns)),
+            "num_turns/min": float(min(num_turns)),
             "multi_turn/turns_mean": sum(turns) / max(1, n),
             "multi_turn/turns_max": float(max(turns)),
             **{f"multi_turn/{k}": counts.get(k, 0.0) for k in (*_INFO_COUNTS.values(), "env_errors", "overflow")},
