@@ -370,3 +370,31 @@ def test_agent_name_follows_verl(tok: Any) -> None:
     assert agent_name({"agent_name": "a"}) == "a"
     assert agent_name({"extra_info": {"agent_name": "b"}}) == "b"
     assert agent_name({"extra_info": {}}) is None
+
+
+def test_rows_agent_name_column_is_read_and_checked(tok: Any, tmp_path: Any) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlplug.data.dataset import read_dataset
+
+    prompt = [{"role": "user", "content": "Q1"}]
+    table = pa.Table.from_pylist(
+        [
+            {
+                "data_source": "t",
+                "prompt": prompt,
+                "reward_model": {"style": "rule", "ground_truth": "1"},
+                "agent_name": a,
+            }
+            for a in ("calc_env", None)
+        ]
+    )
+    path = tmp_path / "rows.parquet"
+    pq.write_table(table, path)
+    ds = read_dataset([str(path)], tokenizer=tok)
+    assert ds[0]["agent_name"] == "calc_env" and "agent_name" not in ds[1]
+    with engine(tok, ScriptedEngine(tok, {"Q1": ["x"]})) as eng:
+        eng.check_rows(ds, "the training data")  # both resolve (the second to the default)
+        with pytest.raises(EpisodeError, match="the training data, row 0: agent_name='nope'"):
+            eng.check_rows([{"agent_name": "nope"}], "the training data")

@@ -87,6 +87,8 @@ class RLDataset(Sequence):
       (only when a tokenizer was given)
     * ``ground_truth`` (str), ``extra_info`` (dict, {} when absent)
     * ``index`` (int): position in this dataset; ``source``: ``"file#row"`` it came from
+    * ``agent_name`` (str), only when the file has verl's ``agent_name`` column and the row a value: the
+      environment of the row's multi-turn episodes (:func:`rlplug.orchestration.episodes.agent_name`)
 
     ``num_filtered`` counts prompts dropped for being longer than ``max_prompt_length``;
     ``file_stats`` maps each file to ``{"rows": rows read, "kept": rows kept, "shortest_filtered": token
@@ -587,7 +589,8 @@ def read_dataset(
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"{path}: not a readable parquet file ({exc}). {_SCHEMA_HELP}") from exc
         _check_schema(path, schema, prompt_key)
-        columns = [c for c in ("data_source", prompt_key, "ability", "reward_model", "extra_info") if c in schema.names]
+        names = ("data_source", prompt_key, "ability", "reward_model", "extra_info", "agent_name")
+        columns = [c for c in names if c in schema.names]
         try:
             table = pq.read_table(path, columns=columns)
         except (pa.ArrowException, OSError) as exc:
@@ -621,6 +624,11 @@ def read_dataset(
                 "ability": ability if isinstance(ability, str) else "",
                 "source": f"{path}#{i}",
             }
+            agent = values["agent_name"][i] if "agent_name" in values else None
+            if agent is not None:  # verl's column: the multi-turn environment of this row
+                if not isinstance(agent, str) or not agent.strip():
+                    raise _err(path, i, "agent_name", f"is {agent!r:.80}; expected an environment's name or null.")
+                row["agent_name"] = agent
             candidates.append((row, path, i, added))
     total = len(candidates)
 

@@ -288,6 +288,24 @@ class EpisodeEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def check_rows(self, rows: Any, where: str) -> None:
+        """Resolve the environment of every row of ``rows`` now (a row's ``agent_name``, else
+        ``rollout.multi_turn.environment``), so that an unknown name fails before any model loads; raises the
+        registry's error prefixed with ``where`` and the row."""
+        seen: set[str] = set()
+        for i, row in enumerate(rows):
+            name = agent_name(row) or self.settings.environment
+            if name in seen:
+                continue
+            try:
+                self.factory(name)
+            except Exception as exc:
+                raise EpisodeError(
+                    f"{where}, row {i}: agent_name={name!r} names no usable environment plugin ({exc}). Register an "
+                    "environment of that name (hook register_environments) or fix the row's agent_name."
+                ) from exc
+            seen.add(name)
+
     def factory(self, name: str) -> Any:
         if name not in self._factories:
             self._factories[name] = self.registry.get("environment", name)

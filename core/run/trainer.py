@@ -208,6 +208,9 @@ class Trainer:
                 lambda prompt_ids, params: self.rollout.generate(prompt_ids, params),
                 per_trajectory=cfg.rollout.mode == "server",
             )
+            for ds, where in ((self.train_ds, "the training data"), (self.val_ds, "the validation data")):
+                if ds is not None:
+                    self.episodes.check_rows(ds, where)  # every row's agent_name resolves
         self.loader = make_train_loader(cfg, self.train_ds)  # data.train_weights: a weighted mix of the files
         self.total_steps = int(
             cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
