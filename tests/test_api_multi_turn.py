@@ -1,7 +1,8 @@
 """``rlplug.train(tools=..., environment_factory=...)`` as TRL's GRPOTrainer takes them (issue 33): the
 adapters of :mod:`rlplug.orchestration.python_env` driven directly (reset / step with an in-process
-``call_tool``), the registrations and config :func:`rlplug.train` makes, and (skipped until the episode engine
-lands) two tiny training steps."""
+``call_tool``), the registrations and config :func:`rlplug.train` makes, two tiny training steps through the
+episode engine (the random model, and a scripted policy that calls a tool), and the tool-call parser against
+the ``tool_agent`` plugin's."""
 
 from __future__ import annotations
 
@@ -223,19 +224,100 @@ def test_a_tool_name_taken_twice_is_refused():
         register_tools([lambda x: x])
 
 
-@pytest.mark.skip(reason="needs the episode engine")
-def test_train_with_tools_and_an_environment_factory_runs_two_tiny_steps(tmp_path):
-    import rlplug
+TINY_TRAIN = [
+    "algorithm=grpo",
+    "rollout.n=2",
+    "trainer.total_training_steps=2",
+    "actor.ppo_mini_batch_size=2",
+    "actor.micro_batch_size_per_device=2",
+    "trainer.logger=[console]",
+    "data.max_response_length=64",
+]
 
-    def brevity(completions, **kwargs):
-        return [-len(str(c)) / 100 for c in completions]
+
+def _brevity(completions, **kwargs):
+    """TRL's contract: -characters / 100."""
+    return [-len(str(c)) / 100 for c in completions]
+
+
+def test_train_with_tools_and_an_environment_factory_runs_two_tiny_steps(tmp_path):
+    """The tiny random model through the real engine: its turns run into the length cap (no tool call)."""
+    from _helpers import TINY_CPU_RUN
+
+    import rlplug
 
     ds = {"prompt": ["Count to 5 with add.", "Count to 3 with add."], "target": [5, 3]}
     result = rlplug.train(
-        ["debug=tiny", f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2"],
+        [*TINY_CPU_RUN, *TINY_TRAIN, f"trainer.default_local_dir={tmp_path}"],
         train_dataset=ds,
-        reward_funcs=[brevity],
+        reward_funcs=[_brevity],
         tools=[multiply],
         environment_factory=Counter,
     )
     assert result.status == "finished" and result.global_step == 2
+    assert [r["step"] for r in result.history if "multi_turn/turns_mean" in r] == [1, 2]
+    m = result.metrics
+    # 2 prompts x rollout.n=2 trajectories, each ended after its first turn (length 64 or the model's EOS)
+    assert m["multi_turn/ended_by_length"] + m["multi_turn/ended_by_done"] == 4.0
+    assert m["multi_turn/turns_mean"] == 1.0
+
+
+class _ScriptedEngine:
+    """Wraps the trainer's :class:`EpisodeEngine` so that its rollout generates the real tiny model's turn and
+    then replaces the ids with a script (turn 0: a hermes call ``add(n=5)`` in even trajectories, ``add(n=3)``
+    in odd ones; turn 1: ``Done.``), each ended by
+    EOS; the log-probs are zeros (used only by the optional importance-sampling correction, off here)."""
+
+    def __new__(cls, config, registry, tokenizer, generate, **kwargs):
+        from rlplug.contracts.types import RolloutOutput
+        from rlplug.orchestration.episodes import EpisodeEngine
+
+        calls = {"k": 0}
+
+        def scripted(prompt_ids, params):
+            real = generate(prompt_ids, params)  # the real rollout runs (shapes, sampling path)
+            first = calls["k"] % 2 == 0  # lockstep: one call per turn, two turns per episode
+            calls["k"] += 1
+            texts = [_call("add", n=5 if k % 2 == 0 else 3) if first else "Done." for k in range(len(prompt_ids))]
+            ids = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
+            return RolloutOutput(
+                response_ids=ids,
+                finish_reasons=["stop"] * len(ids),
+                prompt_index=list(real.prompt_index),
+                log_probs=[[0.0] * len(x) for x in ids] if real.log_probs is not None else None,
+            )
+
+        return EpisodeEngine(config, registry, tokenizer, scripted, **kwargs)
+
+
+def test_two_tiny_steps_with_a_tool_call_score_get_reward_as_a_step_reward(tmp_path, monkeypatch):
+    """A scripted policy calls the environment's method, then answers: the method runs on the episode's
+    instance, ``get_reward()`` lands on the last sampled token and the reward functions score the last message."""
+    from _helpers import TINY_CPU_RUN
+
+    import rlplug
+    import rlplug.run.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "EpisodeEngine", _ScriptedEngine)
+    ds = {"prompt": ["Count to 5 with add.", "Count to 3 with add."], "target": [5, 3]}
+    result = rlplug.train(
+        [*TINY_CPU_RUN, *TINY_TRAIN, f"trainer.default_local_dir={tmp_path}", "data.shuffle=false"],
+        train_dataset=ds,
+        reward_funcs=[_brevity],
+        tools=[multiply],
+        environment_factory=Counter,
+    )
+    assert result.status == "finished" and result.global_step == 2
+    for record in result.history:
+        if "multi_turn/turns_mean" not in record:
+            continue
+        assert record["multi_turn/turns_mean"] == 2.0 and record["multi_turn/ended_by_done"] == 4.0
+        assert record["multi_turn/tool_calls"] == 4.0 and record["multi_turn/tool_errors"] == 0.0
+        assert 0.0 < record["multi_turn/masked_token_share"] < 1.0
+        # the reward functions score "Done." (-0.05); get_reward() adds 1 where the call reached the row's
+        # target (trajectory 0: add(5) for 5; 3: add(3) for 3) and 0 elsewhere: rewards 0.95, -0.05, -0.05,
+        # 0.95, mean 0.45, max 0.95, min -0.05; each group has a spread, so the update has a gradient
+        assert record["critic/score/mean"] == pytest.approx(-0.05)
+        assert record["critic/rewards/mean"] == pytest.approx(0.45)
+        assert (record["critic/rewards/max"], record["critic/rewards/min"]) == pytest.approx((0.95, -0.05))
+        assert record["actor/grad_norm"] > 0
