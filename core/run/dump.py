@@ -29,6 +29,25 @@ every other batch tensor              float32 / int64      ``(B,)`` fields as sc
                                                            ``advantages``, ``returns``, ``rollout_is_weights`` ...
 ====================================  ===================  ==================================================
 
+A multi-turn batch (``rollout.multi_turn.enable``: :attr:`rlplug.contracts.types.RolloutOutput.multi_turn`) is
+dumped with dump version 2 and these differences: ``response`` is the last assistant message (the text the
+reward functions scored), ``prompt_ids`` / ``prompt_text`` are the prompt the episode started from (an
+environment's ``reset`` may rewrite it), and four more columns:
+
+====================================  ===================  ==================================================
+``rollout_mask``                      list<int64>          per response token: 1 sampled by the engine, 0 the
+                                                           environment's (tool results, template tokens)
+``step_rewards``                      string               the environment's rewards as JSON ``[[position, reward], ...]``
+                                                           (position: the turn's last sampled token)
+``transcript``                        string               the conversation as JSON (``[{"role", "content"}, ...]``,
+                                                           the prompt included)
+``response_marked``                   string               the whole response decoded with special tokens, each
+                                                           environment span in ``⟦`` ``⟧``
+                                                           (:func:`rlplug.run.metrics.marked_response`)
+====================================  ===================  ==================================================
+
+A single-turn dump is written exactly as before (version 1).
+
 So a dump holds every batch field an advantage estimator may declare in ``requires`` that the run
 produced (the prompt-side ``input_ids``/``attention_mask``/``position_ids`` are rebuilt from
 ``prompt_ids`` and ``response_ids``). The schema metadata holds the step's config (YAML, resolved;
@@ -82,8 +101,9 @@ __all__ = [
     "replay",
 ]
 
-#: bumped when the layout changes; :func:`read_dump` refuses newer files
-DUMP_VERSION = 1
+#: bumped when the layout changes; :func:`read_dump` refuses newer files. 2: multi-turn columns (a
+#: single-turn dump is still written as version 1, its layout unchanged)
+DUMP_VERSION = 2
 #: batch tensors not dumped: the prompt side is rebuilt from prompt_ids / response_ids
 _NOT_DUMPED = ("input_ids", "attention_mask", "position_ids", "responses")
 _META = {
@@ -129,13 +149,14 @@ def dump_rollouts(
     scores: Any,
 ) -> Path | None:
     """Write training step ``step``'s batch to :func:`dump_path` when ``trainer.dump_rollouts`` is on and
-    ``step`` is a multiple of ``trainer.dump_rollouts_freq`` (main process only); else do nothing.
+        ``step`` is a multiple of ``trainer.dump_rollouts_freq`` (main process only); else do nothing.
 
-    ``trainer`` is the :class:`rlplug.run.trainer.Trainer` (its ``cfg``, ``run_dir``, ``is_main``,
-    ``tokenizer``); ``rows`` and ``prompt_ids`` the step's prompts; ``out`` its
-    :class:`rlplug.contracts.types.RolloutOutput`; ``batch`` the finished :class:`rlplug.contracts.batch.Batch` (advantages
-    and returns set); ``scores`` the ``B`` reward-manager scores. Returns the file written, or None.
-    The first call of a trainer deletes the dumps of ``step`` and later (superseded after a resume).
+        ``trainer`` is the :class:`rlplug.run.trainer.Trainer` (its ``cfg``, ``run_dir``, ``is_main``,
+        ``tokenizer``); ``rows`` and ``prompt_ids`` the step's prompts; ``out`` its
+        :class:`rlplug.contracts.types.RolloutOutput`; ``batch`` the finished :class:`rlplug.contracts.batch.Batch` (advantages
+        and returns set); ``scores`` the ``B`` reward-manager scores. Returns the file written, or None. A
+    multi-turn ``out`` is dumped with its masks, step rewards and transcripts (the module docstring).
+        The first call of a trainer deletes the dumps of ``step`` and later (superseded after a resume).
     """
     settings = typed(TrainerConfig, trainer.cfg.trainer)  # once per step: the one section
     if not settings.dump_rollouts or not trainer.is_main:
@@ -149,10 +170,23 @@ def dump_rollouts(
     freq = int(settings.dump_rollouts_freq or 1)
     if step % freq:
         return None
-    texts = trainer.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+    if out.solutions is not None:  # multi-turn: the last assistant message, the text the reward functions scored
+        texts = list(out.solutions)
+    else:
+        texts = trainer.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     prompt_texts = trainer.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
     return write_dump(
-        dump_path(trainer.run_dir, step), step, trainer.cfg, rows, prompt_ids, prompt_texts, out, texts, batch, scores
+        dump_path(trainer.run_dir, step),
+        step,
+        trainer.cfg,
+        rows,
+        prompt_ids,
+        prompt_texts,
+        out,
+        texts,
+        batch,
+        scores,
+        tokenizer=trainer.tokenizer,
     )
 
 
@@ -193,6 +227,30 @@ def _row_columns(
     return cols
 
 
+def _multi_turn_columns(out: Any, tokenizer: Any) -> dict[str, list]:
+    """The columns of a multi-turn dump (module docstring): ``rollout_mask``, ``step_rewards``,
+    ``transcript`` and, with a ``tokenizer``, ``response_marked``."""
+    from rlplug.run.metrics import marked_response  # the sample rows' rendering of the environment's spans
+
+    B = len(out.response_ids)
+    cols: dict[str, list] = {
+        "rollout_mask": [[int(m) for m in mask] for mask in out.response_masks],
+        "step_rewards": [
+            json.dumps([[int(p), float(r)] for p, r in (out.step_rewards[i] if out.step_rewards is not None else [])])
+            for i in range(B)
+        ],
+        "transcript": [
+            json.dumps(out.transcripts[i] if out.transcripts is not None else [], default=str, ensure_ascii=False)
+            for i in range(B)
+        ],
+    }
+    if tokenizer is not None:
+        cols["response_marked"] = [
+            marked_response(out.response_ids[i], out.response_masks[i], tokenizer) for i in range(B)
+        ]
+    return cols
+
+
 def write_dump(
     path: str | Path,
     step: int,
@@ -204,10 +262,14 @@ def write_dump(
     texts: Sequence[str],
     batch: Any,
     scores: Sequence[float],
+    *,
+    tokenizer: Any = None,
 ) -> Path:
     """Write one step's dump to ``path`` (the layout of the module docstring; written to a temporary
     name in the same folder, then renamed, so a reader never sees half a file). ``cfg`` is the step's
-    config, stored as resolved YAML in the schema metadata. Returns ``path``."""
+    config, stored as resolved YAML in the schema metadata. A multi-turn ``out`` adds its columns
+    (``response_marked`` only with a ``tokenizer``) and takes each response's prompt from ``out.prompts``
+    when an environment rewrote it. Returns ``path``."""
     import pyarrow as pa  # deferred: pyarrow
     import pyarrow.parquet as pq  # deferred: pyarrow
     import torch  # deferred: torch
@@ -217,6 +279,13 @@ def write_dump(
     cols: dict[str, Any] = _row_columns(
         step, rows, prompt_ids, prompt_texts, out, texts, scores, tensors["index"].tolist()
     )
+    multi_turn = bool(getattr(out, "multi_turn", False))
+    if multi_turn:
+        if out.prompts is not None:  # the prompt each episode started from (reset may rewrite it)
+            cols["prompt_ids"] = [[int(t) for t in p] for p in out.prompts]
+            if tokenizer is not None:
+                cols["prompt_text"] = list(tokenizer.batch_decode(out.prompts, skip_special_tokens=False))
+        cols.update(_multi_turn_columns(out, tokenizer))
     mask = tensors["response_mask"]
     for key in ("token_level_scores", "token_level_rewards"):
         if key in tensors:
@@ -238,7 +307,7 @@ def write_dump(
         layout[key] = {"dtype": dtype, "dim": int(t.dim()), "columns": list(names) if names is not None else None}
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else json.dumps(cfg)
     meta = {
-        _META["version"]: str(DUMP_VERSION).encode(),
+        _META["version"]: str(DUMP_VERSION if multi_turn else 1).encode(),
         _META["step"]: str(int(step)).encode(),
         _META["config"]: config_yaml.encode(),
         _META["fields"]: json.dumps(layout).encode(),
@@ -287,7 +356,10 @@ class RolloutDump:
     what :meth:`rlplug.rewards.manager.RewardManager.score` reads); ``responses`` (decoded texts) and
     ``lengths`` (tokens, ``B`` ints); ``scores`` (``B`` dumped scores); ``tensors``: the dumped batch
     fields as they were (``(B,)`` and ``(B, T)`` tensors; ``index`` int64; named fields ``(B, K)``);
-    ``columns``: the names of the named fields; ``table``: the pyarrow table."""
+    ``columns``: the names of the named fields; ``table``: the pyarrow table. A multi-turn dump also has
+    ``masks`` (``B`` lists of 0/1: the rollout's ``response_masks``), ``step_rewards`` (``B`` lists of
+    ``(position, reward)``) and ``transcripts`` (``B`` lists of chat messages), and each row's ``extra_info``
+    holds ``messages`` and ``step_rewards`` as the reward functions received them; None for single-turn."""
 
     path: Path
     step: int
@@ -299,13 +371,27 @@ class RolloutDump:
     tensors: dict[str, Any]
     columns: dict[str, tuple[str, ...]]
     table: Any = field(repr=False, default=None)
+    masks: list[list[int]] | None = None
+    step_rewards: list[list[tuple[int, float]]] | None = None
+    transcripts: list[list[dict]] | None = None
+
+    @property
+    def multi_turn(self) -> bool:
+        """The dump is of multi-turn trajectories (:attr:`masks` is set)."""
+        return self.masks is not None
 
     def rollout_mask(self) -> Any:
         """``(B, T) float32``: 1.0 on each response's tokens, as the rollout built it (before any rollout
-        rejection; :func:`rlplug.contracts.batch.build_batch`)."""
+        rejection; :func:`rlplug.contracts.batch.build_batch`); for a multi-turn dump the rollout's
+        ``response_masks`` (0.0 on the environment's tokens)."""
         import torch  # deferred: torch
 
         T = int(self.tensors["response_mask"].shape[1])
+        if self.masks is not None:
+            mask = torch.zeros((len(self.masks), T), dtype=torch.float32)
+            for i, m in enumerate(self.masks):
+                mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+            return mask
         pos = torch.arange(T).unsqueeze(0)
         return (pos < torch.tensor(self.lengths).unsqueeze(1)).to(torch.float32)
 
@@ -359,6 +445,13 @@ def read_dump(path: str | Path) -> RolloutDump:
         }
         for ds, gt, ei, pr in zip(data["data_source"], data["ground_truth"], data["extra_info"], data["prompt"])
     ]
+    masks = step_rewards = transcripts = None
+    if "rollout_mask" in data:  # a multi-turn dump (version 2)
+        masks = [[int(m) for m in mask] for mask in data["rollout_mask"]]
+        step_rewards = [[(int(p), float(r)) for p, r in json.loads(sr)] for sr in data["step_rewards"]]
+        transcripts = [json.loads(t) for t in data["transcript"]]
+        for row, rewards, messages in zip(rows, step_rewards, transcripts):  # as rows_for_scoring hands them on
+            row["extra_info"] = {**row["extra_info"], "messages": messages, "step_rewards": [r for _, r in rewards]}
     return RolloutDump(
         path=p,
         step=int(meta[_META["step"]]),
@@ -370,6 +463,9 @@ def read_dump(path: str | Path) -> RolloutDump:
         tensors=tensors,
         columns=columns,
         table=table,
+        masks=masks,
+        step_rewards=step_rewards,
+        transcripts=transcripts,
     )
 
 
@@ -484,6 +580,7 @@ def _replay_one(dump: RolloutDump, overrides: Sequence[str], registry: Any) -> R
     from rlplug.algorithms.losses import compute_token_level_scores, value_targets  # deferred: torch
     from rlplug.algorithms.reward_norm import ScoreNormalizer  # deferred: torch
     from rlplug.contracts.batch import Batch, estimate_on_rows  # deferred: torch
+    from rlplug.orchestration.episodes import token_level_scores  # deferred: torch
 
     cfg = replay_config(dump.config, overrides)
     name = str(cfg.algorithm.adv_estimator)
@@ -507,7 +604,12 @@ def _replay_one(dump: RolloutDump, overrides: Sequence[str], registry: Any) -> R
         scores, extra, _ = reward.score(dump.rows, dump.responses, lengths=dump.lengths)
     scored = scored_rows(extra, len(scores), batch.get("reward_baselines"))
     seq = ScoreNormalizer(cfg.reward.normalize)(torch.tensor(scores, dtype=torch.float32), scored, batch, {})
-    batch["token_level_scores"] = compute_token_level_scores(seq * scored, mask)
+    # the score on the last model token, plus a multi-turn dump's step rewards at their positions
+    batch["token_level_scores"] = (
+        token_level_scores(seq * scored, mask, dump, scored)
+        if dump.multi_turn
+        else compute_token_level_scores(seq * scored, mask)
+    )
     batch.set_columns("reward_components", *components_tensor(extra, len(scores)))
     tlr = batch["token_level_scores"]
     if bool(cfg.algorithm.use_kl_in_reward):  # the dumped step's penalty: scores - rewards (same KL coefficient)

@@ -72,6 +72,10 @@ __all__ = [
     "validation_metrics",
     "validation_samples",
     "train_generation_samples",
+    "ENV_OPEN",
+    "ENV_CLOSE",
+    "marked_response",
+    "multi_turn_fields",
     "N_BOOTSTRAP",
     "BOOTSTRAP_SEED",
     "subset_sizes",
@@ -426,19 +430,91 @@ def source_statistics(
     return out
 
 
+#: the marks around environment (masked, ``response_mask`` 0) spans in :func:`marked_response`
+ENV_OPEN, ENV_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧
+
+
+def marked_response(ids: Sequence[int], mask: Sequence[int], tokenizer: Any) -> str:
+    """A multi-turn response as text with its environment spans visible: each run of tokens with the same
+    mask value decoded on its own, special tokens kept (the chat template's ``<|im_start|>tool`` ...), and
+    every run of mask 0 (tool results and the template tokens the engine did not sample: no loss on them)
+    wrapped in ``⟦`` ``⟧`` (U+27E6, U+27E7). The model's own tokens stand unmarked. ``ids`` and ``mask``
+    are aligned (``RolloutOutput.response_ids[i]`` / ``response_masks[i]``).
+
+    Raises ``ValueError`` when ``ids`` and ``mask`` differ in length.
+    """
+    if len(ids) != len(mask):
+        raise ValueError(f"marked_response: {len(ids)} token ids but {len(mask)} mask values; they must align.")
+    runs: list[tuple[int, int]] = []  # [start, end) of each run of equal mask values
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or bool(mask[end]) != bool(mask[start]):
+            runs.append((start, end))
+            start = end
+    texts = tokenizer.batch_decode([[int(t) for t in ids[a:b]] for a, b in runs], skip_special_tokens=False)
+    return "".join(t if mask[a] else f"{ENV_OPEN}{t}{ENV_CLOSE}" for (a, _), t in zip(runs, texts))
+
+
+def multi_turn_fields(rollout: RolloutOutput, i: int, tokenizer: Any) -> dict[str, Any]:
+    """What a sample row shows of multi-turn response ``i`` of ``rollout`` (``{}`` for a single-turn
+    rollout): ``transcript`` (its chat messages, ``{"role", "content"}`` each, the prompt included),
+    ``response_marked`` (:func:`marked_response`) and ``step_rewards`` (the environment's rewards per turn,
+    in turn order; ``[]`` when it gave none)."""
+    if not rollout.multi_turn:
+        return {}
+    masks = rollout.response_masks
+    assert masks is not None  # multi_turn: response_masks is set
+    return {
+        "transcript": _plain_messages(rollout.transcripts[i] if rollout.transcripts is not None else []),
+        "response_marked": marked_response(rollout.response_ids[i], masks[i], tokenizer),
+        "step_rewards": [float(r) for _, r in rollout.step_rewards[i]] if rollout.step_rewards is not None else [],
+    }
+
+
+def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as ``{"role", "content"}`` dicts (plus ``tool_calls`` / ``name`` when a message has
+    them), JSON-ready: the transcript a sample row carries."""
+    result = []
+    for m in messages:
+        item: dict[str, Any] = {"role": str(m.get("role", "")), "content": m.get("content") or ""}
+        for key in ("name", "tool_calls"):
+            if m.get(key) is not None:
+                item[key] = m[key]
+        result.append(item)
+    return result
+
+
+def _scored_transcript(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[float]] | None:
+    """The transcript and step rewards a multi-turn scoring row carries (``extra_info["messages"]`` and
+    ``extra_info["step_rewards"]``, set by :func:`rlplug.orchestration.episodes.rows_for_scoring`); None for
+    a single-turn row."""
+    extra = row.get("extra_info")
+    if not isinstance(extra, Mapping) or "messages" not in extra or "step_rewards" not in extra:
+        return None
+    return _plain_messages(extra["messages"] or []), [float(r) for r in extra["step_rewards"] or []]
+
+
 def validation_samples(scored: Sequence[ScoredResponse]) -> list[dict[str, Any]]:
     """The scored validation responses as the rows trackers log: ``data_source``, ``prompt`` (the last
-    message's text), ``response``, ``ground_truth`` and ``score``."""
-    return [
-        {
+    message's text), ``response``, ``ground_truth`` and ``score``. A multi-turn response (its row is the
+    scoring row of :func:`rlplug.orchestration.episodes.rows_for_scoring`, whose ``extra_info`` holds
+    ``messages`` and ``step_rewards``) adds ``transcript`` (the conversation, ``{"role", "content"}`` per
+    message; the environment's messages are those after the first assistant message that are not the
+    assistant's) and ``step_rewards``; its ``response`` is the last assistant message (what was scored)."""
+    samples = []
+    for s in scored:
+        sample: dict[str, Any] = {
             "data_source": s.row["data_source"],
             "prompt": s.row["messages"][-1]["content"],
             "response": s.response,
             "ground_truth": str(s.row["ground_truth"]),
             "score": s.score,
         }
-        for s in scored
-    ]
+        turns = _scored_transcript(s.row)
+        if turns is not None:
+            sample["transcript"], sample["step_rewards"] = turns
+        samples.append(sample)
+    return samples
 
 
 def train_generation_samples(
@@ -457,7 +533,9 @@ def train_generation_samples(
     float32``. Each row: ``data_source``, ``prompt`` (the last message's text), ``response`` (decoded with
     ``tokenizer``, special tokens removed), ``ground_truth``, ``score`` and ``advantage`` (the mean of the
     response's token advantages: the advantage itself for outcome-reward estimators such as GRPO; 0.0 for
-    an empty response).
+    an empty response). For a multi-turn rollout each row adds :func:`multi_turn_fields`: ``transcript``,
+    ``response_marked`` (the environment's spans in ``⟦`` ``⟧``) and ``step_rewards``; ``advantage`` is then
+    the mean over the model's own tokens.
     """
     k = max(0, min(int(k), len(rollout.response_ids)))
     if k == 0:
@@ -476,6 +554,7 @@ def train_generation_samples(
                 "ground_truth": str(row["ground_truth"]),
                 "score": float(scores[j]),
                 "advantage": float(adv[j]),
+                **multi_turn_fields(rollout, j, tokenizer),
             }
         )
     return out

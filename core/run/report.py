@@ -6,14 +6,17 @@ The report reads what every training run writes into its run directory (``traine
   its verl name, ``wall_time`` in Unix seconds; truncated to the resumed step at a resume, so it reads like
   an uninterrupted run);
 * ``validation_samples.jsonl`` (:func:`log_validation_samples`: one line per validation with its first
-  ``trainer.val_samples_to_log`` responses: prompt, response, ground truth and score).
+  ``trainer.val_samples_to_log`` responses: prompt, response, ground truth and score; a multi-turn response
+  also its ``transcript`` and ``step_rewards``, :func:`rlplug.run.metrics.validation_samples`).
 
 It writes ``report.html`` and one PNG per figure next to it (``report_<figure>.png``, referenced by relative
 paths; no script, stylesheet or font from the network), with matplotlib's ``Agg`` backend (no display).
 Figures, each against the step and against the wall time since the run's first record: reward, validation
 (``val-core/*``), KL, entropy, response length, clip fractions, gradient norm and the per-stage timing
 breakdown (``timing_s/*``, stacked). A figure whose metrics the run did not log is left out (and listed). The
-samples of each validation are a table.
+samples of each validation are a table; when they are multi-turn it has a ``transcript`` column (every message
+as ``[role] content``, the environment's messages, whose tokens carry no loss, in ``⟦`` ``⟧`` on a tinted
+background: :func:`transcript_parts`) and a ``step_rewards`` column.
 
 :func:`metric_series` turns the records into per-metric series (the parsing the figures use);
 :func:`write_report` writes the report.
@@ -47,6 +50,7 @@ __all__ = [
     "metric_series",
     "read_validation_samples",
     "log_validation_samples",
+    "transcript_parts",
     "write_report",
 ]
 
@@ -289,6 +293,31 @@ def _summary_rows(records: Sequence[Mapping[str, Any]], series: Mapping[str, Ser
     return rows
 
 
+def transcript_parts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, bool]]:
+    """A multi-turn transcript as text pieces ``(text, environment)``: one per message, ``"[role] content"``;
+    ``environment`` is True for the messages the environment added (every
+    message after the first assistant message that is not the assistant's: tool results, an environment's
+    user turns), whose tokens are masked out of training. The report shows them in ``⟦`` ``⟧``."""
+    parts: list[tuple[str, bool]] = []
+    seen_assistant = False
+    for m in messages:
+        role = str(m.get("role", "")) if isinstance(m, Mapping) else ""
+        content = m.get("content", "") if isinstance(m, Mapping) else m
+        is_env = seen_assistant and role != "assistant"
+        seen_assistant = seen_assistant or role == "assistant"
+        parts.append((f"[{role}] {content if content is not None else ''}", is_env))
+    return parts
+
+
+def _transcript_html(messages: Any) -> str:
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        return _e(_fmt(messages))
+    return "\n\n".join(  # a blank line between messages (the cell keeps white space)
+        f'<span class="env" style="background:#e8eefc">\u27e6{_e(text)}\u27e7</span>' if is_env else _e(text)
+        for text, is_env in transcript_parts(messages)
+    )
+
+
 def _samples_html(validations: Sequence[Mapping[str, Any]]) -> str:
     if not validations:
         return (
@@ -296,15 +325,22 @@ def _samples_html(validations: Sequence[Mapping[str, Any]]) -> str:
             "or the run is older than this file).</p>"
         )
     parts = []
-    cols = ("data_source", "prompt", "response", "ground_truth", "score")
     for v in validations:
+        cols: tuple[str, ...] = ("data_source", "prompt", "response", "ground_truth", "score")
+        if any(isinstance(s, Mapping) and "transcript" in s for s in v["samples"]):  # multi-turn responses
+            cols += ("step_rewards", "transcript")
         parts.append(f'<h3 id="samples-step-{int(v["step"])}">Validation at step {int(v["step"])}</h3>')
         parts.append('<table class="samples"><tr>' + "".join(f"<th>{c}</th>" for c in cols) + "</tr>")
         for s in v["samples"]:
             cells = []
             for c in cols:
                 value = s.get(c, "") if isinstance(s, Mapping) else ""
-                cls = ' class="text"' if c in ("prompt", "response") else ""
+                cls = ' class="text"' if c in ("prompt", "response", "transcript") else ""
+                if c == "transcript":
+                    cells.append(f"<td{cls}>{_transcript_html(value)}</td>")
+                    continue
+                if c == "step_rewards" and isinstance(value, list):
+                    value = ", ".join(_fmt(float(r)) for r in value)
                 cells.append(f"<td{cls}>{_e(_fmt(value))}</td>")
             parts.append("<tr>" + "".join(cells) + "</tr>")
         parts.append("</table>")
