@@ -33,7 +33,7 @@ import pytest
 from rlplug.contracts.agents import FunctionTool
 from rlplug.contracts.registry import get_registry
 from rlplug.contracts.types import RolloutOutput, SamplingParams
-from rlplug.orchestration.chat import TurnRenderer
+from rlplug.orchestration.chat import TemplateError, TurnRenderer
 from rlplug.orchestration.episodes import EpisodeEngine
 from rlplug.training.models import default_model_dir, load_tokenizer
 
@@ -206,7 +206,42 @@ def test_faulty_tools_and_models_end_their_call_or_episode_with_the_right_metric
     assert out.response_masks is not None and all(m_[0] == 1 for m_ in out.response_masks)
 
 
-def test_hermes_malformed_json_is_counted_and_the_model_may_try_again(tok: Any) -> None:
+#: a ChatML template that renders the tool schemas in a system turn of their own (as Qwen2.5's and Hermes'
+#: templates do; SmolLM2's ignores them)
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        None,
+        pytest.param(
+            TOOLS_TEMPLATE,
+            marks=pytest.mark.xfail(
+                raises=TemplateError,
+                strict=True,
+                reason="TurnRenderer renders its closed dummy history (and observation_ids its history) without "
+                "tools=, so a template that renders the tools is refused with a TemplateError",
+            ),
+        ),
+    ],
+    ids=["smollm2", "tools_in_template"],
+)
+def test_hermes_malformed_json_is_counted_and_the_model_may_try_again(tok: Any, template: str | None) -> None:
+    saved = tok.chat_template
+    if template is not None:
+        tok.chat_template = template
+    try:
+        _hermes_malformed_then_valid(tok)
+    finally:
+        tok.chat_template = saved
+
+
+def _hermes_malformed_then_valid(tok: Any) -> None:
     bad = '<tool_call>{"name": "calc", "arguments": {"expression": "1+1"</tool_call>'
     good = '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call>'
     model = ScriptedModel(tok, {"Q0": [bad, good, "Five."], "Q1": ["No call: 4."]})
