@@ -321,3 +321,222 @@ def test_two_tiny_steps_with_a_tool_call_score_get_reward_as_a_step_reward(tmp_p
         assert record["critic/rewards/mean"] == pytest.approx(0.45)
         assert (record["critic/rewards/max"], record["critic/rewards/min"]) == pytest.approx((0.95, -0.05))
         assert record["actor/grad_norm"] > 0
+
+
+# ---------------------------------------------------------------------------- the parser, as the plugin's
+
+PARSER_CASES = [
+    _call("add", n=2) + " then " + _call("multiply", a=2, b=3),
+    '<tool_call>{"name": "add", "arguments": "{\\"n\\": 4}"}</tool_call>',  # arguments as a JSON string
+    '<tool_call>{"name": "add", "arguments": ""}</tool_call>',  # an empty string: no arguments
+    '<tool_call>{"name": "add"}</tool_call>',  # no arguments at all
+    "<tool_call>{not json</tool_call>",
+    '<tool_call>["add"]</tool_call>',  # JSON, not an object
+    '<tool_call>{"name": 5, "arguments": {}}</tool_call>',  # a name that is not a string
+    '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": "{broken"}</tool_call>',
+    _call("add", n=1) + ' <tool_call>{"name": "add", "arguments": {"n": 2}}',  # the second never closed
+    "no call at all </tool_call>",
+]
+
+
+def test_hermes_parser_agrees_with_the_tool_agent_plugin():
+    from rlplug.plugins.environments.tool_agent import parse_hermes_calls
+
+    tools = {"add": FunctionTool(Counter().add), "multiply": FunctionTool(multiply)}
+    for text in PARSER_CASES:
+        ours = parse_tool_calls(text, "hermes", tools)
+        theirs = parse_hermes_calls(text)
+        assert len(ours) == len(theirs), text
+        for a, b in zip(ours, theirs):
+            # the same call, runnable or not; a runnable one with the same name and arguments
+            assert (a.arguments is None) == (b.error is not None), text
+            if b.error is None:
+                assert (a.name, a.arguments) == (b.name, b.arguments), text
+    assert [(c.name, c.arguments) for c in parse_tool_calls(PARSER_CASES[0], "hermes", tools)] == [
+        ("add", {"n": 2}),
+        ("multiply", {"a": 2, "b": 3}),
+    ]
+
+
+def test_tag_parser_agrees_with_the_tool_agent_plugin():
+    from rlplug.plugins.environments.tool_agent import parse_tag_calls
+
+    def echo(text: str) -> str:
+        """Echo.
+
+        Args:
+            text: what to echo
+        """
+        return text
+
+    def echo_all(text: str) -> str:
+        """Echo all.
+
+        Args:
+            text: what to echo
+        """
+        return text
+
+    tools = {"echo": FunctionTool(echo), "echo_all": FunctionTool(echo_all)}
+    cases = [
+        "<echo> a </echo> and <echo_all>b</echo_all>",  # names that overlap: the longest one wins
+        "<echo>1+<echo>2</echo> <echo>3</echo>",  # the text runs to the first closing tag
+        "<echo_all>x</echo> <echo_all>y</echo_all>",
+        "<echo>never closed",
+        "<other>plain text</other> <echo>",
+        "",
+    ]
+    for text in cases:
+        ours = parse_tool_calls(text, "tags", tools)
+        theirs = parse_tag_calls(text, tools)
+        assert [(c.name, None if c.arguments is None else c.arguments["text"]) for c in ours] == [
+            (c.name, None if c.error else c.argument) for c in theirs
+        ], text
+    assert [(c.name, c.arguments) for c in parse_tool_calls(cases[1], "tags", tools)] == [
+        ("echo", {"text": "1+<echo>2"}),
+        ("echo", {"text": "3"}),
+    ]
+
+
+# ---------------------------------------------------------------------------- get_reward at every end
+
+
+def test_get_reward_is_given_once_and_when_the_engine_ends_the_episode():
+    _, env = _episode({"max_assistant_turns": 5})
+    asyncio.run(env.reset(ROW))
+    asyncio.run(env.step({"role": "assistant", "content": _call("add", n=5)}))
+    # the engine ends the episode itself (length, timeout): it asks for the reward
+    assert asyncio.run(env.final_reward()) == 1.0 and asyncio.run(env.final_reward()) is None
+    assert env.rewards == [1.0]
+    _, env = _episode()
+    asyncio.run(env.reset(ROW))
+    assert asyncio.run(env.step({"role": "assistant", "content": "no call"})).reward == 0.0
+    assert asyncio.run(env.final_reward()) is None and env.rewards == [0.0]  # already given by the last step
+
+
+def test_step_counts_what_the_engines_metrics_read():
+    _, env = _episode({"max_parallel_calls": 2})
+    asyncio.run(env.reset(ROW))
+    text = _call("add", n=1) + "<tool_call>{bad</tool_call>" + _call("add", n=1)
+    info = asyncio.run(env.step({"role": "assistant", "content": text})).info
+    assert info["tool_statuses"] == ["ok", "bad_arguments", "error"]  # the third: past max_parallel_calls
+    assert (info["tool_calls"], info["tool_errors"], info["malformed_calls"]) == (3, 2, 1)
+    assert (info["tool_timeouts"], info["tool_crashes"]) == (0, 0)
+
+
+class _Registry:
+    def __init__(self, envs, tools):
+        self.envs, self.tools = envs, tools
+
+    def get(self, kind, name):
+        return (self.envs if kind == "environment" else self.tools)[name]
+
+
+def test_turn_cap_in_the_engine_lands_get_reward_on_the_last_sampled_token():
+    """Through :class:`EpisodeEngine` (scripted turns): the model calls add on every turn; at
+    ``max_assistant_turns=3`` the third turn's call is not run and ``get_reward()`` (the total 2 + 3 = 5 is the
+    target: 1.0) sits on the last token the engine sampled."""
+    from omegaconf import OmegaConf
+
+    from rlplug.contracts.types import RolloutOutput, SamplingParams
+    from rlplug.orchestration.episodes import EpisodeEngine
+    from rlplug.training.models import default_model_dir, load_tokenizer
+
+    tok = load_tokenizer(default_model_dir())
+    script = [_call("add", n=2), _call("add", n=3), _call("add", n=7)]
+    seen = []
+
+    def generate(prompt_ids, params):
+        turn = len(seen)
+        seen.append(tok.decode(prompt_ids[0]))
+        ids = tok(script[turn], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return RolloutOutput([ids], ["stop"], [0], [[-0.1] * len(ids)])
+
+    mt = {"enable": True, "environment": "Counter", "tools": [], "format": "hermes", "max_assistant_turns": 3}
+    cfg = OmegaConf.create({"rollout": {"multi_turn": mt, "mode": "inprocess"}, "data": {"max_response_length": 200}})
+    registry = _Registry({"Counter": TRLEnvironmentFactory(Counter)}, {})
+    with EpisodeEngine(cfg, registry, tok, generate) as engine:
+        out = engine.generate([ROW], SamplingParams(n=1, max_tokens=200, seed=0, logprobs=True))
+    assert len(seen) == 3 and "Count. Reach 5." in seen[0]  # reset's string appended to the prompt
+    tools = [m["content"] for m in out.transcripts[0] if m["role"] == "tool"]
+    assert tools == ["2", "5"]  # the third call (add 7) was not run
+    mask = out.response_masks[0]
+    last_sampled = max(i for i, m in enumerate(mask) if m == 1)
+    assert last_sampled == len(mask) - 1
+    assert out.step_rewards[0] == [(last_sampled, 1.0)]
+    assert out.metrics["multi_turn/tool_calls"] == 2.0 and out.metrics["multi_turn/turns_mean"] == 3.0
+    # the environment ends the episode at the cap itself (done, with its reward), so the engine counts it as
+    # ended by done, not by the turn cap
+    assert out.metrics["multi_turn/ended_by_done"] == 1.0 and out.metrics["multi_turn/ended_by_turn_cap"] == 0.0
+
+
+# ---------------------------------------------------------------------------- proposed engine changes
+# An environment's own ``tools`` in the chat template, and ``final_reward()`` when the engine ends an episode
+# itself: proposed for rlplug.orchestration.episodes (EpisodeEngine.renderer_for and _close_env) with a fix of
+# rlplug.orchestration.chat (TurnRenderer renders its reference history with tools=). Skipped until they land.
+
+_CHATML_TOOLS = (
+    "{% if tools %}{{'<|im_start|>system\\nTOOLS:' + (tools | map(attribute='function') | map(attribute='name')"
+    " | join(',')) + '<|im_end|>\\n'}}{% endif %}"
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}"
+)
+
+
+def _engine_patched() -> bool:
+    from rlplug.orchestration.episodes import EpisodeEngine
+
+    return hasattr(EpisodeEngine, "renderer_for")
+
+
+def _counter_engine(tok, script):
+    from omegaconf import OmegaConf
+
+    from rlplug.contracts.types import RolloutOutput
+    from rlplug.orchestration.episodes import EpisodeEngine
+
+    seen = []
+
+    def generate(prompt_ids, params):
+        seen.append(tok.decode(prompt_ids[0]))
+        ids = tok(script[min(len(seen), len(script)) - 1], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        if len(ids) > params.max_tokens:
+            return RolloutOutput([ids[: params.max_tokens]], ["length"], [0], None)
+        return RolloutOutput([ids], ["stop"], [0], None)
+
+    mt = {"enable": True, "environment": "Counter", "tools": [], "format": "hermes"}
+    cfg = OmegaConf.create({"rollout": {"multi_turn": mt, "mode": "inprocess"}, "data": {"max_response_length": 200}})
+    return EpisodeEngine(cfg, _Registry({"Counter": TRLEnvironmentFactory(Counter)}, {}), tok, generate), seen
+
+
+@pytest.mark.skipif(not _engine_patched(), reason="needs EpisodeEngine.renderer_for (proposed)")
+def test_an_environments_own_tools_reach_the_chat_template():
+    from rlplug.contracts.types import SamplingParams
+    from rlplug.training.models import default_model_dir, load_tokenizer
+
+    tok = load_tokenizer(default_model_dir())
+    saved = tok.chat_template
+    try:
+        tok.chat_template = _CHATML_TOOLS
+        engine, seen = _counter_engine(tok, [_call("add", n=5), "Done."])
+        with engine:
+            out = engine.generate([ROW], SamplingParams(n=1, max_tokens=200, seed=0))
+        assert seen[0].startswith("<|im_start|>system\nTOOLS:add<|im_end|>")  # the method, as a tool schema
+        assert seen[1].startswith(seen[0])  # token-in-token-out with that renderer
+        assert out.step_rewards[0][-1][1] == 1.0 and engine.renderer.tools is None
+    finally:
+        tok.chat_template = saved
+
+
+@pytest.mark.skipif(not _engine_patched(), reason="needs EpisodeEngine._close_env to ask final_reward() (proposed)")
+def test_an_episode_ended_by_length_still_gets_get_reward():
+    from rlplug.contracts.types import SamplingParams
+    from rlplug.training.models import default_model_dir, load_tokenizer
+
+    tok = load_tokenizer(default_model_dir())
+    engine, _ = _counter_engine(tok, [_call("add", n=5), "x " * 400])  # the answer runs out of tokens
+    with engine:
+        out = engine.generate([ROW], SamplingParams(n=1, max_tokens=200, seed=0))
+    assert out.metrics["multi_turn/ended_by_length"] == 1.0
+    assert out.step_rewards[0] == [(len(out.response_ids[0]) - 1, 1.0)]  # total 5 == target: 1.0, last token

@@ -115,45 +115,78 @@ class ToolCall:
         return f"ToolCall({self.name!r}, {self.arguments!r}, {self.error!r})"
 
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_HOW = 'write a call as <tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>'
 
 
 def parse_tool_calls(text: str, fmt: str, tools: Mapping[str, Any]) -> list[ToolCall]:
-    """The tool calls in an assistant message's ``text``, in order.
+    """The tool calls in an assistant message's ``text``, in the order they open (the ``tool_agent`` plugin's
+    rules, which core cannot import; ``tests/test_api_multi_turn.py`` checks that both read the same calls).
 
-    ``hermes``: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (``arguments`` may also be a
-    JSON string of the object, as some templates write it); a body that is not such JSON is a call with an
-    ``error``. ``tags``: each ``<name>text</name>`` for a tool of ``tools`` taking exactly one string
-    parameter, the text its argument. Raises ``ValueError`` for another format.
+    ``hermes``: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``arguments`` may be absent
+    (``{}``) or a JSON string holding the object (an empty string is ``{}``). A body that is not such JSON, a
+    name that is not a non-empty string, and an opening tag never closed (the call takes the rest of the text)
+    are calls with an ``error``. ``tags``: each ``<name>text</name>`` for a tool of ``tools``, scanned left to
+    right (the text runs to the first closing tag, stripped; the longest name wins where names overlap); the
+    text is the argument of a tool taking exactly one parameter, an ``error`` for another tool, and an opening
+    tag never closed is an ``error`` too. Raises ``ValueError`` for another format.
     """
     calls: list[ToolCall] = []
     if fmt == "hermes":
-        for body in _HERMES.findall(text):
-            try:
-                data = json.loads(body)
-                name, arguments = data["name"], data.get("arguments", {})
-                if isinstance(arguments, str):
-                    arguments = json.loads(arguments)
-            except (ValueError, KeyError, TypeError) as exc:
-                calls.append(ToolCall("", None, f"the tool call {body.strip()!r:.200} is not valid JSON: {exc}"))
-                continue
-            if not isinstance(arguments, dict):
-                calls.append(ToolCall(str(name), None, "the arguments must be a JSON object"))
-                continue
-            calls.append(ToolCall(str(name), arguments))
+        pos = 0
+        while (start := text.find(_OPEN, pos)) >= 0:
+            end = text.find(_CLOSE, start + len(_OPEN))
+            if end < 0:
+                calls.append(ToolCall("", None, f"the tool call is not closed; {_HOW}"))
+                break
+            calls.append(_hermes_call(text[start + len(_OPEN) : end]))
+            pos = end + len(_CLOSE)
         return calls
     if fmt == "tags":
-        found: list[tuple[int, ToolCall]] = []
-        for name, tool in tools.items():
-            props = list(getattr(tool, "parameters", {}).get("properties", {}))
-            for m in re.finditer(rf"<{re.escape(name)}>(.*?)</{re.escape(name)}>", text, re.S):
-                if len(props) == 1:
-                    found.append((m.start(), ToolCall(name, {props[0]: m.group(1).strip()})))
-                else:
-                    why = f"the tag format passes one argument, but {name} takes {len(props)}: {', '.join(props)}"
-                    found.append((m.start(), ToolCall(name, None, why)))
-        return [c for _, c in sorted(found, key=lambda x: x[0])]
+        names = sorted((n for n in tools if n), key=len, reverse=True)
+        if not names:
+            return calls
+        opening = re.compile("<(" + "|".join(re.escape(n) for n in names) + ")>")
+        pos = 0
+        while (m := opening.search(text, pos)) is not None:
+            name = m.group(1)
+            end = text.find(f"</{name}>", m.end())
+            if end < 0:
+                calls.append(
+                    ToolCall(name, None, f"{name}: the call <{name}> is not closed; write <{name}>TEXT</{name}>")
+                )
+                break
+            props = list((getattr(tools[name], "parameters", None) or {}).get("properties", {}))
+            if len(props) == 1:
+                calls.append(ToolCall(name, {props[0]: text[m.end() : end].strip()}))
+            else:
+                why = f"the tag format passes one argument, but {name} takes {len(props)}: {', '.join(props)}"
+                calls.append(ToolCall(name, None, why))
+            pos = end + len(f"</{name}>")
+        return calls
     raise ValueError(f"rollout.multi_turn.format={fmt!r}: use hermes or tags")
+
+
+def _hermes_call(body: str) -> ToolCall:
+    """One ``hermes`` call's JSON ``body`` as a :class:`ToolCall` (``error`` set when it cannot be run)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        return ToolCall("", None, f"the tool call {body.strip()!r:.200} is not valid JSON: {exc}; {_HOW}")
+    if not isinstance(data, dict):
+        return ToolCall("", None, f"the tool call must be a JSON object; {_HOW}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall("", None, f'the tool call has no "name" (a string); {_HOW}')
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except (ValueError, RecursionError) as exc:
+            return ToolCall(name, None, f"{name}: the arguments string is not valid JSON ({exc}); {_HOW}")
+    if not isinstance(arguments, dict):
+        return ToolCall(name, None, f"{name}: the arguments must be a JSON object of named parameters; {_HOW}")
+    return ToolCall(name, arguments)
 
 
 class TRLEnvironment:
@@ -188,6 +221,7 @@ class TRLEnvironment:
         self.assistant_turns = 0
         self.observation_turns = 0
         self.rewards: list[float] = []
+        self.scored = False
 
     async def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The prompt messages of ``row`` after ``instance.reset(**example)`` (:func:`trl_example`); a string
@@ -202,7 +236,9 @@ class TRLEnvironment:
         return messages
 
     async def step(self, assistant_message: Message) -> EnvStep:
-        """Run the tool calls of ``assistant_message``; their results as ``tool`` messages (name, content).
+        """Run the tool calls of ``assistant_message``; their results as ``tool`` messages (name, content), and
+        in ``info`` the counts the engine's metrics read (``tool_calls``, ``tool_errors``, ``tool_timeouts``,
+        ``tool_crashes``, ``malformed_calls``) and ``tool_statuses`` (one per call).
 
         The episode ends (``done``, reward ``get_reward()`` when defined) when the message calls no tool or when
         this was the last assistant turn (``max_assistant_turns``) or observation turn (``max_user_turns``)
@@ -223,19 +259,40 @@ class TRLEnvironment:
             else:
                 results.append((call.name, await self._call(call)))
         observations = [{"role": "tool", "name": name, "content": r.text} for name, r in results]
-        info = {"tool_calls": len(calls), "tool_statuses": [r.status for _, r in results]}
+        statuses = [r.status for _, r in results]
+        info = {
+            "tool_calls": len(calls),
+            "tool_statuses": statuses,
+            # the engine's metrics (multi_turn/*), counted as the tool_agent plugin counts them
+            "tool_errors": sum(st not in ("ok", "timeout", "crash") for st in statuses),
+            "tool_timeouts": statuses.count("timeout"),
+            "tool_crashes": statuses.count("crash"),
+            "malformed_calls": sum(c.arguments is None for c in calls[: s.max_parallel_calls]),
+        }
         return EnvStep(observations=observations, reward=None, done=False, info=info)
 
     async def _end(self, calls: list[ToolCall]) -> EnvStep:
-        reward = None
-        if callable(getattr(self.instance, "get_reward", None)):
-            value = self.instance.get_reward()
-            if inspect.isawaitable(value):
-                value = await value
-            if value is not None:
-                reward = float(value)
-                self.rewards.append(reward)
+        reward = await self.final_reward()
         return EnvStep(observations=(), reward=reward, done=True, info={"tool_calls_not_run": len(calls)})
+
+    async def final_reward(self) -> float | None:
+        """``get_reward()`` of the instance, once per episode: the step that ends the episode carries it, and an
+        engine that ends the episode itself (the length budget, the episode timeout: ``step`` is not called
+        for the last turn) asks for it here. None when the instance has no ``get_reward``, it returned None,
+        or the reward was already given. Raises what ``get_reward`` raises."""
+        if self.scored:
+            return None
+        self.scored = True
+        if not callable(getattr(self.instance, "get_reward", None)):
+            return None
+        value = self.instance.get_reward()
+        if inspect.isawaitable(value):
+            value = await value
+        if value is None:
+            return None
+        reward = float(value)
+        self.rewards.append(reward)
+        return reward
 
     async def _call(self, call: ToolCall) -> ToolResult:
         """One call: the instance's method in this process (a plain one in a thread, bounded by
