@@ -13,7 +13,9 @@ budget; its stop strings (``e``, ``a``) end a random model's turn after a few to
 * Kill-and-resume: a run SIGKILLed in the middle of step 3's episodes (at the environment's own fault point,
   between two turns) and resumed from step 2's checkpoint ends with every metric of every step and every
   weight bitwise equal to an uninterrupted run's. Every "tool" call here finishes at once (no timeout can
-  fire), so nothing depends on wall time.
+  fire), so nothing depends on wall time. (``slow``: about a minute, a fresh interpreter for the killed run.)
+* The same, cheaply and in-process: a graceful stop (SIGTERM from the same fault point) in the middle of step
+  1's episodes; the step finishes and is saved, and the resumed step 2 equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -208,10 +210,10 @@ class _Counter:
         self.at_step_end[step] = faults.fault_counts.get(mt.ECHO_FAULT_LABEL, 0)
 
 
-def _fit(run_dir: Path) -> dict[str, torch.Tensor]:
-    trainer = Trainer(run_config(KILL_RUN, run_dir))
+def _fit(run_dir: Path, overrides: list[str] = KILL_RUN, status: str = "finished") -> dict[str, torch.Tensor]:
+    trainer = Trainer(run_config(overrides, run_dir))
     try:
-        assert trainer.fit() == "finished"
+        assert trainer.fit() == status
         weights = {f"actor/{k}": v.detach().clone() for k, v in trainer.backend.actor.model.state_dict().items()}
         if trainer.backend.critic is not None:
             weights.update(
@@ -231,6 +233,40 @@ def _history(run_dir: Path) -> dict[int, dict[str, float]]:
 
 def _same(a: float, b: float) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def _assert_same_runs(full: dict[int, dict], got: dict[int, dict], full_weights: dict, weights: dict) -> None:
+    assert sorted(got) == sorted(full)
+    for step in full:
+        assert set(got[step]) == set(full[step]), step
+        differ = {k: (full[step][k], got[step][k]) for k in full[step] if not _same(full[step][k], got[step][k])}
+        assert not differ, f"step {step}: {differ}"
+    assert full_weights.keys() == weights.keys()
+    differ = [k for k in full_weights if not torch.equal(full_weights[k], weights[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:5]}"
+
+
+def test_stop_signal_in_the_middle_of_a_multi_turn_step_then_resume_is_bitwise(tmp_path, echo_env, monkeypatch, capsys):
+    """The cheap in-process variant of the kill test below: SIGTERM (the graceful stop) from the environment's
+    fault point in the middle of step 1's episodes; the step finishes, is saved, and the resumed run's step 2
+    equals an uninterrupted run's, bit for bit."""
+    changed = ("trainer.total_training_steps=", "trainer.save_freq=")
+    overrides = [o for o in KILL_RUN if not o.startswith(changed)]
+    overrides += ["trainer.total_training_steps=2", "trainer.save_freq=0"]  # a checkpoint when stopped
+    full_weights = _fit(tmp_path / "full", overrides)
+    run_dir = tmp_path / "resumed"
+    monkeypatch.setenv(faults.FAULT_ENV, f"{mt.ECHO_FAULT_LABEL}:2:SIGTERM")  # after the 2nd episode's 1st turn
+    faults.fault_counts.clear()
+    capsys.readouterr()
+    _fit(run_dir, overrides, status="interrupted")
+    monkeypatch.delenv(faults.FAULT_ENV)
+    captured = capsys.readouterr()
+    assert f"SIGTERM at {mt.ECHO_FAULT_LABEL}:2" in captured.err
+    assert "Stopped after step 1 (a signal)" in captured.out
+    assert CheckpointManager(run_dir).complete_steps() == [1]
+    weights = _fit(run_dir, overrides)
+    assert f"Resumed from {run_dir / 'global_step_1'} (step 1)" in capsys.readouterr().out
+    _assert_same_runs(_history(tmp_path / "full"), _history(run_dir), full_weights, weights)
 
 
 @pytest.mark.slow
@@ -269,12 +305,4 @@ def test_kill_in_the_middle_of_a_multi_turn_step_then_resume_is_bitwise(tmp_path
     capsys.readouterr()
     weights = _fit(run_dir)
     assert f"Resumed from {run_dir / 'global_step_2'} (step 2)" in capsys.readouterr().out
-    got = _history(run_dir)
-    assert sorted(got) == [1, 2, 3, 4]
-    for step in full:
-        assert set(got[step]) == set(full[step]), step
-        differ = {k: (full[step][k], got[step][k]) for k in full[step] if not _same(full[step][k], got[step][k])}
-        assert not differ, f"step {step}: {differ}"
-    assert full_weights.keys() == weights.keys()
-    differ = [k for k in full_weights if not torch.equal(full_weights[k], weights[k])]
-    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:5]}"
+    _assert_same_runs(full, _history(run_dir), full_weights, weights)
