@@ -33,7 +33,7 @@ import pytest
 from rlplug.contracts.agents import FunctionTool
 from rlplug.contracts.registry import get_registry
 from rlplug.contracts.types import RolloutOutput, SamplingParams
-from rlplug.orchestration.chat import TemplateError, TurnRenderer
+from rlplug.orchestration.chat import TurnRenderer
 from rlplug.orchestration.episodes import EpisodeEngine
 from rlplug.training.models import default_model_dir, load_tokenizer
 
@@ -219,15 +219,7 @@ TOOLS_TEMPLATE = (
     "template",
     [
         None,
-        pytest.param(
-            TOOLS_TEMPLATE,
-            marks=pytest.mark.xfail(
-                raises=TemplateError,
-                strict=True,
-                reason="TurnRenderer renders its closed dummy history (and observation_ids its history) without "
-                "tools=, so a template that renders the tools is refused with a TemplateError",
-            ),
-        ),
+        TOOLS_TEMPLATE,
     ],
     ids=["smollm2", "tools_in_template"],
 )

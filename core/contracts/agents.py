@@ -78,7 +78,10 @@ class EnvironmentProtocol(Protocol):
     called once per trajectory. Optional members: ``close()`` (called once when the episode ends, also
     after an error or a timeout); ``stop`` (a sequence of stop strings the engine ends an assistant turn
     at, e.g. ``("</calculator>",)`` so that a tool call is answered before the model goes on; the stopping
-    text is kept in the turn).
+    text is kept in the turn); ``tools`` (a mapping by name of objects with ``name``, ``description``,
+    ``parameters``: the environment's own tools, given to the chat template with ``format=hermes``);
+    ``final_reward()`` (a number or None: called when the engine, not the environment, ended the episode --
+    at the length budget, the turn cap or the deadline -- and placed on the last sampled token).
     """
 
     def reset(self, row: Mapping[str, Any]) -> Sequence[Message] | Awaitable[Sequence[Message]]: ...

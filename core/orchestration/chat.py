@@ -111,7 +111,10 @@ class TurnRenderer:
         self._mark = "\ue000{}\ue000"
         base = render_text(tokenizer, _DUMMY, generation_prompt=True, tools=tools)
         closed = render_text(
-            tokenizer, [*_DUMMY, {"role": "assistant", "content": self._mark.format("a")}], generation_prompt=False
+            tokenizer,
+            [*_DUMMY, {"role": "assistant", "content": self._mark.format("a")}],
+            generation_prompt=False,
+            tools=tools,
         )
         start = closed.find(self._mark.format("a"))
         if not closed.startswith(base) or start != len(base):
@@ -169,7 +172,9 @@ class TurnRenderer:
         marks = [self._mark.format(f"m{k}") for k in range(len(messages))]
         placeholders = [{**dict(m), "content": mark} for m, mark in zip(messages, marks)]
         history = [*_DUMMY, {"role": "assistant", "content": self._mark.format("a")}]
-        full = render_text(self.tokenizer, [*history, *placeholders], generation_prompt=generation_prompt)
+        full = render_text(
+            self.tokenizer, [*history, *placeholders], generation_prompt=generation_prompt, tools=self.tools
+        )
         if not full.startswith(self._history):
             raise TemplateError(f"the chat template rewrote the history ({_first_difference(self._history, full)})")
         delta = full[len(self._history) :]

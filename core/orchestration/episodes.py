@@ -228,6 +228,7 @@ class _Trajectory:
     counts: dict[str, float] = field(default_factory=dict)
     solution: str = ""
     closed: bool = False
+    renderer: Any = None  # the TurnRenderer of this episode (EpisodeEngine.renderer_for)
 
     @property
     def context(self) -> list[int]:
@@ -263,11 +264,9 @@ class EpisodeEngine:
         self.per_trajectory = per_trajectory
         self.max_response_length = int(max_response_length or config.data.max_response_length)
         self.tools = {name: registry.get("tool", name) for name in self.settings.tools}
-        schemas = [
-            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-            for t in self.tools.values()
-        ]
-        self.renderer = TurnRenderer(tokenizer, tools=schemas if self.settings.format == "hermes" and schemas else None)
+        self.renderer = TurnRenderer(tokenizer, tools=self._schemas(self.tools))
+        #: renderers for environments with their own ``tools`` (format hermes), by their tool names
+        self._renderers: dict[tuple[str, ...], TurnRenderer] = {tuple(self.tools): self.renderer}
         s = self.settings
         self.runner = ToolRunner(
             self.tools,
@@ -277,6 +276,29 @@ class EpisodeEngine:
             workers=s.tool_workers,
         )
         self._factories: dict[str, Any] = {}
+
+    def _schemas(self, tools: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        """The chat template's ``tools=`` for ``tools`` (by name): their JSON schemas with
+        ``rollout.multi_turn.format=hermes``, else None (the tag protocol is shown in the prompt)."""
+        if self.settings.format != "hermes" or not tools:
+            return None
+        return [
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in tools.values()
+        ]
+
+    def renderer_for(self, env: Any) -> TurnRenderer:
+        """The renderer of ``env``'s episode: an environment with its own ``tools`` attribute (a mapping by name
+        of objects with ``name``, ``description``, ``parameters``, e.g. a TRL environment's methods) has them
+        given to the chat template; any other gets :attr:`renderer` (the selected tools). One renderer per set
+        of tool names, built once (building checks the template: :class:`TemplateError`)."""
+        tools = getattr(env, "tools", None)
+        if not isinstance(tools, Mapping):
+            return self.renderer
+        key = tuple(tools)
+        if key not in self._renderers:
+            self._renderers[key] = TurnRenderer(self.tokenizer, tools=self._schemas(tools))
+        return self._renderers[key]
 
     def close(self) -> None:
         """Stop the tool workers; idempotent."""
@@ -375,15 +397,33 @@ class EpisodeEngine:
                 "must return the prompt as a list of chat messages."
             )
         t.messages = messages
+        t.renderer = self.renderer_for(t.env)
         row_prompt = row.get("prompt")
+        # the dataset rendered the row's prompt_ids without tools=: with tool schemas the prompt is rendered here
         same = row_prompt is not None and "prompt_ids" in t.row and _same_messages(messages, row_prompt)
-        t.prompt_ids = list(t.row["prompt_ids"]) if same else self.renderer.prompt_ids(messages)
+        same = same and t.renderer.tools is None
+        t.prompt_ids = list(t.row["prompt_ids"]) if same else t.renderer.prompt_ids(messages)
 
     async def _close_env(self, t: _Trajectory) -> None:
-        """``env.close()`` once, as soon as the episode ends (also after an error); a failure is logged."""
+        """``env.close()`` once, as soon as the episode ends (also after an error); a failure is logged. Before
+        it, an episode the engine ended (length, turn cap, timeout: ``step`` returned no ``done``) gets the
+        environment's optional ``final_reward()`` (a number or None, e.g. a TRL environment's ``get_reward()``)
+        as a step reward on its last sampled token; it runs under ``tool_timeout_s``, a failure is logged and
+        counted as ``env_errors``."""
         if t.closed:
             return
         t.closed = True
+        final = getattr(t.env, "final_reward", None)
+        if t.end in ("length", "turn_cap", "timeout") and callable(final) and 1 in t.mask:
+            try:
+                limit = float(self.settings.tool_timeout_s)
+                value = await asyncio.wait_for(_call(final), timeout=limit if limit > 0 else None)
+                if value is not None:
+                    position = len(t.mask) - 1 - t.mask[::-1].index(1)
+                    t.step_rewards.append((position, float(value)))
+            except Exception as exc:  # the episode's tokens stay; only this reward is lost
+                log.warning("environment %r final_reward() raised %s: %s", t.env_name, type(exc).__name__, exc)
+                t.counts["env_errors"] = t.counts.get("env_errors", 0.0) + 1
         close = getattr(t.env, "close", None)
         if callable(close):
             try:
@@ -477,11 +517,11 @@ class EpisodeEngine:
             self._end(t, "turn_cap")
             return
         sampled = t.response_ids[len(t.response_ids) - _last_turn_length(t) :]
-        ids = self.renderer.close_turn(sampled) + self.renderer.observation_ids(observations)
+        ids = t.renderer.close_turn(sampled) + t.renderer.observation_ids(observations)
         room = self.max_response_length - len(t.response_ids) - 1  # at least one token for the next turn
         if len(ids) > room:
             t.counts["overflow"] = t.counts.get("overflow", 0.0) + 1
-            cut = self._cut(sampled, observations, room) if s.on_overflow == "truncate" else None
+            cut = self._cut(t.renderer, sampled, observations, room) if s.on_overflow == "truncate" else None
             if cut is None:
                 t.finish_reason = "length"
                 self._end(t, "length")
@@ -494,18 +534,18 @@ class EpisodeEngine:
         t.user_turns += 1
 
     def _cut(
-        self, sampled: Sequence[int], observations: list[dict[str, Any]], room: int
+        self, renderer: TurnRenderer, sampled: Sequence[int], observations: list[dict[str, Any]], room: int
     ) -> tuple[list[int], list[dict[str, Any]]] | None:
         """The observation with its last message's text cut (whole tokens) so that its ids fit in ``room``;
         None when even an empty text does not fit."""
         last = observations[-1]
-        text_ids = self.renderer.plain_ids(str(last.get("content", "")))
+        text_ids = renderer.plain_ids(str(last.get("content", "")))
         lo, hi = 0, len(text_ids)
         best: tuple[list[int], list[dict[str, Any]]] | None = None
         while lo <= hi:  # the longest prefix of the text whose rendering fits
             mid = (lo + hi) // 2
             cut = [*observations[:-1], {**last, "content": self.tokenizer.decode(text_ids[:mid])}]
-            ids = self.renderer.close_turn(sampled) + self.renderer.observation_ids(cut)
+            ids = renderer.close_turn(sampled) + renderer.observation_ids(cut)
             if len(ids) <= room:
                 best, lo = (ids, cut), mid + 1
             else:
