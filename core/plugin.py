@@ -83,6 +83,12 @@ schema's section dataclasses (:class:`RunConfig`, :class:`ActorConfig`, :class:`
 :func:`reduction_tolerance`; imported when first used, as that module needs pytest) and
 :func:`fault_point`, where the crash tests stop or fail a process (``RLPLUG_TEST_KILL_AT``,
 :data:`FAULT_ENV`).
+
+**Import cost**: ``import rlplug.plugin`` does not import torch. The names defined in modules that do (the
+algorithm math, :class:`Batch`, the rollout and training-backend helpers: :data:`_LAZY`) are imported from
+their module when first used (a module ``__getattr__``); ``from rlplug.plugin import masked_whiten`` works as
+before and imports torch then. So a plugin that needs none of them, a tool such as ``calculator``, loads
+without torch (a tool worker process starts faster).
 """
 
 from __future__ import annotations
@@ -90,31 +96,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rlplug._moved import forward_name
-from rlplug.algorithms.logprob import response_token_stats
-from rlplug.algorithms.losses import (
-    LOSS_AGG_MODES,
-    agg_loss,
-    agg_normalizer,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-    seq_norm_length,
-)
-from rlplug.algorithms.objective import actor_objective, critic_objective
-from rlplug.algorithms.rollout_correction import (
-    RolloutCorrectionSettings,
-    compute_rollout_correction,
-    offpolicy_metrics,
-    parse_rollout_correction,
-    rollout_is_weights,
-    with_threshold_alias,
-)
-from rlplug.algorithms.token_budget import token_budgets
 from rlplug.base.faults import FAULT_ENV, fault_point
 from rlplug.base.file_modes import apply_umask
 from rlplug.base.host_memory import heap_mib, keep_freed_memory, malloc_trim, rss_bytes
-from rlplug.base.precision import resolve_dtype
 from rlplug.base.run_context import RunContext
 from rlplug.config.run_paths import run_context_for
 from rlplug.config.schema import (
@@ -165,7 +149,6 @@ from rlplug.contracts.agents import (
     ToolResult,
     ToolSchemaError,
 )
-from rlplug.contracts.batch import Batch, Fields
 from rlplug.contracts.coordinator import SINGLE_PROCESS, SingleProcessCoordinator
 from rlplug.contracts.hookspecs import hookimpl
 from rlplug.contracts.metric_names import TRACKER_NAME_CHARS, metric_value, source_tags, tracker_name
@@ -203,29 +186,52 @@ from rlplug.rewards.reward_model import (
     reward_model_device,
 )
 from rlplug.rollout.serving import Retryable, ServerError, ServerProcess, ServerRollout, free_port, server_urls
-from rlplug.rollout.utils import (
-    DTYPE_NAMES,
-    TORCH_DTYPES,
-    checked_weights,
-    checkpoint_shapes,
-    eos_ids,
-    parse_dtype,
-    shm_dir,
-    strip_wrapper_prefixes,
-    validate_prompts,
-)
-from rlplug.training.backend import (
-    STATE_FILE,
-    Role,
-    TorchDistributedCoordinator,
-    TrainingBackendBase,
-    build_lr_lambda,
-    resolve_device,
-)
-from rlplug.training.models import load_causal_lm
 
-if TYPE_CHECKING:  # imported when first used (module __getattr__): rlplug.testing imports pytest
+if TYPE_CHECKING:  # imported when first used (module __getattr__): torch, and pytest for rlplug.testing
+    from rlplug.algorithms.logprob import response_token_stats
+    from rlplug.algorithms.losses import (
+        LOSS_AGG_MODES,
+        agg_loss,
+        agg_normalizer,
+        masked_mean,
+        masked_sum,
+        masked_var,
+        masked_whiten,
+        seq_norm_length,
+    )
+    from rlplug.algorithms.objective import actor_objective, critic_objective
+    from rlplug.algorithms.rollout_correction import (
+        RolloutCorrectionSettings,
+        compute_rollout_correction,
+        offpolicy_metrics,
+        parse_rollout_correction,
+        rollout_is_weights,
+        with_threshold_alias,
+    )
+    from rlplug.algorithms.token_budget import token_budgets
+    from rlplug.base.precision import resolve_dtype
+    from rlplug.contracts.batch import Batch, Fields
+    from rlplug.rollout.utils import (
+        DTYPE_NAMES,
+        TORCH_DTYPES,
+        checked_weights,
+        checkpoint_shapes,
+        eos_ids,
+        parse_dtype,
+        shm_dir,
+        strip_wrapper_prefixes,
+        validate_prompts,
+    )
     from rlplug.testing import assert_advantage_contract, reduction_tolerance
+    from rlplug.training.backend import (
+        STATE_FILE,
+        Role,
+        TorchDistributedCoordinator,
+        TrainingBackendBase,
+        build_lr_lambda,
+        resolve_device,
+    )
+    from rlplug.training.models import load_causal_lm
 
 __all__ = [
     # registration
@@ -376,18 +382,67 @@ __all__ = [
     "FAULT_ENV",
 ]
 
-#: the names of :mod:`rlplug.testing` offered here, imported on first use (that module imports pytest)
-_TESTING = frozenset({"assert_advantage_contract", "reduction_tolerance"})
+#: the names imported from their module when first asked for (:func:`__getattr__`): those of the modules that
+#: import torch, so that ``import rlplug.plugin`` (every plugin; a tool worker importing its tool) does not load
+#: torch, and those of :mod:`rlplug.testing` (it imports pytest)
+_LAZY: dict[str, str] = {
+    "response_token_stats": "rlplug.algorithms.logprob",
+    "LOSS_AGG_MODES": "rlplug.algorithms.losses",
+    "agg_loss": "rlplug.algorithms.losses",
+    "agg_normalizer": "rlplug.algorithms.losses",
+    "masked_mean": "rlplug.algorithms.losses",
+    "masked_sum": "rlplug.algorithms.losses",
+    "masked_var": "rlplug.algorithms.losses",
+    "masked_whiten": "rlplug.algorithms.losses",
+    "seq_norm_length": "rlplug.algorithms.losses",
+    "actor_objective": "rlplug.algorithms.objective",
+    "critic_objective": "rlplug.algorithms.objective",
+    "RolloutCorrectionSettings": "rlplug.algorithms.rollout_correction",
+    "compute_rollout_correction": "rlplug.algorithms.rollout_correction",
+    "offpolicy_metrics": "rlplug.algorithms.rollout_correction",
+    "parse_rollout_correction": "rlplug.algorithms.rollout_correction",
+    "rollout_is_weights": "rlplug.algorithms.rollout_correction",
+    "with_threshold_alias": "rlplug.algorithms.rollout_correction",
+    "token_budgets": "rlplug.algorithms.token_budget",
+    "resolve_dtype": "rlplug.base.precision",
+    "Batch": "rlplug.contracts.batch",
+    "Fields": "rlplug.contracts.batch",
+    "DTYPE_NAMES": "rlplug.rollout.utils",
+    "TORCH_DTYPES": "rlplug.rollout.utils",
+    "checked_weights": "rlplug.rollout.utils",
+    "checkpoint_shapes": "rlplug.rollout.utils",
+    "eos_ids": "rlplug.rollout.utils",
+    "parse_dtype": "rlplug.rollout.utils",
+    "shm_dir": "rlplug.rollout.utils",
+    "strip_wrapper_prefixes": "rlplug.rollout.utils",
+    "validate_prompts": "rlplug.rollout.utils",
+    "STATE_FILE": "rlplug.training.backend",
+    "Role": "rlplug.training.backend",
+    "TorchDistributedCoordinator": "rlplug.training.backend",
+    "TrainingBackendBase": "rlplug.training.backend",
+    "build_lr_lambda": "rlplug.training.backend",
+    "resolve_device": "rlplug.training.backend",
+    "load_causal_lm": "rlplug.training.models",
+    "assert_advantage_contract": "rlplug.testing",
+    "reduction_tolerance": "rlplug.testing",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """The :mod:`rlplug.testing` helpers (:data:`_TESTING`), imported when first asked for; a name that moved to
-    a plugin (``RewardModelFunction``), forwarded there with a ``DeprecationWarning``
-    (:func:`rlplug._moved.forward_name`); raises ``AttributeError`` for any other missing name."""
-    if name in _TESTING:
-        from rlplug import testing  # deferred: pytest (rlplug.testing imports it; a test-only dependency)
+    """A name of :data:`_LAZY` (torch's modules, :mod:`rlplug.testing`), imported from its module when first
+    asked for and kept here; a name that moved to a plugin (``RewardModelFunction``), forwarded there with a
+    ``DeprecationWarning`` (:func:`rlplug._moved.forward_name`); raises ``AttributeError`` for any other
+    missing name."""
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib  # deferred: torch or pytest, by the module named
 
-        value = getattr(testing, name)
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
     return forward_name(__name__, name)
+
+
+def __dir__() -> list[str]:
+    """Every name of the module, the lazy ones (:data:`_LAZY`) included before they are first used."""
+    return sorted(set(globals()) | set(__all__))
