@@ -277,7 +277,9 @@ def test_replay_of_a_multi_turn_dump_reproduces_it_and_keeps_the_masks(dumped_ru
 
     result = replay(dumped_run)
     (step,) = result.steps
-    assert step.n == 4 and step.max_abs_diff_score == 0.0
+    # same_config: the dumped reward.reward_fn_map ({} in a Python-API run) is kept whole, not merged with the
+    # schema's default entries
+    assert step.same_config and step.n == 4 and step.max_abs_diff_score == 0.0
     assert step.max_abs_diff_advantages == 0.0 and step.max_abs_diff_returns == 0.0
     # GRPO on score + step reward: the two groups are (0.95, 0.95) and (-0.05, -0.05): every advantage 0.
     # REINFORCE++'s reward-to-go (gamma 1) over the model's tokens: the score and the step reward sit on the

@@ -490,6 +490,7 @@ def replay_config(config: Any, overrides: Sequence[str]) -> Any:
         raise ConfigError(f"rlplug replay: cannot parse the overrides {list(overrides)}: {exc}") from exc
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), config)
+        _keep_dumped_maps(cfg, config)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"the dumped config does not fit this rlplug's schema: {exc}") from exc
     for ov in parsed:
@@ -524,6 +525,23 @@ def replay_config(config: Any, overrides: Sequence[str]) -> Any:
         except OmegaConfBaseException as exc:
             raise ConfigError(f"rlplug replay: '{ov.input_line}': {exc}") from exc
     return cfg
+
+
+def _keep_dumped_maps(cfg: Any, dumped: Any, prefix: str = "") -> None:
+    """Give every open map of ``cfg`` (a schema field typed ``dict``, e.g. ``reward.reward_fn_map``) the dumped
+    value as a whole: merging the schema's defaults with the dump would add back the default entries a run had
+    removed (a Python-API run empties ``reward.reward_fn_map``). A map the dump lacks (a newer schema) keeps
+    its default."""
+    for key in list(cfg.keys()) if OmegaConf.is_dict(cfg) else []:
+        node, path = OmegaConf.select(cfg, str(key), throw_on_missing=False), f"{prefix}{key}"
+        if not OmegaConf.is_dict(node):
+            continue
+        if OmegaConf.get_type(node) is dict:
+            value = OmegaConf.select(dumped, path, default=None)
+            if OmegaConf.is_dict(value):
+                cfg[key] = OmegaConf.to_container(value, resolve=True)
+        else:
+            _keep_dumped_maps(node, dumped, f"{path}.")
 
 
 @dataclass
