@@ -28,9 +28,9 @@ Workers:
   context without its re-import of the parent's ``__main__``, which in a training script imports torch): a
   worker imports ``rlplug`` (its package ``__init__``, no torch, about 0.3 s), this module and whatever
   unpickling the tools imports
-  (a tool defined in a module that imports torch still brings torch in: the packaged ``calculator`` imports
-  ``rlplug.plugin``, so its worker takes about 1.6 s to start and 650 MiB of address space; a tool defined
-  beside light imports starts in about 0.4 s). The tools are pickled once, in the constructor; the worker
+  (a tool defined in a module that imports torch still brings torch in; the packaged ``calculator`` imports
+  ``rlplug.plugin``, which imports no torch, so its worker starts in about 0.5-1 s; a tool defined beside light
+  imports in about 0.4 s). The tools are pickled once, in the constructor; the worker
   gets the parent's ``sys.path``. A tool that cannot be pickled (a closure, a lambda, a class defined in
   ``__main__``) makes the whole pool fall back to ``os.fork`` of the parent, with a :class:`RuntimeWarning`:
   a forked worker shares the parent's memory image (torch included) and inherits its locks, so a tool that
@@ -62,8 +62,8 @@ Cost of a call to a healthy, started worker (thread hop, two pickled messages ov
 median 0.12 ms for a trivial sync tool through :meth:`ToolRunner.call_sync`, 0.16 ms through ``await
 call(...)``, 0.30 ms for a trivial ``async`` tool (``asyncio.run`` in the worker); measured over 200 calls each
 on this project's 2-core CPU machine (Python 3.11), shared with other jobs. Starting a worker: about 0.4 s
-for tools in a module with light imports (1 s under load), 1.6 s to 7 s for the packaged ``calculator``
-(torch, through ``rlplug.plugin``).
+for tools in a module with light imports (1 s under load), 0.8-1.3 s under load for the packaged
+``calculator``, whose import is rlplug's package ``__init__`` (Hydra through ``rlplug.api``).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def score_responses(
             components = {k: float(extra[k][j]) for k in names if extra[k][j] is not None}
             scored.append(
                 ScoredResponse(
-                    chunk[i],
+                    rows_out[j],  # the row as scored: a multi-turn trajectory's carries its transcript
                     start + i,
                     texts[j],
                     scores[j],
