@@ -54,9 +54,7 @@ PRESET = "experiment=calc_tool"
 MODES = ("tools", "no_tools")
 #: the no-tool setting, one response per prompt: ``rollout.multi_turn`` back to the schema's defaults (validation
 #: refuses a multi-turn setting without ``enable``); the training baseline's overrides too
-NO_TOOL_OVERRIDES = (
-    "rollout.multi_turn.enable=false",
-)
+NO_TOOL_OVERRIDES = ("rollout.multi_turn.enable=false",)
 #: the issue's rule for picking operand sizes
 MAX_NO_TOOL_ACCURACY = 0.05
 MIN_MIXED_GROUPS = 0.20
@@ -110,9 +108,12 @@ def eligible(cells: dict[str, dict[str, float]]) -> bool | None:
     return cells["no_tools"]["accuracy"] < MAX_NO_TOOL_ACCURACY and cells["tools"]["mixed_groups"] >= MIN_MIXED_GROUPS
 
 
-def transcript_calls(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Calls in a multi-turn transcript: the closed calculator tags of its assistant messages."""
-    return sum(count_calls(str(m.get("content") or "")) for m in messages if m.get("role") == "assistant")
+def transcript_calls(messages: Sequence[Mapping[str, Any]], prompt_messages: int = 0) -> int:
+    """Calls the model made in a multi-turn transcript: the closed calculator tags of its assistant messages
+    after the first ``prompt_messages`` (the prompt's demonstration turn is not the model's call)."""
+    return sum(
+        count_calls(str(m.get("content") or "")) for m in messages[prompt_messages:] if m.get("role") == "assistant"
+    )
 
 
 def sample(cfg: Any, mode: str, n: int, temperature: float, checkpoint: str | None) -> list[dict[str, Any]]:
@@ -155,8 +156,12 @@ def sample(cfg: Any, mode: str, n: int, temperature: float, checkpoint: str | No
 
                 out = engine.generate(chunk, params)
                 texts, rows_out = solution_texts(out, tok), rows_for_scoring(chunk, out)
-                calls = [transcript_calls(t) for t in out.transcripts]
-                shown = ["\n".join(f"[{m['role']}] {m.get('content') or ''}" for m in t) for t in out.transcripts]
+                first = [len(chunk[i]["messages"]) for i in out.prompt_index]  # the prompt's messages
+                calls = [transcript_calls(t, k) for t, k in zip(out.transcripts, first)]
+                shown = [
+                    "\n".join(f"[{m['role']}] {m.get('content') or ''}" for m in t[k:])
+                    for t, k in zip(out.transcripts, first)
+                ]
             else:
                 out = rollout.generate([list(r["prompt_ids"]) for r in chunk], params)
                 texts = tok.batch_decode(out.response_ids, skip_special_tokens=True)

@@ -278,6 +278,8 @@ def test_pilot_arguments_and_summary():
         {"role": "assistant", "content": "#### 408"},
     ]
     assert pilot.transcript_calls(msgs) == 1
+    demo = [{"role": "assistant", "content": "<calculator>12*34+5</calculator>"}, {"role": "tool", "content": "413"}]
+    assert pilot.transcript_calls(demo + msgs, prompt_messages=2) == 1  # the prompt's demonstration is not counted
     # 2 problems x 2 samples: problem 0 mixed (1, 0), problem 1 all wrong; 3 responses call the tool, one twice
     records = [
         {"prompt": 0, "acc": 1.0, "score": 1.0, "calls": 1},
