@@ -14,7 +14,6 @@ a field that no stage would produce under the config is a :class:`ConfigError` h
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
