@@ -120,6 +120,7 @@ from rlplug.config.schema import (
     TrainerConfig,
     config_get,
     typed,
+    typed_section,
 )
 from rlplug.conformance import (
     algorithm_config,
@@ -346,6 +347,7 @@ __all__ = [
     # configuration
     "config_get",
     "typed",
+    "typed_section",
     "ActorConfig",
     "AlgorithmConfig",
     "CriticConfig",

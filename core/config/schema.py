@@ -105,6 +105,14 @@ def typed(cls: type[_S], config: Any) -> _S:
     return cls(**values)
 
 
+def typed_section(cls: type[_S], config: Any, name: str) -> _S:
+    """The section ``name`` of the run config ``config`` read as ``cls`` (:func:`typed`), e.g.
+    ``typed_section(TrainerConfig, config, "trainer")``; ``config`` may be a ``DictConfig``, a plain mapping, an
+    attribute object or None (a missing section takes the schema's defaults)."""
+    section = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+    return typed(cls, section)
+
+
 def default_cache_dir() -> Path:
     """Where converted models and prepared datasets live (``RLPLUG_CACHE`` or ``~/.cache/rlplug``)."""
     return Path(os.environ.get("RLPLUG_CACHE", Path.home() / ".cache" / "rlplug"))

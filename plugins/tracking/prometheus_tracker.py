@@ -35,7 +35,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rlplug.plugin import ConfigError, TrainerConfig, hookimpl, tracker_name, typed
+from rlplug.plugin import ConfigError, TrainerConfig, hookimpl, tracker_name, typed_section
 from rlplug.plugin import (
     metric_value as _number,
 )
@@ -114,10 +114,9 @@ class _LatestValues:
 
 
 def _trainer(config: Any) -> TrainerConfig:
-    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (:func:`rlplug.plugin.typed`:
-    a key missing or None takes the schema's default); ``config`` is the run config, a plain mapping or None."""
-    section = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
-    return typed(TrainerConfig, section)
+    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (a key missing or None takes the
+    schema's default); ``config`` is the run config, a plain mapping or None."""
+    return typed_section(TrainerConfig, config, "trainer")
 
 
 class PrometheusTracker:

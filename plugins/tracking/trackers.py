@@ -79,7 +79,7 @@ from rlplug.plugin import (
     run_context_for,
     source_tags,
     tracker_name,
-    typed,
+    typed_section,
 )
 
 __all__ = [
@@ -117,10 +117,9 @@ ATTEMPT_METRIC = "trainer/attempt"
 
 
 def _trainer(config: Any) -> TrainerConfig:
-    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (:func:`rlplug.plugin.typed`:
-    a key missing or None takes the schema's default); ``config`` is the run config, a plain mapping or None."""
-    section = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
-    return typed(TrainerConfig, section)
+    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (a key missing or None takes the
+    schema's default); ``config`` is the run config, a plain mapping or None."""
+    return typed_section(TrainerConfig, config, "trainer")
 
 
 def run_dir(config: Any) -> Path:

@@ -40,7 +40,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlplug.plugin import RunContext, TrainerConfig, hookimpl, run_context_for, tracker_name, typed
+from rlplug.plugin import RunContext, TrainerConfig, hookimpl, run_context_for, tracker_name, typed_section
 from rlplug.plugin import metric_value as _number
 
 __all__ = ["WandbTracker", "table_key", "ATTEMPT_METRIC", "history_records", "clean_history"]
@@ -79,10 +79,9 @@ def table_key(name: str) -> str:
 
 
 def _trainer(config: Any) -> TrainerConfig:
-    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (:func:`rlplug.plugin.typed`:
-    a key missing or None takes the schema's default); ``config`` is the run config, a plain mapping or None."""
-    section = config.get("trainer") if isinstance(config, Mapping) else getattr(config, "trainer", None)
-    return typed(TrainerConfig, section)
+    """``config``'s ``trainer`` section as the schema's :class:`TrainerConfig` (a key missing or None takes the
+    schema's default); ``config`` is the run config, a plain mapping or None."""
+    return typed_section(TrainerConfig, config, "trainer")
 
 
 class WandbTracker:
