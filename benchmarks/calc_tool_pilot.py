@@ -55,6 +55,15 @@ MODES = ("tools", "no_tools")
 #: the no-tool setting, one response per prompt: ``rollout.multi_turn`` back to the schema's defaults (validation
 #: refuses a multi-turn setting without ``enable``); the training baseline's overrides too
 NO_TOOL_OVERRIDES = ("rollout.multi_turn.enable=false",)
+#: --tiny: the tiny random model on the CPU, short responses (a smoke run of the script, not a pilot)
+TINY_OVERRIDES = (
+    "debug=tiny",
+    "rollout=hf",
+    "trainer.num_threads=1",
+    "trainer.device=cpu",
+    "data.max_prompt_length=256",
+    "data.max_response_length=16",
+)
 #: the issue's rule for picking operand sizes
 MAX_NO_TOOL_ACCURACY = 0.05
 MIN_MIXED_GROUPS = 0.20
@@ -198,7 +207,15 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--checkpoint", default=None, help="a global_step_N folder, run folder or HF folder")
     ap.add_argument("--out", default="benchmarks/results/calc_tool_pilot.json")
     ap.add_argument("--dry-run", action="store_true", help="compose every cell and prepare its data; no model")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a smoke run: the tiny random model (debug=tiny, rollout=hf), 4 problems x 2",
+    )
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.tiny:
+        args.problems, args.n, args.digits = 4, 2, "3"
+        extra = [*TINY_OVERRIDES, *extra]
     try:
         args.digits = [int(d) for d in args.digits.split(",") if d.strip()]
     except ValueError:

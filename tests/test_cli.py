@@ -137,7 +137,7 @@ def test_data_prepare_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
     out = tmp_path / "d"
     assert cli.main(["data", "prepare", "basic_arithmetc", "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith(
-        "Config error: Unknown task 'basic_arithmetc'. Did you mean 'basic_arithmetic'?"
+        "Config error: Unknown task 'basic_arithmetc'. Did you mean 'basic_arithmetic'"
     )
     assert cli.main(["data", "prepare", "basic_arithmetic", "--out", str(out), "--task-kwargs", "{min_terms: 2}"]) == 2
     assert capsys.readouterr().err.startswith("Config error: --task-kwargs is not valid JSON")

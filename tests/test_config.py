@@ -4,12 +4,14 @@ with messages that say what to do."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlplug.config.compose import compose
 from rlplug.config.schema import ConfigError, RunConfig, config_dir, config_get
+from rlplug.contracts.agents import FunctionTool
 from rlplug.contracts.coordinator import SINGLE_PROCESS
 from rlplug.contracts.registry import Registry
 from rlplug.contracts.types import AdvantageEstimator, BatchFilter, KLPenalty, PolicyLoss
@@ -95,7 +97,30 @@ def stub_registry() -> Registry:
     for name in ("gsm8k", "reasoning_gym", "math_verify", "length_penalty", "format", "reward_model"):
         r.register("reward_function", name, _noop, "rlplug", "0.1.0")
     r.register("batch_filter", "filter_groups", BatchFilter(_noop), "rlplug", "0.1.0")  # algorithm=dapo
+    # experiment=calc_tool: the multi-turn environment and its tool
+    r.register("environment", "tool_agent", _StubEnvironment, "rlplug", "0.1.0")
+    r.register("tool", "calculator", FunctionTool(_stub_calculator, name="calculator"), "rlplug", "0.1.0")
     return r
+
+
+class _StubEnvironment:
+    def __init__(self, context: Any) -> None:
+        pass
+
+    def reset(self, row: Any) -> list:
+        return []
+
+    def step(self, assistant_message: Any) -> Any:
+        return None
+
+
+def _stub_calculator(expression: str) -> str:
+    """A stub of the calculator tool.
+
+    Args:
+        expression: the arithmetic expression.
+    """
+    return expression
 
 
 @pytest.fixture

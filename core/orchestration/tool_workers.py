@@ -40,7 +40,8 @@ Workers:
 * **Isolated by a guard, not a sandbox**: stdout and stderr go to ``/dev/null`` (a tool printing 10 MB
   neither floods the trainer's output nor blocks on a full pipe); ``RLIMIT_AS`` is ``memory_mb`` MiB when
   > 0, set after the tools are loaded, so it counts the interpreter and the tools' imports (a worker whose
-  address space already exceeds it refuses to start, saying so); a ``MemoryError`` is the call's ``error``
+  address space already exceeds it refuses to start, saying so; a forked worker, which holds the trainer's whole
+  image, may add ``memory_mb`` to it); a ``MemoryError`` is the call's ``error``
   and the worker is replaced after it. A tool without ``needs_network = True`` (on the tool, or on a
   :class:`~rlplug.contracts.agents.FunctionTool`'s function) gets a ``PermissionError`` naming the attribute
   when it creates an ``AF_INET``/``AF_INET6`` socket through :mod:`socket` (``socket.socket``,
@@ -235,6 +236,8 @@ def _serve(requests: Any, replies: Any, setup: Mapping[str, Any]) -> None:
             import resource
 
             used = _address_space_mib()
+            if "tools" in setup:  # a fork holds the trainer's whole image: the limit is what it may add to it
+                memory_mb += int(used)
             if used > memory_mb:
                 raise MemoryError(
                     f"the tool worker already uses {used:.0f} MiB of address space after loading the tools, above "
