@@ -14,22 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _machine import cpu_model
+
 VAL = "val-core/calc_arith/acc/mean@1"
 TRAIN = ("critic/score/mean", "multi_turn/tool_calls", "num_turns/mean", "multi_turn/masked_token_share")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def read_run(path: Path) -> list[dict[str, Any]]:

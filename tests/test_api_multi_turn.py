@@ -262,6 +262,9 @@ def test_train_with_tools_and_an_environment_factory_runs_two_tiny_steps(tmp_pat
     assert m["multi_turn/turns_mean"] == 1.0
 
 
+from rlplug.orchestration.episodes import EpisodeEngine as _REAL_ENGINE
+
+
 class _ScriptedEngine:
     """Wraps the trainer's :class:`EpisodeEngine` so that its rollout generates the real tiny model's turn and
     then replaces the ids with a script (turn 0: a hermes call ``add(n=5)`` in even trajectories, ``add(n=3)``
@@ -270,7 +273,6 @@ class _ScriptedEngine:
 
     def __new__(cls, config, registry, tokenizer, generate, **kwargs):
         from rlplug.contracts.types import RolloutOutput
-        from rlplug.orchestration.episodes import EpisodeEngine
 
         calls = {"k": 0}
 
@@ -287,7 +289,7 @@ class _ScriptedEngine:
                 log_probs=[[0.0] * len(x) for x in ids] if real.log_probs is not None else None,
             )
 
-        return EpisodeEngine(config, registry, tokenizer, scripted, **kwargs)
+        return _REAL_ENGINE(config, registry, tokenizer, scripted, **kwargs)
 
 
 def test_two_tiny_steps_with_a_tool_call_score_get_reward_as_a_step_reward(tmp_path, monkeypatch):
@@ -296,9 +298,9 @@ def test_two_tiny_steps_with_a_tool_call_score_get_reward_as_a_step_reward(tmp_p
     from _helpers import TINY_CPU_RUN
 
     import rlplug
-    import rlplug.run.trainer as trainer_module
+    import rlplug.orchestration.episodes as episodes_module
 
-    monkeypatch.setattr(trainer_module, "EpisodeEngine", _ScriptedEngine)
+    monkeypatch.setattr(episodes_module, "EpisodeEngine", _ScriptedEngine)  # what episode_engine_for_run builds
     ds = {"prompt": ["Count to 5 with add.", "Count to 3 with add."], "target": [5, 3]}
     result = rlplug.train(
         [*TINY_CPU_RUN, *TINY_TRAIN, f"trainer.default_local_dir={tmp_path}", "data.shuffle=false"],

@@ -61,6 +61,7 @@ __all__ = [
     "MULTI_TURN_METRICS",
     "TURN_SEED_STRIDE",
     "agent_name",
+    "episode_engine_for_run",
     "episode_seed",
     "rows_for_scoring",
     "run_coroutine",
@@ -123,6 +124,29 @@ def episode_seed(step_seed: int | None, index: int) -> int:
     a hash of both, so neighbouring steps and trajectories get unrelated seeds)."""
     digest = hashlib.sha256(f"{step_seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def episode_engine_for_run(
+    config: Any,
+    registry: Any,
+    tokenizer: Any,
+    generate: Callable[[list[list[int]], SamplingParams], RolloutOutput],
+    *datasets: Any,
+) -> EpisodeEngine | None:
+    """The run's :class:`EpisodeEngine` when ``rollout.multi_turn.enable`` is on, else None.
+
+    Trajectories run one per request with a server engine (``rollout.mode=server``), in lockstep otherwise.
+    Every row of ``datasets`` (the training and validation data; None entries skipped) has its environment
+    resolved now. Raises :class:`rlplug.orchestration.chat.TemplateError` for a chat template that cannot be
+    extended turn by turn and :class:`EpisodeError` for a row whose ``agent_name`` names no environment, both
+    before any model loads."""
+    if not config.rollout.multi_turn.enable:
+        return None
+    engine = EpisodeEngine(config, registry, tokenizer, generate, per_trajectory=config.rollout.mode == "server")
+    for ds, where in zip(datasets, ("the training data", "the validation data", "the data")):
+        if ds is not None:
+            engine.check_rows(ds, where)
+    return engine
 
 
 def solution_texts(out: RolloutOutput, tokenizer: Any) -> list[str]:

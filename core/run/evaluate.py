@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -15,7 +16,7 @@ from rlplug.contracts.reward_contract import trl_ids
 from rlplug.contracts.types import RolloutOutput, SamplingParams
 from rlplug.data.dataset import _chat_ids, dataset_read_kwargs, read_dataset
 from rlplug.data.prepare import prepared_data_files
-from rlplug.orchestration.episodes import EpisodeEngine, rows_for_scoring, solution_texts
+from rlplug.orchestration.episodes import episode_engine_for_run, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import ACC_REPORTED, FAILED, PRED, RewardManager
 from rlplug.run.metrics import (  # noqa: F401 - verl's statistics: their old home (rlplug.run.metrics)
     BOOTSTRAP_SEED,
@@ -167,24 +168,17 @@ def evaluate(
         params = eval_sampling_params(cfg, k, temperature)
         registry = get_registry()
         rollout = registry.get("rollout_backend", cfg.rollout.name)(cfg, path, tok)
-        episodes = None
-        try:
-            generate: Callable[[list[Mapping[str, Any]]], RolloutOutput]
-            if cfg.rollout.multi_turn.enable:  # the trainer's multi-turn episodes, as its validation runs them
-                engine = EpisodeEngine(
-                    cfg, registry, tok, rollout.generate, per_trajectory=cfg.rollout.mode == "server"
-                )
-                episodes = engine
-                generate = lambda chunk: engine.generate(chunk, params)  # noqa: E731
-            else:
-                generate = lambda chunk: rollout.generate([list(r["prompt_ids"]) for r in chunk], params)  # noqa: E731
-            scored = score_responses(
-                rows, generate, lambda out: solution_texts(out, tok), reward, batch_size=cfg.data.val_batch_size
-            )
-        finally:
-            if episodes is not None:
-                episodes.close()
-            rollout.close()
+        stack.callback(rollout.close)
+        episodes = episode_engine_for_run(cfg, registry, tok, rollout.generate)  # as the trainer's validation runs
+        generate: Callable[[list[Mapping[str, Any]]], RolloutOutput]
+        if episodes is not None:
+            stack.callback(episodes.close)  # before the engine's close (last in, first out)
+            generate = functools.partial(episodes.generate, params=params)
+        else:
+            generate = lambda chunk: rollout.generate([list(r["prompt_ids"]) for r in chunk], params)  # noqa: E731
+        scored = score_responses(
+            rows, generate, lambda out: solution_texts(out, tok), reward, batch_size=cfg.data.val_batch_size
+        )
     result = []
     for src in sorted({s.row["data_source"] for s in scored}):
         mine = [s for s in scored if s.row["data_source"] == src]

@@ -59,7 +59,7 @@ from rlplug.contracts.types import RolloutOutput, SamplingParams
 from rlplug.contracts.weights import DirectWeightTransfer, WeightTransfer
 from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
-from rlplug.orchestration.episodes import EpisodeEngine, rows_for_scoring, solution_texts
+from rlplug.orchestration.episodes import episode_engine_for_run, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
 from rlplug.run import evaluate  # evaluate.score_responses: looked up at call time (tests patch it)
@@ -197,20 +197,10 @@ class Trainer:
         self.model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=bool(cfg.model.trust_remote_code))
         self.train_ds, self.val_ds = read_run_datasets(cfg, self.tokenizer, self.reward.check_data_sources)
-        #: multi-turn episodes over the engine (rollout.multi_turn.enable; None: one response per prompt);
-        #: built now so that a chat template that cannot be extended turn by turn is refused before models load
-        self.episodes: EpisodeEngine | None = None
-        if cfg.rollout.multi_turn.enable:
-            self.episodes = EpisodeEngine(
-                cfg,
-                self.registry,
-                self.tokenizer,
-                lambda prompt_ids, params: self.rollout.generate(prompt_ids, params),
-                per_trajectory=cfg.rollout.mode == "server",
-            )
-            for ds, where in ((self.train_ds, "the training data"), (self.val_ds, "the validation data")):
-                if ds is not None:
-                    self.episodes.check_rows(ds, where)  # every row's agent_name resolves
+        #: multi-turn episodes (None: one response per prompt), built now: a template or a row's agent_name they
+        #: cannot use is refused before any model loads
+        gen = lambda ids, p: self.rollout.generate(ids, p)  # noqa: E731 - the engine is built below
+        self.episodes = episode_engine_for_run(cfg, self.registry, self.tokenizer, gen, self.train_ds, self.val_ds)
         self.loader = make_train_loader(cfg, self.train_ds)  # data.train_weights: a weighted mix of the files
         self.total_steps = int(
             cfg.trainer.total_training_steps or self.loader.steps_per_epoch * cfg.trainer.total_epochs
@@ -302,26 +292,24 @@ class Trainer:
         return sampling_params(self.cfg, validation=validation, step=step)
 
     @on_main_then_broadcast
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, label: str = "rollout") -> RolloutOutput:
+    def _generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, label: str = "rollout", rows: list | None = None
+    ) -> RolloutOutput:
+        """The engine's responses to ``prompt_ids`` (woken for the call); given their dataset ``rows`` with
+        ``rollout.multi_turn.enable``, the rows' multi-turn episodes (:class:`rlplug.orchestration.episodes.EpisodeEngine`)."""
         self.rollout.wake_up()
         try:
             _fault_point(label)
+            if rows is not None and self.episodes is not None:
+                return self.episodes.generate(rows, params, step=self.global_step + 1)
             return self.rollout.generate(prompt_ids, params)
         finally:
             self.rollout.sleep()
 
-    @on_main_then_broadcast
-    def _rollout(self, rows: list[dict], params: SamplingParams, label: str = "rollout") -> RolloutOutput:
-        """The rollout of ``rows`` (dataset rows): :meth:`_generate` of their prompts, or with
-        ``rollout.multi_turn.enable`` the multi-turn episodes (:class:`rlplug.orchestration.episodes.EpisodeEngine`)."""
-        if self.episodes is None:
-            return Trainer._generate.__wrapped__(self, [r["prompt_ids"] for r in rows], params, label)  # type: ignore[attr-defined]
-        self.rollout.wake_up()
-        try:
-            _fault_point(label)
-            return self.episodes.generate(rows, params, step=self.global_step + 1)
-        finally:
-            self.rollout.sleep()
+    def _rollout(self, rows: list[dict], params: SamplingParams, label: str = "rollout", main: bool = False) -> Any:
+        """:meth:`_generate` for dataset ``rows`` (``main``: already on the main process alone, not broadcast)."""
+        generate = Trainer._generate.__wrapped__ if main else Trainer._generate  # type: ignore[attr-defined]
+        return generate(self, [r["prompt_ids"] for r in rows], params, label, rows)
 
     def _decode(self, out: RolloutOutput) -> list[str]:
         """The texts the reward scores: each response's text, or a trajectory's last assistant message."""
@@ -386,8 +374,7 @@ class Trainer:
         """Generate and score the validation rows on the main process (the one that owns the engine and
         has prepared the rewards: a judge's server starts there only); every process gets the result."""
 
-        # the undecorated rollout: this already runs on the main process alone
-        generate = functools.partial(Trainer._rollout.__wrapped__, self, params=params, label="validation")  # type: ignore[attr-defined]
+        generate = functools.partial(self._rollout, params=params, label="validation", main=True)
         return evaluate.score_responses(
             rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size
         )
