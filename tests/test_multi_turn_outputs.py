@@ -189,12 +189,14 @@ def _brevity(completions: list[str], **kwargs: Any) -> list[float]:
     return [-len(str(c)) / 100 for c in completions]
 
 
+from rlplug.orchestration.episodes import EpisodeEngine as _REAL_ENGINE
+
+
 class _ScriptedEngine:
     """The trainer's episode engine over the real tiny model's rollout, its ids replaced by a script (turn 0
     calls ``add(n=5)``, turn 1 says ``Done.``, each ended by EOS)."""
 
     def __new__(cls, config: Any, registry: Any, tokenizer: Any, generate: Any, **kwargs: Any) -> Any:
-        from rlplug.orchestration.episodes import EpisodeEngine
 
         turns, calls = [_call("add", n=5), "Done."], {"k": 0}
 
@@ -211,7 +213,7 @@ class _ScriptedEngine:
                 log_probs=[[0.0] * len(ids) for _ in range(n)] if real.log_probs is not None else None,
             )
 
-        return EpisodeEngine(config, registry, tokenizer, scripted, **kwargs)
+        return _REAL_ENGINE(config, registry, tokenizer, scripted, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -219,11 +221,11 @@ def dumped_run(tmp_path_factory: Any) -> Any:
     from _helpers import TINY_CPU_RUN
 
     import rlplug
-    import rlplug.run.trainer as trainer_module
+    import rlplug.orchestration.episodes as episodes_module
 
     run_dir = tmp_path_factory.mktemp("mt_dump")
     mp = pytest.MonkeyPatch()
-    mp.setattr(trainer_module, "EpisodeEngine", _ScriptedEngine)
+    mp.setattr(episodes_module, "EpisodeEngine", _ScriptedEngine)  # what episode_engine_for_run builds
     try:
         result = rlplug.train(
             [*TINY_CPU_RUN, "algorithm=grpo", "rollout.n=2", "trainer.total_training_steps=1",
