@@ -94,7 +94,7 @@ def probe(out: Path, task: str, overrides: list[str]) -> dict[str, Any]:
             with RewardManager(cfg.reward, validation=True) as rule:
                 scored = score_responses(
                     rows,
-                    lambda ids, r=rollout, sp=params: r.generate(ids, sp),
+                    lambda chunk, r=rollout, sp=params: r.generate([list(x["prompt_ids"]) for x in chunk], sp),
                     lambda o, t=tok: t.batch_decode(o.response_ids, skip_special_tokens=True),
                     rule,
                     batch_size=cfg.data.val_batch_size,
