@@ -447,6 +447,13 @@ class RolloutOutput:
     * ``solutions``: ``B`` texts the reward functions score (``solution_str``): the last assistant message.
     * ``transcripts``: ``B`` lists of chat messages (the conversation, prompt included), given to the reward
       functions as ``extra_info["messages"]`` and shown in dumps and reports.
+
+    Asynchronous training (:mod:`rlplug.run.async_pipeline`; a rollout backend leaves it ``None``):
+
+    * ``versions``: ``B`` lists of ints aligned with ``response_ids``: the weight version (actor updates
+      pushed to the engine before it sampled the token) of each token. A partial rollout, continued under
+      newer weights after a push, carries two or more versions; a sample's staleness is the trainer's
+      version minus the smallest of them.
     """
 
     response_ids: list[list[int]]
@@ -459,6 +466,7 @@ class RolloutOutput:
     step_rewards: list[list[tuple[int, float]]] | None = None
     solutions: list[str] | None = None
     transcripts: list[list[dict]] | None = None
+    versions: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -467,7 +475,7 @@ class RolloutOutput:
                 f"RolloutOutput fields disagree in length: response_ids {n}, finish_reasons "
                 f"{len(self.finish_reasons)}, prompt_index {len(self.prompt_index)}"
             )
-        for name in ("response_masks", "prompts", "step_rewards", "solutions", "transcripts"):
+        for name in ("response_masks", "prompts", "step_rewards", "solutions", "transcripts", "versions"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"RolloutOutput.{name} has {len(value)} entries for {n} responses")
@@ -477,9 +485,21 @@ class RolloutOutput:
                     raise ValueError(
                         f"RolloutOutput.response_masks[{i}] has {len(mask)} entries for {len(ids)} response ids"
                     )
+        if self.versions is not None:
+            for i, (ids, ver) in enumerate(zip(self.response_ids, self.versions)):
+                if len(ids) != len(ver):
+                    raise ValueError(f"RolloutOutput.versions[{i}] has {len(ver)} entries for {len(ids)} response ids")
 
     #: the optional fields with one entry per response (None, or a list aligned with ``response_ids``)
-    PER_RESPONSE_OPTIONAL = ("log_probs", "response_masks", "prompts", "step_rewards", "solutions", "transcripts")
+    PER_RESPONSE_OPTIONAL = (
+        "log_probs",
+        "response_masks",
+        "prompts",
+        "step_rewards",
+        "solutions",
+        "transcripts",
+        "versions",
+    )
 
     def take(self, responses: Sequence[int], prompt_index: Sequence[int]) -> RolloutOutput:
         """The responses ``responses`` (indices, in that order) with new ``prompt_index`` values; every
