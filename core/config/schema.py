@@ -453,6 +453,11 @@ class RolloutConfig:
     num_threads: int | None = None
     #: return engine log-probs (for rollout_is_threshold)
     calculate_log_probs: bool = False
+    #: async modes: generate in chunks of rollout.partial_chunk_tokens so a weight push lands between chunks and a
+    #: response continues under the new weights (per-token versions: RolloutOutput.versions; docs/async.md)
+    partial_rollout: bool = False
+    #: tokens per chunk of a partial rollout (>= 1)
+    partial_chunk_tokens: int = 64
     #: generate exactly max_response_length tokens per response (EOS suppressed); for benchmarks
     ignore_eos: bool = False
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
