@@ -415,6 +415,7 @@ class ServerRollout:
     health_path = "/health"
     #: metrics every generate() reports (RolloutOutput.metrics, logged with the step's metrics)
     metrics = ("rollout/resent_requests", "rollout/live_replicas", "rollout/replicas", "rollout/replica_restarts")
+    runs_out_of_process = True  # a server (rlplug.rollout.engine_process.out_of_process)
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         import httpx  # deferred: httpx (server rollouts only; not a declared dependency of rlplug)

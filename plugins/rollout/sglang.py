@@ -62,6 +62,7 @@ class SGLangRollout(ServerRollout):
 
     engine = "sglang"
     health_path = "/health"
+    runs_out_of_process = True  # a server (rlplug.rollout.engine_process.out_of_process)
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         if (
@@ -160,6 +161,9 @@ class SGLangRollout(ServerRollout):
 def create_sglang_rollout(config: Any, model_path: str, tokenizer: Any) -> SGLangRollout:
     """Factory registered as rollout backend ``sglang``."""
     return SGLangRollout(config, model_path, tokenizer)
+
+
+create_sglang_rollout.runs_out_of_process = True  # type: ignore[attr-defined]  # the engine runs in its own process (rlplug.rollout.engine_process)
 
 
 @hookimpl

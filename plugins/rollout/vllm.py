@@ -135,6 +135,7 @@ class VLLMRollout:
 
     #: what the trainer logs for this backend: the engine child's resident memory in GiB after each step
     metrics: tuple[str, ...] = ("perf/rollout_rss_gb",)
+    runs_out_of_process = True  # the engine is a child process (rlplug.rollout.engine_process.out_of_process)
 
     #: the engine child's command (the pipes' fds are appended); tests put a stub speaking the protocol here
     engine_argv: tuple[str, ...] = (sys.executable, "-m", "rlplug.plugins.rollout.vllm", "--engine-child")
@@ -467,6 +468,9 @@ def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
     return VLLMRollout(config, model_path, tokenizer)
 
 
+create_vllm_rollout.runs_out_of_process = True  # type: ignore[attr-defined]  # the engine runs in its own process (rlplug.rollout.engine_process)
+
+
 @hookimpl
 def register_rollout_backends(register: Any) -> None:
     register("vllm", create_vllm_rollout, builds=(VLLMRollout, VLLMServerRollout))
@@ -732,6 +736,7 @@ class VLLMServerRollout(ServerRollout):
     engine = "vllm"
     health_path = "/health"
     served_model_name = "rlplug"
+    runs_out_of_process = True  # a server (rlplug.rollout.engine_process.out_of_process)
 
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         run = typed(RunConfig, config)
@@ -865,6 +870,9 @@ class VLLMServerRollout(ServerRollout):
 def create_vllm_server_rollout(config: Any, model_path: str, tokenizer: Any) -> VLLMServerRollout:
     """The ``vllm`` backend in server mode (the ``vllm`` factory returns this for ``rollout.mode=server``)."""
     return VLLMServerRollout(config, model_path, tokenizer)
+
+
+create_vllm_server_rollout.runs_out_of_process = True  # type: ignore[attr-defined]  # the engine runs in its own process (rlplug.rollout.engine_process)
 
 
 def _exit_with_parent() -> None:
