@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from rlplug.config.async_mode import async_defaults
 from rlplug.config.run_paths import experiment_name_for
 from rlplug.config.schema import (
     ConfigError,
@@ -98,6 +99,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     for line in translation.apply_deprecated(cfg):  # verl's deprecated global micro-batch sizes, per device
         print(line, file=sys.stderr)
     for line in critic_follows_estimator(cfg, translation.keys, choices):  # a preset's critic vs the estimator
+        print(line, file=sys.stderr)
+    for line in async_defaults(cfg, translation.keys):  # trainer.async_mode: the decoupled-PPO loss's settings
         print(line, file=sys.stderr)
     if not cfg.trainer.experiment_name:
         name = run_algorithm_name(cfg, choices.get("algorithm"))  # the preset, or the estimator that replaced its own

@@ -775,6 +775,19 @@ class TrainerConfig:
     alerts: list[Any] = field(default_factory=list)
     #: the alerts=default preset's floor of perf/gen_tokens_per_s (rollout tokens/s; None: that rule is off)
     alerts_min_gen_tokens_per_s: float | None = None
+    #: "sync" (generate, then train), "one_step_off" (step k+1 generates while step k trains, with step k-1's
+    #: weights) or "async" (generation runs ahead under trainer.max_staleness); rlplug.run.async_pipeline, docs/async.md
+    async_mode: str = "sync"
+    #: async: the most weight versions a trained sample may lag the trainer (>= 0; 0 reproduces sync)
+    max_staleness: int = 1
+    #: async: past max_staleness, "wait" (generation pauses until a batch would be fresh enough; no sample is
+    #: thrown away, so no bias toward short responses) or "drop" (the engine runs ahead; a stale batch's groups
+    #: are regenerated under the current weights, counted in async/dropped)
+    stale_policy: str = "wait"
+    #: async modes: the CPU cores of the engine's process (os.sched_setaffinity; None: all)
+    engine_cpus: list[int] | None = None
+    #: async modes: the CPU cores of the trainer's process (None: all)
+    trainer_cpus: list[int] | None = None
 
 
 @dataclass

@@ -37,7 +37,7 @@ import concurrent.futures as cf
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ from rlplug.base.exit_codes import ExitCode, TrainingStopped
 from rlplug.config.schema import AlgorithmConfig, ConfigError, typed
 from rlplug.contracts.batch import Batch, rollout_batch
 from rlplug.contracts.reward_contract import trl_inputs
-from rlplug.contracts.types import RolloutOutput
+from rlplug.contracts.types import RolloutOutput, SamplingParams
 from rlplug.orchestration.episodes import rows_for_scoring, token_level_scores
 from rlplug.rewards.manager import components_tensor, scored_rows
 from rlplug.run.metrics import stage
@@ -59,6 +59,7 @@ __all__ = [
     "collect_rollouts",
     "filter_input",
     "kept_groups",
+    "loader_source",
 ]
 
 #: the seed offset between the generation batches of one step (a prime)
@@ -204,7 +205,25 @@ def _score(trainer: Any, part_rows: list[dict], prompt_ids: list[list[int]], out
     return ScoredRollout(part_rows, prompt_ids, out, list(scores), dict(extra), dict(reward_metrics))
 
 
-def collect_rollouts(trainer: Any, step: int, metrics: dict[str, float]) -> tuple[Any, ...]:
+#: where a step's generation batches come from: ``source(k, params) -> (rows, epoch, out)``, the ``k``-th
+#: (0-based) batch of the step with its sampling settings (:func:`loader_source`, or the asynchronous
+#: pipeline's queue: :class:`rlplug.run.async_pipeline.RolloutFeed`)
+RolloutSource = Callable[[int, SamplingParams], tuple[list[dict], int, RolloutOutput]]
+
+
+def loader_source(trainer: Any) -> RolloutSource:
+    """The synchronous source: the data loader's next batch, generated now (``trainer._rollout``)."""
+
+    def source(k: int, params: SamplingParams) -> tuple[list[dict], int, RolloutOutput]:
+        rows, epoch = trainer.loader.next_batch()
+        return rows, epoch, trainer._rollout(rows, params)
+
+    return source
+
+
+def collect_rollouts(
+    trainer: Any, step: int, metrics: dict[str, float], source: RolloutSource | None = None
+) -> tuple[Any, ...]:
     """The rollouts of training step ``step``: ``(rows, epoch, prompt_ids, out, scoring)``.
 
     Without a batch filter (``algorithm.batch_filter`` unset): the next batch of the data loader
@@ -218,7 +237,8 @@ def collect_rollouts(trainer: Any, step: int, metrics: dict[str, float]) -> tupl
 
     ``trainer`` provides ``cfg``, ``registry``, ``loader``, ``pad_id``, ``reward``, ``is_main``,
     ``coordinator``, ``sampling_params(step=...)``, ``_rollout`` and ``_decode`` (a
-    :class:`rlplug.run.trainer.Trainer`).
+    :class:`rlplug.run.trainer.Trainer`). ``source`` gives the generation batches (None:
+    :func:`loader_source`, the loader's next batch generated now).
 
     Raises:
         BatchFilterLimitError: ``algorithm.filter_groups.max_num_gen_batches`` batches were generated
@@ -228,12 +248,11 @@ def collect_rollouts(trainer: Any, step: int, metrics: dict[str, float]) -> tupl
     cfg = trainer.cfg
     name = batch_filter_name(cfg.algorithm)
     params = trainer.sampling_params(step=step)
+    source = source or loader_source(trainer)
     if name is None:
-        rows, epoch = trainer.loader.next_batch()
-        prompt_ids = [r["prompt_ids"] for r in rows]
         with stage(metrics, "gen", fault=None):
-            out = trainer._rollout(rows, params)
-        return rows, epoch, prompt_ids, out, None
+            rows, epoch, out = source(0, params)
+        return rows, epoch, [r["prompt_ids"] for r in rows], out, None
     batch_filter = trainer.registry.get("batch_filter", name)
     target = int(cfg.data.train_batch_size)
     limit = int(cfg.algorithm.filter_groups.max_num_gen_batches)
@@ -248,11 +267,10 @@ def collect_rollouts(trainer: Any, step: int, metrics: dict[str, float]) -> tupl
                 f"it dropped {dropped} groups. The prompts are too easy or too hard for the model (every response "
                 "to them scores the same). Raise max_num_gen_batches, set it to 0 for no limit, or use other data."
             )
-        rows, epoch = trainer.loader.next_batch()
-        prompt_ids = [r["prompt_ids"] for r in rows]
         seed = None if params.seed is None else params.seed + num_gen * SEED_STRIDE
         with stage(metrics, "gen", fault=None):
-            out = trainer._rollout(rows, dataclasses.replace(params, seed=seed))
+            rows, epoch, out = source(num_gen, dataclasses.replace(params, seed=seed))
+        prompt_ids = [r["prompt_ids"] for r in rows]
         num_gen += 1
         t0 = time.perf_counter()
         part = _score(trainer, rows, prompt_ids, out)

@@ -93,7 +93,7 @@ class SyncStepPipeline:
         """Rollouts, the batch, and the scoring started (it overlaps the log-prob passes of :meth:`prepare`)."""
         t_start = time.perf_counter()
         # a batch filter (algorithm.batch_filter) generates and scores more prompts until enough are kept
-        rows, epoch, prompt_ids, out, scoring = collect_rollouts(trainer, step, metrics)
+        rows, epoch, prompt_ids, out, scoring = self.rollouts(trainer, step, metrics)
         batch = rollout_batch(prompt_ids, out, trainer.pad_id)  # multi-turn: environment tokens masked
         if trainer.plan.baseline:
             with stage(metrics, "gen_baseline", fault=None):
@@ -102,6 +102,21 @@ class SyncStepPipeline:
         if out.log_probs is not None:
             batch["rollout_log_probs"] = padded_rows(out.log_probs, batch["response_mask"].shape[1])
         return StepState(step, epoch, rows, prompt_ids, out, batch, scoring, t_start)
+
+    def rollouts(self, trainer: Any, step: int, metrics: dict[str, float]) -> tuple[Any, ...]:
+        """``(rows, epoch, prompt_ids, out, scoring)`` of the step: :func:`rlplug.run.batch_filter.collect_rollouts`
+        over the data loader, generating now (the asynchronous pipeline takes them from its producer)."""
+        return collect_rollouts(trainer, step, metrics)
+
+    def attach(self, trainer: Any) -> None:
+        """Called once when the trainer is built (its engine and weight transfer exist): nothing to do here."""
+
+    def checkpointed(self, trainer: Any) -> dict[str, Any]:
+        """Objects whose state joins (or replaces, by name) the trainer's in every checkpoint: none here."""
+        return {}
+
+    def close(self) -> None:
+        """Stop what the pipeline runs beside the trainer: nothing here."""
 
     def prepare(self, trainer: Any, state: StepState, metrics: dict[str, float]) -> None:
         """Old / reference log-probs and values; the scores; token-level rewards, advantages, returns."""

@@ -61,9 +61,11 @@ from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
 from rlplug.orchestration.episodes import episode_engine_for_run, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
+from rlplug.rollout.engine_process import build_engine
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
 from rlplug.run import evaluate  # evaluate.score_responses: looked up at call time (tests patch it)
 from rlplug.run.alerts import AlertEngine
+from rlplug.run.async_pipeline import pipeline_for
 from rlplug.run.checkpoint import (  # noqa: F401
     CheckpointManager,
     _fault_point,
@@ -123,6 +125,8 @@ def checkpointed_state(trainer: Trainer) -> dict[str, Any]:
         "score_norm": trainer.score_norm,
         "alerts": trainer.alerts,
         **({"schedule": trainer.schedule} if trainer.schedule.active else {}),
+        # async modes: the loader position after what is trained or queued, and the queued rollouts
+        **getattr(trainer.pipeline, "checkpointed", lambda t: {})(trainer),
     }
 
 
@@ -176,8 +180,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig, registry: Registry | None = None) -> None:
 
         self.cfg, self.registry = cfg, registry or get_registry()  # cfg: this step's (rlplug.run.schedule)
-        #: what one training step does (rlplug.run.step_pipeline); another pipeline may replace it
-        self.pipeline: StepPipeline = SyncStepPipeline()
+        #: what one training step does (rlplug.run.step_pipeline; trainer.async_mode: rlplug.run.async_pipeline)
+        self.pipeline: StepPipeline = pipeline_for(cfg)
         #: how the actor's weights reach the engine (rlplug.contracts.weights); another transfer may replace it
         self.weight_transfer: WeightTransfer = DirectWeightTransfer()
         self.run_dir = run_dir_for(cfg)  # another run's checkpoints there are refused now, before any model loads
@@ -229,11 +233,10 @@ class Trainer:
         # on_main_then_broadcast), pushes weights, logs to trackers and writes checkpoint metadata.
         self.coordinator = self.backend.coordinator
         self.distributed, self.is_main = self.coordinator.world_size > 1, bool(self.coordinator.is_main)
-        rollout_factory = self.registry.get("rollout_backend", cfg.rollout.name)
         self.rollout: Any = None
         try:
-            if self.is_main:
-                self.rollout = rollout_factory(cfg, self.model_path, self.tokenizer)
+            if self.is_main:  # async modes: the engine in a process of its own (rlplug.rollout.engine_process)
+                self.rollout = build_engine(cfg, self.registry, self.model_path, self.tokenizer)
                 sources = self.reward.seen_data_sources  # the train and validation files' (read_run_datasets)
                 for manager in dict.fromkeys([self.reward, self.val_reward]):
                     manager.prepare(sources)  # a judge's server starts, a reward model loads: outside reward.timeout_s
@@ -248,6 +251,7 @@ class Trainer:
         self._stop_signal: int | None = None
         self._stop_signal_at = float("-inf")  # time.monotonic() of the first stop signal
         self._last_val_samples: list[dict] = []
+        getattr(self.pipeline, "attach", lambda trainer: None)(self)  # async: the engine behind a gate, the producer
         # Seed again now that everything is built: first-time imports and model loading above may
         # draw from the global RNGs (e.g. Python's ``random`` changed during the first Trainer of a
         # process only), so without this the same seed could give different runs in one process.
@@ -505,6 +509,7 @@ class Trainer:
         """Close the reward manager (after a running scoring, bounded by ``reward.timeout_s``), the rollout
         engine and the backend, then release the run directory's lock (``self.ckpt``); idempotent."""
         for obj in (
+            getattr(self, "pipeline", None),  # an async producer stops before the engine closes
             self.reward,
             self.val_reward,
             getattr(self, "episodes", None),

@@ -30,6 +30,7 @@ from rlplug.algorithms.rollout_correction import (
 )
 from rlplug.algorithms.token_budget import token_budgets
 from rlplug.base.precision import DTYPE_CHOICES
+from rlplug.config.async_mode import check_async_config
 from rlplug.config.phases import check_schedule_config
 from rlplug.config.schema import ConfigError, MultiTurnConfig, config_get
 from rlplug.config.verl_keys import MAPPED, TABLE
@@ -280,6 +281,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     check_reward_model_config(cfg.reward)  # reward.reward_model: a one-label sequence classifier's folder
     _check_batch_filter(cfg, registry, choices)
     _check_multi_turn(cfg, registry, choices)
+    check_async_config(cfg)  # trainer.async_mode and what goes with it (rlplug.run.async_pipeline)
     plan = plan_batch(cfg, registry)  # every required batch field has a producer
     # algorithm.rollout_correction and its alias; a loss with PolicyLoss.bypass_mode pairs with bypass mode
     validate_rollout_correction(cfg, plan.per_token, loss_is_bypass=bool(getattr(loss, "bypass_mode", False)))

@@ -1,0 +1,188 @@
+"""Asynchronous training (issue 34): the equivalences that pin its semantics, on the tiny model.
+
+* ``async`` at ``max_staleness=0`` (both stale policies) gives the same metrics and the same final weights as
+  ``sync``, bit for bit (``rollout=hf``: one torch thread in the trainer, one in the engine's process; the same
+  old-log-prob source: the trainer's pass, the engine's log-probs recorded, rollout_is=token in both);
+* ``one_step_off`` equals a synchronous run whose engine is given, after each step, the weights of the step before
+  (a hand-built sequence of sync steps whose rollouts use the previous step's weights);
+* with a trainer slowed on purpose, ``stale_policy=drop`` regenerates and counts the stale groups and
+  ``stale_policy=wait`` holds generation back and counts the waits; the staleness of every trained sample stays
+  within the bound;
+* the config checks refuse what an async mode cannot honour.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _helpers import TINY_CPU_RUN, WALL_CLOCK, run_config
+
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.weights import DirectWeightTransfer
+from rlplug.run.trainer import Trainer
+
+#: the equivalence runs: 4 steps, 2 prompts x 2 responses, responses of 6 tokens, no validation
+RUN = [
+    *TINY_CPU_RUN,
+    "rollout.num_threads=1",
+    "rollout.n=2",
+    "data.max_response_length=6",
+    "trainer.total_training_steps=4",
+    "trainer.save_freq=0",
+    "trainer.logger=[console]",
+]
+#: the loss async modes use by default, given explicitly so that a sync run computes the same thing
+DECOUPLED = [
+    "rollout.calculate_log_probs=true",
+    "actor.skip_old_log_prob_on_policy=false",
+    "algorithm.rollout_correction.rollout_is=token",
+]
+#: metrics that only async runs report, or that measure time
+SKIP = (*WALL_CLOCK, "async/", "wall_time")
+
+
+def _train(cfg: Any, transfer: Any = None, slow_update_s: float = 0.0) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Train ``cfg``; returns the metrics of each step (from metrics.jsonl) and the final actor weights."""
+    trainer = Trainer(cfg)
+    try:
+        if transfer is not None:
+            trainer.weight_transfer = transfer
+        if slow_update_s:
+            update = trainer.backend.update_actor
+
+            def slow(batch: Any) -> Any:
+                time.sleep(slow_update_s)
+                return update(batch)
+
+            trainer.backend.update_actor = slow
+        assert trainer.fit() == "finished"
+        weights = {k: v.detach().clone() for k, v in trainer.backend.actor_weights()}
+    finally:
+        trainer.close()
+    rows = [
+        json.loads(line) for line in (Path(cfg.trainer.default_local_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    return [r.get("metrics", r) for r in rows], weights
+
+
+def _comparable(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(SKIP)} for m in history]
+
+
+def _assert_same(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> None:
+    ha, hb = _comparable(a[0]), _comparable(b[0])
+    assert len(ha) == len(hb) == 4
+    for step, (x, y) in enumerate(zip(ha, hb), 1):
+        assert x.keys() == y.keys(), f"step {step}: {sorted(x.keys() ^ y.keys())}"
+        diff = {k: (x[k], y[k]) for k in x if x[k] != y[k] and not (x[k] != x[k] and y[k] != y[k])}
+        assert not diff, f"step {step} differs: {diff}"
+    assert a[1].keys() == b[1].keys()
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict]:
+    return _train(run_config([*RUN, *DECOUPLED], tmp_path_factory.mktemp("sync")))
+
+
+@pytest.mark.parametrize("policy", ["wait", "drop"])
+def test_async_at_staleness_zero_is_sync_bit_for_bit(sync_run, policy, tmp_path) -> None:
+    cfg = run_config(
+        [*RUN, *DECOUPLED, "trainer.async_mode=async", "trainer.max_staleness=0", f"trainer.stale_policy={policy}"],
+        tmp_path,
+    )
+    got = _train(cfg)
+    _assert_same(got, sync_run)
+    assert all(m["async/staleness_max"] == 0.0 for m in got[0])
+    if policy == "drop":  # the engine ran one batch ahead with the old weights: regenerated, counted
+        assert sum(m["async/dropped"] for m in got[0]) >= 1
+
+
+class _PreviousWeights(DirectWeightTransfer):
+    """The hand-built one-step-off: each push gives the engine the weights of the push before (the initial model's
+    at the first), so the rollouts of step k are made with the weights of step k - 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.previous: list[tuple[str, torch.Tensor]] | None = None
+
+    def push(self, backend: Any, rollout: Any | None) -> None:
+        now = [(k, v.detach().clone()) for k, v in backend.actor_weights()]
+        if self.previous is not None:
+            rollout.update_weights(iter(self.previous))
+        self.previous = now
+        self.version += 1
+
+
+def test_one_step_off_equals_sync_steps_on_the_previous_weights(tmp_path) -> None:
+    off = _train(run_config([*RUN, *DECOUPLED, "trainer.async_mode=one_step_off"], tmp_path / "off"))
+    hand = _train(run_config([*RUN, *DECOUPLED], tmp_path / "hand"), transfer=_PreviousWeights())
+    _assert_same(off, hand)
+    assert [m["async/staleness_max"] for m in off[0]] == [0.0, 1.0, 1.0, 1.0]
+    # and it is not the synchronous run: the rollouts did lag
+    sync = _train(run_config([*RUN, *DECOUPLED], tmp_path / "sync"))
+    assert not torch.equal(next(iter(sync[1].values())), next(iter(off[1].values())))
+
+
+@pytest.mark.parametrize("policy", ["drop", "wait"])
+def test_a_slow_trainer_has_stale_samples_dropped_or_waited_for(policy, tmp_path) -> None:
+    cfg = run_config(
+        [*RUN, "trainer.async_mode=async", "trainer.max_staleness=1", f"trainer.stale_policy={policy}"], tmp_path
+    )
+    history, _ = _train(cfg, slow_update_s=0.5)
+    assert all(m["async/staleness_max"] <= 1.0 for m in history)
+    dropped = sum(m["async/dropped"] for m in history)
+    waited = sum(m["async/waited"] for m in history)
+    if policy == "drop":
+        # the engine ran two batches ahead while the trainer slept: the batch made two versions back was regenerated
+        assert dropped >= 1
+    else:
+        assert dropped == 0 and waited >= 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.async_mode=later"], "trainer.async_mode=later is not one of"),
+        (["trainer.async_mode=async", "trainer.max_staleness=-1"], "must be an integer >= 0"),
+        (["trainer.async_mode=async", "trainer.stale_policy=skip"], "trainer.stale_policy=skip"),
+        (["trainer.async_mode=one_step_off", "trainer.max_staleness=2"], "staleness 1"),
+        (["trainer.async_mode=async", "rollout.calculate_log_probs=false"], "needs the engine's log-probs"),
+        (["trainer.async_mode=async", "actor.skip_old_log_prob_on_policy=true"], "samples are off-policy"),
+        (["rollout.partial_rollout=true"], "apply to the asynchronous modes only"),
+        (["trainer.engine_cpus=[0]"], "apply to the asynchronous modes only"),
+        (["trainer.async_mode=one_step_off", "rollout.partial_rollout=true"], "only trainer.async_mode=async"),
+        (["trainer.async_mode=async", "trainer.engine_cpus=[4096]"], "not among the usable CPUs"),
+        (
+            ["trainer.async_mode=async", "rollout.n_schedule.type=linear", "rollout.n_schedule.start=2"],
+            "cannot be followed",
+        ),
+    ],
+)
+def test_async_settings_that_cannot_take_effect_are_refused(overrides, message, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        run_config([*RUN, *overrides], tmp_path)
+
+
+def test_async_modes_default_to_the_decoupled_loss(tmp_path, capsys) -> None:
+    cfg = run_config([*RUN, "trainer.async_mode=async"], tmp_path)
+    assert cfg.rollout.calculate_log_probs is True
+    assert cfg.actor.skip_old_log_prob_on_policy is False
+    assert cfg.algorithm.rollout_correction.rollout_is == "token"
+    assert "decoupled PPO" in capsys.readouterr().err
+    bypass = run_config(
+        [
+            *RUN,
+            "trainer.async_mode=async",
+            "algorithm.rollout_correction.bypass_mode=true",
+            "actor.policy_loss=bypass_mode",
+        ],
+        tmp_path / "b",
+    )
+    assert bypass.algorithm.rollout_correction.rollout_is is None  # bypass: the engine's log-probs are the old ones
