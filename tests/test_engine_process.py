@@ -120,6 +120,7 @@ def test_sync_mode_builds_the_backend_in_this_process(cfg, model_path, tok) -> N
         backend.close()
 
 
+@pytest.mark.numerics  # the child inherits the kernel settings (ATEN_CPU_CAPABILITY ...): equal under each
 def test_hf_in_its_own_process_equals_in_process_bitwise(engine, cfg, model_path, tok) -> None:
     assert engine.num_threads == 1 and engine.pid != os.getpid() and not _gone(engine.pid)
     with HFRollout(cfg, model_path, tok) as local:
@@ -131,6 +132,7 @@ def test_hf_in_its_own_process_equals_in_process_bitwise(engine, cfg, model_path
     assert len({tuple(r) for r in there.response_ids}) == 2  # the two prompts' responses differ
 
 
+@pytest.mark.numerics  # as above
 def test_update_weights_takes_effect(engine, cfg, model_path, tok, original_weights) -> None:
     g = torch.Generator().manual_seed(0)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original_weights.items()}
@@ -148,6 +150,12 @@ def test_update_weights_takes_effect(engine, cfg, model_path, tok, original_weig
     finally:
         engine.update_weights(original_weights)
     assert engine.generate(PROMPTS, GREEDY).log_probs == before.log_probs
+
+
+def test_built_by_name_with_the_tokenizer_of_the_model_folder(cfg, model_path, engine) -> None:
+    """No factory, no tokenizer: the child looks 'hf' up in its registry and loads the folder's tokenizer."""
+    with EngineProcess(cfg, "hf", model_path) as by_name:
+        assert by_name.generate(PROMPTS, SAMPLED) == engine.generate(PROMPTS, SAMPLED)
 
 
 def test_an_exception_in_the_child_is_raised_with_its_message(engine) -> None:
@@ -214,6 +222,30 @@ def test_close_is_idempotent_and_ends_the_child() -> None:
     assert _gone(pid) and not log_dir.exists() and e.pid is None
     with pytest.raises(EngineProcessError, match="was closed"):
         e.generate([[1]], GREEDY)
+
+
+def test_close_during_a_call_in_another_thread_kills_the_child(monkeypatch) -> None:
+    import rlplug.rollout.engine_process as engine_process
+
+    monkeypatch.setattr(engine_process, "CLOSE_WAIT_S", 0.5)
+    e = _stub_engine()
+    pid = e.pid
+    errors: list[BaseException] = []
+
+    def long_call() -> None:
+        try:
+            e.generate([[1]], SamplingParams(max_tokens=999))  # the stub sleeps 60 s
+        except BaseException as exc:  # checked below
+            errors.append(exc)
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    e.close()
+    caller.join(timeout=30)
+    assert time.perf_counter() - t0 < 10 and not caller.is_alive() and _gone(pid)
+    assert len(errors) == 1 and isinstance(errors[0], EngineProcessError) and "was closed" in str(errors[0])
 
 
 def test_engine_cpus_outside_this_process_are_refused() -> None:

@@ -147,8 +147,8 @@ class EngineProcess:
     whole run config (``DictConfig`` or mapping), ``factory_name`` the registered ``rollout_backend``
     name, ``factory`` the registered object when the caller has it (sent pickled when it pickles by
     reference, a module-level class or function; else the child looks ``factory_name`` up in its
-    registry), ``tokenizer`` the trainer's tokenizer (None: the child loads ``model_path``'s, with
-    ``model.trust_remote_code``, left padding and EOS as pad). Reads ``rollout.num_threads`` (torch
+    registry), ``tokenizer`` the trainer's tokenizer (None, or one that does not pickle: the child loads
+    ``model_path``'s, with ``model.trust_remote_code``, left padding and EOS as pad). Reads ``rollout.num_threads`` (torch
     threads in the child; None: ``len(trainer.engine_cpus)`` when set, else ``os.cpu_count()``),
     ``trainer.engine_cpus`` (the child's cores; None: the parent's), ``trainer.malloc_trim`` (the child
     returns its free heap to the OS after each generate and push) and whatever the backend reads.
@@ -207,7 +207,7 @@ class EngineProcess:
             "factory_name": self.factory_name,
             "factory": _pickled_reference(factory),
             "model_path": self.model_path,
-            "tokenizer": pickle.dumps(tokenizer) if tokenizer is not None else None,
+            "tokenizer": _pickled_tokenizer(tokenizer),
             "trust_remote_code": trust,
             "num_threads": threads,
             "cpus": cpus,
@@ -320,12 +320,15 @@ class EngineProcess:
         """Stop the child (``close``, then SIGTERM, then SIGKILL) and delete its log folder; idempotent.
 
         A command running in another thread is waited for up to :data:`CLOSE_WAIT_S` seconds, then the
-        child is killed (that command raises :class:`EngineProcessError`)."""
+        child is killed at once (that command raises :class:`EngineProcessError`, "was closed")."""
         if self._closed:
             return
         self._closing = True
         got = self._lock.acquire(timeout=CLOSE_WAIT_S)
         try:
+            if not got:  # a command still runs, so the child would read 'close' only after it: kill it now
+                with contextlib.suppress(OSError):
+                    self._proc.kill()
             self._close(keep_logs=self._dead is not None)
         finally:
             if got:
@@ -383,7 +386,12 @@ class EngineProcess:
             raise self._died(cmd) from exc
         except EngineProcessError:
             raise
-        except BaseException:
+        except BaseException as exc:
+            if self._closing:  # close() from another thread killed the child and closed the pipes under us
+                raise EngineProcessError(
+                    f"The rollout engine process (pid {proc.pid}, backend '{self.factory_name}') was closed while "
+                    f"handling '{cmd}'."
+                ) from exc
             # interrupted mid-command: the answers are out of step with the commands, so the child goes
             self._dead = f"A call to '{cmd}' was interrupted and the child stopped."
             self._finalizer()
@@ -439,6 +447,17 @@ def _pickled_reference(factory: Any) -> bytes | None:
     try:
         return pickle.dumps(factory)
     except Exception:  # a local class, a lambda, a bound method of an unpicklable object
+        return None
+
+
+def _pickled_tokenizer(tokenizer: Any) -> bytes | None:
+    """The trainer's tokenizer pickled (ca. 1.5 MB and 0.1 s for SmolLM2's), or None when there is none
+    or it does not pickle (some remote-code tokenizers): the child then loads the model folder's."""
+    if tokenizer is None:
+        return None
+    try:
+        return pickle.dumps(tokenizer)
+    except Exception:
         return None
 
 
