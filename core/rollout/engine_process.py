@@ -129,8 +129,7 @@ def build_engine(cfg: Any, registry: Registry, model_path: str, tokenizer: Any) 
     """
     name = str(cfg.rollout.name)
     factory = registry.get("rollout_backend", name)
-    # config_get-style read: trainer.async_mode may be absent from a partial (test or verl-translated) config
-    mode = str(cfg.trainer.get("async_mode", "sync") or "sync")
+    mode = str(typed(TrainerConfig, cfg.trainer).async_mode)
     if mode == "sync":
         return factory(cfg, model_path, tokenizer)
     if mode not in ASYNC_MODES:
@@ -181,10 +180,8 @@ class EngineProcess:
         self.factory_name = str(factory_name)
         self.model_path = str(model_path)
         rollout = typed(RolloutConfig, cfg["rollout"] if "rollout" in cfg else None)
-        trainer_section = cfg["trainer"] if "trainer" in cfg else {}
-        trainer = typed(TrainerConfig, trainer_section)
-        # config_get-style read: trainer.engine_cpus is new (issue 34); a config composed before it lacks the key
-        cpus_raw = trainer_section.get("engine_cpus") if trainer_section is not None else None
+        trainer = typed(TrainerConfig, cfg["trainer"] if "trainer" in cfg else None)
+        cpus_raw = trainer.engine_cpus
         allowed = os.sched_getaffinity(0)
         cpus: list[int] | None = None
         if cpus_raw is not None:
