@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from _helpers import TINY_CPU_RUN, WALL_CLOCK, run_config
+from test_multi_turn_run import MULTI_TURN, echo_env  # noqa: F401 - echo_env: a fixture
 
 from rlplug.config.schema import ConfigError
 from rlplug.contracts.weights import DirectWeightTransfer
@@ -186,3 +187,59 @@ def test_async_modes_default_to_the_decoupled_loss(tmp_path, capsys) -> None:
         tmp_path / "b",
     )
     assert bypass.algorithm.rollout_correction.rollout_is is None  # bypass: the engine's log-probs are the old ones
+
+
+def test_a_partial_rollout_carries_two_weight_versions(tmp_path) -> None:
+    """rollout.partial_rollout: an engine slower than the trainer is interrupted by pushes between chunks; the
+    responses continue under the new weights and their tokens carry both versions."""
+    cfg = run_config(
+        [
+            *RUN,
+            "trainer.async_mode=async",
+            "trainer.max_staleness=1",
+            "rollout.partial_rollout=true",
+            "rollout.partial_chunk_tokens=2",
+            "trainer.dump_rollouts=true",
+        ],
+        tmp_path,
+    )
+    trainer = Trainer(cfg)
+    engine = trainer.rollout.engine  # behind the EngineGate
+    generate = engine.generate
+
+    def slow(prompt_ids: Any, params: Any) -> Any:
+        time.sleep(0.3)  # each chunk; a step trains in about 0.2 s
+        return generate(prompt_ids, params)
+
+    engine.generate = slow
+    versions: list[list[int]] = []
+    take = trainer.pipeline.feed.take
+
+    def spy(metrics: dict) -> Any:
+        batch = take(metrics)
+        versions.extend(batch.out.versions)
+        return batch
+
+    trainer.pipeline.feed.take = spy
+    try:
+        assert trainer.fit() == "finished"
+    finally:
+        trainer.close()
+    history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    multi = [v for v in versions if len(set(v)) > 1]
+    assert multi, versions
+    for v in multi:  # one switch to a newer version, never back
+        assert v == sorted(v) and len(set(v)) == 2
+    assert sum(m.get("metrics", m)["async/multi_version"] for m in history) == len(multi)
+    assert all(m.get("metrics", m)["async/staleness_max"] <= 1.0 for m in history)
+
+
+@pytest.mark.usefixtures("echo_env")
+def test_multi_turn_episodes_run_in_async_modes(tmp_path) -> None:
+    """The producer thread runs the environments' episodes; at staleness 0 they give the synchronous run's metrics
+    and weights, bit for bit."""
+    mt = [*RUN, *DECOUPLED, *MULTI_TURN, "trainer.logger=[console]", "trainer.total_training_steps=4"]
+    sync = _train(run_config(mt, tmp_path / "sync"))
+    got = _train(run_config([*mt, "trainer.async_mode=async", "trainer.max_staleness=0"], tmp_path / "async"))
+    _assert_same(got, sync)
+    assert all(m["multi_turn/turns_mean"] > 1.0 for m in got[0])
