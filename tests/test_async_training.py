@@ -243,3 +243,19 @@ def test_multi_turn_episodes_run_in_async_modes(tmp_path) -> None:
     got = _train(run_config([*mt, "trainer.async_mode=async", "trainer.max_staleness=0"], tmp_path / "async"))
     _assert_same(got, sync)
     assert all(m["multi_turn/turns_mean"] > 1.0 for m in got[0])
+
+
+def test_verl_v1_trainer_keys_select_the_async_mode(tmp_path) -> None:
+    cfg = run_config(
+        [
+            *RUN,
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.sampler.max_off_policy_threshold=3",
+            "trainer.v1.sampler.max_off_policy_strategy=drop",
+        ],
+        tmp_path,
+    )
+    assert (cfg.trainer.async_mode, cfg.trainer.max_staleness, cfg.trainer.stale_policy) == ("async", 3, "drop")
+    assert run_config([*RUN, "trainer.v1.trainer_mode=sync"], tmp_path / "s").trainer.async_mode == "sync"
+    with pytest.raises(ConfigError, match="trainer.async_mode=fully_async is not one of"):
+        run_config([*RUN, "trainer.v1.trainer_mode=fully_async"], tmp_path / "f")

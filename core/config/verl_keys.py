@@ -213,6 +213,13 @@ _MERGE = (
 SINGLE_TURN_AGENT = "single_turn_agent"
 
 
+def _v1_trainer_mode(value: Any) -> Any:
+    """verl V1's ``trainer.v1.trainer_mode`` as ``trainer.async_mode``: ``sync`` stays, both async modes (the
+    engine on separate or lent devices) are rlplug's ``async``; anything else passes through to be refused by
+    the config check naming the values."""
+    return "async" if value in ("separate_async", "colocate_async") else value
+
+
 def _agent_loop_environment(value: Any) -> Any:
     """verl's ``agent.default_agent_loop`` as ``rollout.multi_turn.environment``: the loop's name (an
     environment of that name); verl's ``single_turn_agent`` -> None (not set: rlplug's default stays)."""
@@ -1260,13 +1267,27 @@ def _trainer_rows() -> list[VerlKey]:
         _i("trainer.ray_wait_register_center_timeout", _NO_RAY),
         _m("trainer.device", "trainer.device", "cpu", "cuda or cpu (auto: cuda when available)"),
         _i("trainer.use_v1", "verl's trainer generation switch; rlplug has one trainer"),
-        _i(
+        _m(
             "trainer.v1.trainer_mode",
-            "synchronous training, as verl's default",
-            {"sync"},
-            "rlplug trains synchronously (generate, then update); verl's asynchronous trainer modes are not available.",
+            "trainer.async_mode",
+            "separate_async",
+            "sync -> sync; separate_async and colocate_async -> async (generation overlapped with training under "
+            "trainer.max_staleness, the engine in its own process; docs/async.md)",
+            convert=_v1_trainer_mode,
         ),
-        _i("trainer.v1.*", "settings of verl's asynchronous trainer modes (trainer.v1.trainer_mode=sync here)"),
+        _m(
+            "trainer.v1.sampler.max_off_policy_threshold",
+            "trainer.max_staleness",
+            8,
+            "the most weight versions a trained sample may lag (verl's default 8; rlplug's 1)",
+        ),
+        _m(
+            "trainer.v1.sampler.max_off_policy_strategy",
+            "trainer.stale_policy",
+            "drop",
+            "drop (stale groups regenerated) or wait (generation held back)",
+        ),
+        _i("trainer.v1.*", "other settings of verl's V1 trainer (its TransferQueue, replicas, GPU lending)"),
     ]
 
 
