@@ -259,3 +259,30 @@ def test_verl_v1_trainer_keys_select_the_async_mode(tmp_path) -> None:
     assert run_config([*RUN, "trainer.v1.trainer_mode=sync"], tmp_path / "s").trainer.async_mode == "sync"
     with pytest.raises(ConfigError, match="trainer.async_mode=fully_async is not one of"):
         run_config([*RUN, "trainer.v1.trainer_mode=fully_async"], tmp_path / "f")
+
+
+def test_an_async_checkpoint_resumed_in_sync_mode_skips_no_prompt(tmp_path, monkeypatch) -> None:
+    """Stopped (SIGTERM) after step 2 of an async run with two batches queued, resumed with async_mode=sync: the
+    queued prompts are generated again, so the 6 steps train the epoch's 12 prompts once each, in order."""
+    from test_async_kill import _trained_prompts
+
+    from rlplug.base import faults
+
+    base = [o for o in RUN if not o.startswith("trainer.total_training_steps")]
+    common = [*base, *DECOUPLED, "data.train_size=12", "trainer.total_training_steps=6", "trainer.dump_rollouts=true"]
+    monkeypatch.setenv(faults.FAULT_ENV, "update_actor:2:SIGTERM")
+    faults.fault_counts.clear()
+    trainer = Trainer(run_config([*common, "trainer.async_mode=async", "trainer.max_staleness=2"], tmp_path / "run"))
+    try:
+        assert trainer.fit() == "interrupted"
+        queued = len(trainer.pipeline.feed.queue)
+    finally:
+        trainer.close()
+    monkeypatch.delenv(faults.FAULT_ENV)
+    state = json.loads((tmp_path / "run" / "global_step_2" / "trainer_state.json").read_text())
+    assert len(state["async_feed"]["queue"]) == queued >= 1
+    _train(run_config(common, tmp_path / "run"))
+    _train(run_config(common, tmp_path / "ref"))
+    steps = _trained_prompts(tmp_path / "run")
+    assert sorted(p for s in steps for p in s) == list(range(12))
+    assert steps == _trained_prompts(tmp_path / "ref")

@@ -28,9 +28,11 @@ broadcasts each batch.
 
 Nothing lost, nothing repeated. The data loader is drawn by the producer, ahead of training. A checkpoint records
 (:meth:`RolloutFeed.state_dict`) the generation batches already finished and queued (their rollouts, and the loader
-position each was drawn at) and the loader position after the last of them; a batch still being generated is
-re-issued from that position after a resume. So after a kill every prompt is trained on exactly once (or counted
-once by a batch filter), whatever the engine was doing.
+position each was drawn at), and as the data loader's state the position after the last trained batch. A resume
+restores the queued batches (drawing each at its position, which leaves the loader after the last of them) and
+re-issues a batch that was still being generated; a resume in ``sync`` mode generates the queued ones again. So
+after a kill every prompt is trained on exactly once (or counted once by a batch filter), whatever the engine was
+doing.
 
 The loss. Async modes record the engine's log-probs (``rollout.calculate_log_probs``), recompute
 ``old_log_probs`` with the trainer's current weights (the proximal policy of decoupled PPO, Hilton et al. 2022,
@@ -406,7 +408,8 @@ class RolloutFeed:
         loader state each was drawn at), the next draw, and the loader state after them."""
         with self.cond:
             saved = list(self.queue)
-            cursor = saved[-1].after if saved else self.trained_cursor
+            cursor = self.trained_cursor  # a sync resume regenerates the queued batches from here; an async one
+            # restores them (drawing each at its position, which leaves the loader after the last)
             state = {
                 "next_draw": saved[-1].draw + 1 if saved else self.done_draws + 1,
                 "done_draws": self.done_draws,
@@ -425,7 +428,7 @@ class RolloutFeed:
         return self._pending()[1]
 
     def cursor(self) -> dict:
-        """The data loader's state to checkpoint: the position after the batches trained or queued."""
+        """The data loader's state to checkpoint: the position after the batches trained."""
         return self._pending()[0]
 
     def load_state_dict(self, state: dict) -> None:
@@ -435,8 +438,9 @@ class RolloutFeed:
 
 
 class _CursorView:
-    """What a checkpoint saves as ``data_loader`` in async modes: the position after the batches trained or
-    queued (:meth:`RolloutFeed.cursor`), not the live loader's, which the producer has moved further."""
+    """What a checkpoint saves as ``data_loader`` in async modes: the position after the batches trained
+    (:meth:`RolloutFeed.cursor`), not the live loader's, which the producer has moved further. The queued batches
+    are the feed's own state; a resume in ``sync`` mode generates them again from this position."""
 
     def __init__(self, loader: Any, feed: RolloutFeed) -> None:
         self.loader, self.feed = loader, feed
