@@ -431,6 +431,29 @@ def test_rlplug_train_under_torchrun_then_resume_and_export(tmp_path):
     assert (run_dir / "global_step_3" / "COMPLETE").is_file()
 
 
+@pytest.mark.slow  # two torchrun ranks of a tiny run
+def test_one_step_off_under_torchrun_trains_three_steps_on_rollouts_one_step_old(tmp_path):
+    """Issue 34: rank 0 owns the engine (in its own process) and the producer; both ranks train each batch, made with
+    the previous step's weights (staleness 1 from step 2)."""
+    run_dir = tmp_path / "run"
+    args = [
+        "trainer=fsdp2",
+        "debug=tiny",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.async_mode=one_step_off",
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "rollout.num_threads=1",
+    ]
+    proc = _run_cli(args, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [r.get("metrics", r) for r in rows]
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert (run_dir / "global_step_3" / "COMPLETE").is_file()
+
+
 @pytest.mark.slow  # two torchrun ranks of a tiny run: ~100 s on the 2-core test machine
 def test_disk_full_on_rank_zero_inside_the_backend_save_stops_both_ranks_with_74(tmp_path):
     """Review finding 2: rank 0's write of the full weights failing (ENOSPC) inside the collective
