@@ -286,3 +286,23 @@ def test_an_async_checkpoint_resumed_in_sync_mode_skips_no_prompt(tmp_path, monk
     steps = _trained_prompts(tmp_path / "run")
     assert sorted(p for s in steps for p in s) == list(range(12))
     assert steps == _trained_prompts(tmp_path / "ref")
+
+
+def test_a_batch_filter_takes_its_generation_batches_from_the_producer(tmp_path) -> None:
+    """DAPO's dynamic sampling in async mode: the filter draws as many queued batches as it needs; every batch
+    trained keeps the staleness bound."""
+    cfg = run_config(
+        [
+            *RUN,
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=score",
+            "trainer.async_mode=async",
+            "trainer.max_staleness=1",
+            "data.train_size=64",
+        ],
+        tmp_path,
+    )
+    history, _ = _train(cfg)
+    assert len(history) == 4
+    assert all(m["batch_filter/num_gen_batches"] >= 1 for m in history)
+    assert all(m["async/staleness_max"] <= 1.0 for m in history)
