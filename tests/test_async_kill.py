@@ -66,10 +66,10 @@ CHAIN_A = [
 CHAIN_B = ["rollout:3", "update_actor:2", "ckpt_pointer:1"]
 
 
-def _trained_prompts(run_dir: Path) -> list[list[int]]:
-    """Per step 1..6, the dataset indices of the prompts its dump holds (one per group)."""
+def _trained_prompts(run_dir: Path, n_steps: int = 6) -> list[list[int]]:
+    """Per step 1..n_steps, the dataset indices of the prompts its dump holds (one per group)."""
     steps = []
-    for step in range(1, 7):
+    for step in range(1, n_steps + 1):
         rows = pq.read_table(run_dir / "rollouts" / f"step_{step:06d}.parquet").to_pylist()
         seen: dict[str, int] = {}
         for r in rows:

@@ -262,15 +262,15 @@ def test_verl_v1_trainer_keys_select_the_async_mode(tmp_path) -> None:
 
 
 def test_an_async_checkpoint_resumed_in_sync_mode_skips_no_prompt(tmp_path, monkeypatch) -> None:
-    """Stopped (SIGTERM) after step 2 of an async run with two batches queued, resumed with async_mode=sync: the
-    queued prompts are generated again, so the 6 steps train the epoch's 12 prompts once each, in order."""
+    """Stopped (SIGTERM) after step 1 of an async run with batches queued, resumed with async_mode=sync: the
+    queued prompts are generated again, so the 4 steps train the epoch's 8 prompts once each, in order."""
     from test_async_kill import _trained_prompts
 
     from rlplug.base import faults
 
     base = [o for o in RUN if not o.startswith("trainer.total_training_steps")]
-    common = [*base, *DECOUPLED, "data.train_size=12", "trainer.total_training_steps=6", "trainer.dump_rollouts=true"]
-    monkeypatch.setenv(faults.FAULT_ENV, "update_actor:2:SIGTERM")
+    common = [*base, *DECOUPLED, "data.train_size=8", "trainer.total_training_steps=4", "trainer.dump_rollouts=true"]
+    monkeypatch.setenv(faults.FAULT_ENV, "update_actor:1:SIGTERM")
     faults.fault_counts.clear()
     trainer = Trainer(run_config([*common, "trainer.async_mode=async", "trainer.max_staleness=2"], tmp_path / "run"))
     try:
@@ -279,13 +279,13 @@ def test_an_async_checkpoint_resumed_in_sync_mode_skips_no_prompt(tmp_path, monk
     finally:
         trainer.close()
     monkeypatch.delenv(faults.FAULT_ENV)
-    state = json.loads((tmp_path / "run" / "global_step_2" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "run" / "global_step_1" / "trainer_state.json").read_text())
     assert len(state["async_feed"]["queue"]) == queued >= 1
     _train(run_config(common, tmp_path / "run"))
     _train(run_config(common, tmp_path / "ref"))
-    steps = _trained_prompts(tmp_path / "run")
-    assert sorted(p for s in steps for p in s) == list(range(12))
-    assert steps == _trained_prompts(tmp_path / "ref")
+    steps = _trained_prompts(tmp_path / "run", 4)
+    assert sorted(p for s in steps for p in s) == list(range(8))
+    assert steps == _trained_prompts(tmp_path / "ref", 4)
 
 
 def test_a_batch_filter_takes_its_generation_batches_from_the_producer(tmp_path) -> None:
@@ -299,10 +299,11 @@ def test_a_batch_filter_takes_its_generation_batches_from_the_producer(tmp_path)
             "trainer.async_mode=async",
             "trainer.max_staleness=1",
             "data.train_size=64",
+            "trainer.total_training_steps=2",
         ],
         tmp_path,
     )
     history, _ = _train(cfg)
-    assert len(history) == 4
+    assert len(history) == 2
     assert all(m["batch_filter/num_gen_batches"] >= 1 for m in history)
     assert all(m["async/staleness_max"] <= 1.0 for m in history)
