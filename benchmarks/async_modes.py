@@ -363,8 +363,8 @@ class TreeSampler:
 
     def report(self) -> dict[str, Any]:
         """``processes``: per process its CPU seconds per core and busiest thread's allowed cores;
-        ``tree_cpu_s``, ``machine_cpu_s``, ``other_cpu_s``, ``other_share`` (of the cores over the window),
-        ``window_s``."""
+        ``tree_cpu_s``, ``machine_cpu_s``, ``other_cpu_s``, ``other_share`` (of the cores over the window; None
+        for a window under 2 s), ``window_s``."""
         tree = sum(sum(c.values()) for c in self.cpu.values())
         machine = ((self.machine1 or 0.0) - (self.machine0 or 0.0)) / self.tick
         window = max(self.t1 - self.t0, 1e-9)
@@ -383,7 +383,8 @@ class TreeSampler:
             "tree_cpu_s": round(tree, 2),
             "machine_cpu_s": round(machine, 2),
             "other_cpu_s": round(other, 2),
-            "other_share": round(other / (window * len(usable_cores())), 4),
+            # under 2 s (steps shorter than the sampling period) the share says nothing
+            "other_share": round(other / (window * len(usable_cores())), 4) if window >= 2.0 else None,
             "window_s": round(window, 1),
         }
 
@@ -551,6 +552,8 @@ def _speed_line(e: dict[str, Any]) -> str:
 
 
 def _cores_line(threads: dict[str, Any]) -> str:
+    if not threads.get("processes"):
+        return "not sampled (the measured steps took less than the 1 s sampling period)"
     parts = []
     for name, p in threads.get("processes", {}).items():
         by = ", ".join(f"core {c}: {s:.1f} s" for c, s in p["cpu_s_by_core"].items())
