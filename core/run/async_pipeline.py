@@ -240,8 +240,9 @@ class RolloutFeed:
                 self.trainer.loader.load_state_dict(saved["before"])
                 rows, epoch = self.trainer.loader.next_batch()
                 out = _output_from_json(saved["out"])
+                after = self.trainer.loader.state_dict()
                 self.queue.append(
-                    GenBatch(saved["draw"], rows, epoch, saved["before"], self.trainer.loader.state_dict(), out)
+                    GenBatch(saved["draw"], rows, epoch, saved["before"], after, out, float(saved.get("gen_s", 0.0)))
                 )
             self.restored = []
         self.thread = threading.Thread(target=self._run, name="rlplug-rollout-producer", daemon=True)
@@ -413,7 +414,9 @@ class RolloutFeed:
             state = {
                 "next_draw": saved[-1].draw + 1 if saved else self.done_draws + 1,
                 "done_draws": self.done_draws,
-                "queue": [{"draw": b.draw, "before": b.before, "out": _output_to_json(b.out)} for b in saved],
+                "queue": [
+                    {"draw": b.draw, "before": b.before, "gen_s": b.gen_s, "out": _output_to_json(b.out)} for b in saved
+                ],
             }
         return (cursor if cursor is not None else self.trainer.loader.state_dict()), state
 
