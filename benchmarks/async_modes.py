@@ -20,14 +20,11 @@ Configurations (``--modes``; :data:`MODES`):
 * ``async``: ``trainer.async_mode=async trainer.max_staleness=1 trainer.stale_policy=wait``, threads and cores
   as ``one_step_off``.
 
-Cores. The ``vllm`` backend's engine child does not read ``trainer.engine_cpus``: it binds its OpenMP threads
-(``VLLM_CPU_OMP_THREADS_BIND``, with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` and ``OMP_NUM_THREADS``) to the first
-``rollout.num_threads`` cores the trainer process may use when the engine starts, which is before the trainer pins
-itself to ``trainer.trainer_cpus``. So the engine gets the first usable core (core 0 on the 2-core machine) and the
-trainer the second: ``trainer.engine_cpus=[<first>] trainer.trainer_cpus=[<second>]`` says what actually happens,
-and for ``rollout=hf`` (``--tiny``, whose engine runs in :class:`rlplug.rollout.engine_process.EngineProcess`) the
-setting is what binds it. Each run records where its processes' threads ran (:class:`TreeSampler`: every second,
-each thread's CPU time since the last sample, put on the core it last ran on; and its ``Cpus_allowed_list``), so
+Cores. ``trainer.engine_cpus=[0] trainer.trainer_cpus=[1]``: the ``vllm`` backend binds its engine's OpenMP threads
+to ``trainer.engine_cpus`` (``VLLM_CPU_OMP_THREADS_BIND``, with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` and
+``OMP_NUM_THREADS``), the ``hf`` engine's process (:class:`rlplug.rollout.engine_process.EngineProcess`) pins itself
+there, and the trainer process pins itself to ``trainer.trainer_cpus`` once the engine has started. Each run
+records where its processes' threads ran (:class:`TreeSampler`: every second, each thread's CPU time since the last sample, put on the core it last ran on; and its ``Cpus_allowed_list``), so
 the tables show whether the engine and the trainer really kept to their cores.
 
 ``speed``: the default experiment (``rlplug train`` with no algorithm overrides: PPO with a critic, ``rollout=vllm``,

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -307,3 +308,12 @@ def test_a_batch_filter_takes_its_generation_batches_from_the_producer(tmp_path)
     assert len(history) == 2
     assert all(m["batch_filter/num_gen_batches"] >= 1 for m in history)
     assert all(m["async/staleness_max"] <= 1.0 for m in history)
+
+
+def test_the_vllm_engine_binds_its_threads_to_engine_cpus(tmp_path) -> None:
+    from rlplug.plugin import RunConfig, typed
+    from rlplug.plugins.rollout.vllm import engine_cores
+
+    cfg = run_config([*RUN, "trainer.async_mode=async", "trainer.engine_cpus=[0]"], tmp_path)
+    assert engine_cores(typed(RunConfig, cfg)) == [0]
+    assert engine_cores(typed(RunConfig, run_config(RUN, tmp_path / "s"))) == sorted(os.sched_getaffinity(0))

@@ -169,9 +169,7 @@ class VLLMRollout:
         self.shapes = checkpoint_shapes(self.model_path)
         self.eos_ids = eos_ids(tokenizer, hf_cfg.get("eos_token_id"))
         threads = rollout.num_threads
-        cores = (
-            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        )
+        cores = engine_cores(run)  # trainer.engine_cpus (async modes), else this process's cores
         n_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
         self.num_threads = n_threads
 
@@ -379,6 +377,15 @@ class VLLMRollout:
 #: file-name prefix of the pushed weights: ``rlplug-vllm-weights-<host>-<pid>-<random>.safetensors``
 #: (``<host>``/``<pid>``: the trainer's, so a shared ``rollout.weights_dir`` is cleaned per machine)
 WEIGHTS_PREFIX = "rlplug-vllm-weights-"
+
+
+def engine_cores(run: Any) -> list[int]:
+    """The cores the engine's OpenMP threads bind to (``VLLM_CPU_OMP_THREADS_BIND``): ``trainer.engine_cpus`` when
+    set (the asynchronous modes, docs/async.md; checked against this process's cores by the config check), else the
+    cores this process may use."""
+    if run.trainer.engine_cpus:
+        return sorted(int(c) for c in run.trainer.engine_cpus)
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def weights_file_prefix() -> str:
@@ -755,9 +762,7 @@ class VLLMServerRollout(ServerRollout):
                 f"kernels support {list(CPU_ATTENTION_HEAD_SIZES)}. Use rollout=hf or a model with a supported head size."
             )
         threads = run.rollout.num_threads
-        cores = (
-            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        )
+        cores = engine_cores(run)  # trainer.engine_cpus (async modes), else this process's cores
         self.num_threads = max(1, min(int(threads), len(cores))) if threads is not None else len(cores)
         self._cores = cores[: self.num_threads]
         super().__init__(config, model_path, tokenizer)
