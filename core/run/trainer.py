@@ -125,7 +125,7 @@ def checkpointed_state(trainer: Trainer) -> dict[str, Any]:
         "score_norm": trainer.score_norm,
         "alerts": trainer.alerts,
         **({"schedule": trainer.schedule} if trainer.schedule.active else {}),
-        # async modes: the loader position after what is trained or queued, and the queued rollouts
+        # async modes: the loader position after what is trained, and the queued rollouts
         **getattr(trainer.pipeline, "checkpointed", lambda t: {})(trainer),
     }
 
