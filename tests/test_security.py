@@ -248,14 +248,22 @@ def test_every_torch_load_passes_weights_only_true():
 def test_pickle_is_only_loaded_from_rlplugs_own_in_memory_data():
     # a file in a checkpoint or a model folder is never unpickled: pickle.load(s) appears only where rlplug
     # unpickles what it pickled itself in this run (reward worker tasks; the conformance kit's round trip; the
-    # tool workers: the trainer pickles the tools and each call, its own child unpickles them from a private pipe)
+    # tool workers: the trainer pickles the tools and each call, its own child unpickles them from a private pipe;
+    # the engine process of the async modes: the trainer pickles its tokenizer and the rollout factory, its own child
+    # unpickles them from a private pipe)
     loads = {
         name
         for name, tree in _trees()
         for n in ast.walk(tree)
         if isinstance(n, ast.Call) and _dotted(n.func) in ("pickle.load", "pickle.loads", "torch.serialization.load")
     }
-    assert loads <= {"core/rewards/manager.py", "core/conformance.py", "core/orchestration/tool_workers.py"}, loads
+    own = {
+        "core/rewards/manager.py",
+        "core/conformance.py",
+        "core/orchestration/tool_workers.py",
+        "core/rollout/engine_process.py",
+    }
+    assert loads <= own, loads
     calls = [
         (name, n.lineno)
         for name, tree in _trees()
