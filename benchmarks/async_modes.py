@@ -621,9 +621,9 @@ def speed_markdown(doc: dict[str, Any]) -> str:
         lines.append(f"- {mode}: `{shown}`: {_cores_line(e.get('threads', {}))}")
     lines += [
         "",
-        "The vllm engine child binds `VLLM_CPU_OMP_THREADS_BIND` to the first `rollout.num_threads` usable cores at "
-        "start-up (it does not read `trainer.engine_cpus`), so the async configurations name that core the engine's "
-        "and give the trainer the other one.",
+        "The vllm engine child binds its OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`) to `trainer.engine_cpus`; its "
+        "other threads (Python, tokenizer) may run on any core (`allowed`); the trainer process pins itself to "
+        "`trainer.trainer_cpus`.",
         "",
     ]
     return "\n".join(lines)
