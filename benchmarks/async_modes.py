@@ -603,17 +603,7 @@ def speed_markdown(doc: dict[str, Any]) -> str:
             continue
         a = e["async"]
         cells = [_fmt(e["stages"].get(s)) for s in STAGES]
-        cells += [
-            _fmt(a.get(k))
-            for k in (
-                "async/overlap_share",
-                "async/trainer_idle_share",
-                "async/generator_idle_share",
-                "async/wait_batch_s",
-                "async/wait_push_s",
-                "async/staleness_mean",
-            )
-        ]
+        cells += [_fmt(a.get(k)) for k in ASYNC_KEYS[:6]]  # the table's columns: overlap ... staleness_mean
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     lines += ["", "Where the threads ran (CPU seconds per core over steps 2..N, per process):", ""]
     for mode, e in runs.items():

@@ -68,6 +68,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     * the critic follows the advantage estimator unless the user gives ``critic.enable``: a preset's
       ``critic.enable`` and ``trainer.critic_warmup`` that disagree with it are changed, with one line
       printed (:func:`critic_follows_estimator`);
+    * in ``trainer.async_mode=one_step_off`` / ``async``, the decoupled-PPO settings the user did not give are set,
+      with one line printed (:func:`rlplug.config.async_mode.async_defaults`);
     * an unset ``trainer.experiment_name`` is filled in from the chosen ``algorithm=`` preset, or the
       estimator that replaced the preset's own (:func:`run_algorithm_name`), and the data
       (:func:`rlplug.config.run_paths.experiment_name_for`), so each algorithm trains in a run directory of its own.

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import os
 import threading
 import time
@@ -70,8 +69,6 @@ __all__ = [
     "pipeline_for",
     "staleness_of",
 ]
-
-log = logging.getLogger("rlplug")
 
 
 def pipeline_for(cfg: DictConfig) -> Any:
@@ -179,8 +176,11 @@ class GenBatch:
 
 
 def staleness_of(out: RolloutOutput, version: int) -> list[int]:
-    """Per response: ``version - min(out.versions[i])`` (0 for an empty response: ``version`` minus nothing)."""
-    assert out.versions is not None
+    """Per response: ``version - min(out.versions[i])``, in weight versions (0 for an empty response).
+
+    Raises ``ValueError`` when ``out.versions`` is None (set it with :func:`with_versions`)."""
+    if out.versions is None:
+        raise ValueError("staleness_of needs RolloutOutput.versions (the weight version of each token); got None")
     return [version - min(v) if v else 0 for v in out.versions]
 
 
