@@ -49,7 +49,13 @@ training and every ``--test-freq`` steps (checkpoints at the same steps), record
 a run whose ``metrics.jsonl`` reaches the last step is read, not rerun; an interrupted one resumes from its
 checkpoint (``trainer.resume_mode=auto``). The default ``--out`` is fixed (``<tmp>/rlplug_async_modes/learn``) so
 that rerunning the same command continues. Writes ``<results>/async_learning.{json,md}`` after every run
-(``--tiny``: ``async_learning_tiny.*``).
+(``--tiny``: ``async_learning_tiny.*``). Runs go seed-major (each seed's modes one after the other), so a stopped
+comparison leaves whole pairs. Across sessions (the run directories gone): a run recorded as finished in the
+committed ``async_learning.json`` with the same overrides, steps and CPU (model and ISA flags) is carried over, not
+rerun; one from another CPU kind is rerun, so every row of a table comes from one kind of machine.
+``--beside TEXT`` records what ran beside the runs (held-out accuracy does not depend on it: ``sync`` and
+``one_step_off`` runs are deterministic whatever the load; the minutes do); ``--report-only`` rewrites the tables
+from what is there without running anything.
 
 Both print and record the machine (CPU model, ISA flags, cores, bf16 matmul peak of ``torch.mm``, load average at
 the start of each run) and the command. Run them on an otherwise idle machine: on 2 cores another process changes
@@ -644,7 +650,9 @@ def learn(args: argparse.Namespace, command: str) -> int:
     name = "async_learning_tiny" if args.tiny else "async_learning"
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
-    todo = [(r, m, s) for r in recipes for m in modes for s in seeds]
+    # seed-major: each seed's modes run one after the other, so a stopped comparison leaves whole pairs
+    todo = [(r, m, s) for r in recipes for s in seeds for m in modes]
+    earlier = carried_runs(results_dir / f"{name}.json", info, steps, test_freq)
     status = 0
     for i, (recipe, mode, seed) in enumerate(todo, 1):
         run_dir = out / recipe / mode / f"seed_{seed}"
@@ -670,6 +678,18 @@ def learn(args: argparse.Namespace, command: str) -> int:
         if _finished(read_records(run_dir), steps):
             print(f"[{i}/{len(todo)}] {recipe} {mode} seed {seed}: finished earlier, read from {run_dir}", flush=True)
             continue
+        carried = earlier.get((recipe, mode, seed))
+        if carried is not None and carried["overrides"] != _portable(overrides):
+            del earlier[(recipe, mode, seed)]  # other settings: rerun here, not carried into the tables
+        elif carried is not None:
+            print(
+                f"[{i}/{len(todo)}] {recipe} {mode} seed {seed}: finished in an earlier session, recorded in "
+                f"{results_dir / name}.json ({carried.get('date', '?')})",
+                flush=True,
+            )
+            continue
+        if args.report_only:
+            continue
         if meta["overrides"] != overrides:
             raise SystemExit(
                 f"{run_dir} holds an unfinished run with other overrides ({meta['overrides']}); delete it or pass "
@@ -679,11 +699,22 @@ def learn(args: argparse.Namespace, command: str) -> int:
         meta_path.write_text(json.dumps(meta, indent=1))
         print(f"[{i}/{len(todo)}] {recipe} {mode} seed {seed}: log {run_dir / 'train.log'}", flush=True)
         run = launch(overrides, run_dir, thread_env(overrides))
+        run["beside"] = args.beside
         meta["attempts"].append(run)
         meta_path.write_text(json.dumps(meta, indent=1))
         if run["interrupted"]:
             write_learning(
-                out, recipes, modes, seeds, steps, test_freq, info, command, bool(args.tiny), results_dir / name
+                out,
+                recipes,
+                modes,
+                seeds,
+                steps,
+                test_freq,
+                info,
+                command,
+                bool(args.tiny),
+                results_dir / name,
+                earlier,
             )
             print(f"Interrupted: {run_dir} saved; rerun the same command to continue.", flush=True)
             return 130
@@ -696,9 +727,11 @@ def learn(args: argparse.Namespace, command: str) -> int:
         if run["exit_code"] != 0:
             print(_tail(run_dir / "train.log"), flush=True)
             status = 1
-        write_learning(out, recipes, modes, seeds, steps, test_freq, info, command, bool(args.tiny), results_dir / name)
+        write_learning(
+            out, recipes, modes, seeds, steps, test_freq, info, command, bool(args.tiny), results_dir / name, earlier
+        )
     doc = write_learning(
-        out, recipes, modes, seeds, steps, test_freq, info, command, bool(args.tiny), results_dir / name
+        out, recipes, modes, seeds, steps, test_freq, info, command, bool(args.tiny), results_dir / name, earlier
     )
     print(doc["table"])
     unfinished = [row for row in doc["runs"] if not row["finished"]]
@@ -709,20 +742,48 @@ def _finished(records: list[dict[str, Any]], steps: int) -> bool:
     return any(int(r["step"]) == steps and "timing_s/step" in r for r in records)
 
 
+def _portable(overrides: list[str]) -> list[str]:
+    """``overrides`` without the run directory (a local path), as the results record them."""
+    return [o for o in overrides if not o.startswith("trainer.default_local_dir=")]
+
+
+def _cpu_kind(info: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    return str(info.get("cpu_model")), tuple(info.get("isa_flags") or ())
+
+
+def carried_runs(path: Path, info: dict[str, Any], steps: int, test_freq: int) -> dict[tuple[str, str, int], dict]:
+    """The finished runs recorded in an earlier ``async_learning.json`` at ``path`` on this CPU kind (model and ISA
+    flags; :func:`_cpu_kind`) with the same ``steps`` and ``test_freq``: ``{(recipe, mode, seed): row}``. A row from
+    another CPU kind is not carried: its run is redone here."""
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    if doc.get("steps") != steps or doc.get("test_freq") != test_freq:
+        return {}
+    out = {}
+    for row in doc.get("runs", []):
+        machine = row.get("machine") or doc.get("machine", {})
+        if row.get("finished") and "overrides" in row and _cpu_kind(machine) == _cpu_kind(info):
+            out[(row["recipe"], row["mode"], int(row["seed"]))] = row
+    return out
+
+
 def learning_row(recipe: str, mode: str, seed: int, run_dir: Path, steps: int) -> dict[str, Any]:
     """One run of the learning comparison: its accuracy curve, whether it finished, its minutes (every attempt's
     process wall time added up) and the minutes of training from the step-0 validation record to the last step's
     (``metrics.jsonl`` wall times: start-up excluded; a resumed run's pause included)."""
     records = read_records(run_dir)
     meta_path = run_dir / META
-    attempts = json.loads(meta_path.read_text()).get("attempts", []) if meta_path.is_file() else []
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    attempts = meta.get("attempts", [])
     walls = {int(r["step"]): float(r["wall_time"]) for r in records if "wall_time" in r}
     train_min = (walls[steps] - walls[0]) / 60 if 0 in walls and steps in walls else None
     return {
         "recipe": recipe,
         "mode": mode,
         "seed": seed,
-        "run_dir": str(run_dir),
+        "run_dir": "/".join(run_dir.parts[-3:]),  # relative to --out
+        "overrides": _portable(meta.get("overrides", [])),
         "finished": _finished(records, steps),
         "metric": accuracy_key(records),
         "acc": {str(k): v for k, v in sorted(accuracy_curve(records).items())},
@@ -730,6 +791,8 @@ def learning_row(recipe: str, mode: str, seed: int, run_dir: Path, steps: int) -
         "minutes_from_step0_validation": None if train_min is None else round(train_min, 2),
         "attempts": len(attempts),
         "exit_codes": [a["exit_code"] for a in attempts],
+        "beside": sorted({a.get("beside", "nothing") for a in attempts}),
+        "loadavg_at_start": [a.get("loadavg_at_start") for a in attempts],
     }
 
 
@@ -744,9 +807,21 @@ def write_learning(
     command: str,
     tiny: bool,
     stem: Path,
+    earlier: dict[tuple[str, str, int], dict] | None = None,
 ) -> dict[str, Any]:
-    """Read every run under ``out`` and write ``<stem>.json`` and ``<stem>.md``; returns the JSON document."""
-    rows = [learning_row(r, m, s, out / r / m / f"seed_{s}", steps) for r in recipes for m in modes for s in seeds]
+    """Read every run under ``out`` and write ``<stem>.json`` and ``<stem>.md``; returns the JSON document. A run
+    not finished there is taken from ``earlier`` (:func:`carried_runs`) when it holds it."""
+    rows = []
+    for recipe in recipes:
+        for mode in modes:
+            for seed in seeds:
+                row = learning_row(recipe, mode, seed, out / recipe / mode / f"seed_{seed}", steps)
+                if row["finished"]:
+                    row["machine"] = {k: info[k] for k in ("cpu_model", "isa_flags", "cores")}
+                    row["date"] = info["date"]
+                elif earlier and (recipe, mode, seed) in earlier:
+                    row = {**earlier[(recipe, mode, seed)], "carried": True}
+                rows.append(row)
     val_steps = sorted({0, *range(test_freq, steps + 1, test_freq), steps})
     head = "| recipe | mode | seed | " + " | ".join(f"acc@{s}" for s in val_steps) + " | minutes | train minutes |"
     lines = [head, "|---" * (5 + len(val_steps)) + "|"]
@@ -759,8 +834,8 @@ def write_learning(
         lines.append(
             f"| {row['recipe']} | {row['mode']} | {row['seed']} | "
             + " | ".join(accs)
-            + f" | {_fmt(row['minutes'], '.1f')} | "
-            f"{_fmt(row['minutes_from_step0_validation'], '.1f')} |"
+            + f" | {_fmt(row.get('minutes'), '.1f')} | "
+            f"{_fmt(row.get('minutes_from_step0_validation'), '.1f')} |"
         )
     for recipe in recipes:
         for mode in modes:
@@ -769,9 +844,9 @@ def write_learning(
             for s in val_steps:
                 vals = [r["acc"][str(s)] for r in group if str(s) in r["acc"]]
                 means.append(pct(_mean(vals)) + (f" (n={len(vals)})" if vals and len(vals) < len(group) else ""))
-            mins = [r["minutes"] for r in group if r["minutes"] is not None and r["finished"]]
+            mins = [r["minutes"] for r in group if r.get("minutes") is not None and r["finished"]]
             tmins = [
-                r["minutes_from_step0_validation"] for r in group if r["minutes_from_step0_validation"] is not None
+                r["minutes_from_step0_validation"] for r in group if r.get("minutes_from_step0_validation") is not None
             ]
             lines.append(
                 f"| **{recipe}** | **{mode}** | mean | " + " | ".join(means) + f" | {_fmt(_mean(mins), '.1f')} | "
@@ -784,8 +859,7 @@ def write_learning(
         "steps": steps,
         "test_freq": test_freq,
         "tiny": tiny,
-        "runs_dir": str(out),
-        "ran_beside": "nothing started by this benchmark (runs one after the other)",
+        "ran_beside": "one run at a time; what else ran on the machine: each row's `beside`",
         "recipes": {r: RECIPES[r] for r in recipes},
         "runs": rows,
         "table": table,
@@ -796,7 +870,15 @@ def write_learning(
         "",
         f"{m['date']}. CPU: {m['cpu_model']} ({', '.join(m['isa_flags'])}); {m['cores']} cores; bf16 matmul peak "
         f"{m['matmul_peak_bf16_gflops']:.0f} GFLOP/s; torch {m['torch']}; load average at the start "
-        f"{m['loadavg_at_start']:.2f}. Runs one after the other, nothing else started beside them.",
+        f"{m['loadavg_at_start']:.2f}. Runs one after the other. Beside them: "
+        + "; ".join(sorted({b for r in rows for b in r.get("beside", [])}) or ["nothing"])
+        + " (accuracy does not depend on it; the minutes do). Rows carried from an earlier session on the same CPU "
+        "kind: "
+        + (
+            ", ".join(f"{r['recipe']} {r['mode']} {r['seed']} ({r.get('date')})" for r in rows if r.get("carried"))
+            or "none"
+        )
+        + ".",
         "",
         f"Command: `{command}`. {steps} steps, validation (held-out strict accuracy, `{_metric_name(rows)}`) before "
         f"training and every {test_freq} steps. Recipes: "
@@ -814,7 +896,7 @@ def write_learning(
 
 
 def _metric_name(rows: list[dict[str, Any]]) -> str:
-    return next((r["metric"] for r in rows if r["metric"]), "val-core/<source>/acc/mean@1")
+    return next((r["metric"] for r in rows if r.get("metric")), "val-core/<source>/acc/mean@1")
 
 
 # ============================================================================ main
@@ -838,6 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     lp.add_argument("--tiny", action="store_true", help="debug=tiny: a wiring check")
     lp.add_argument("--out", default=None, help="run directories (default <tmp>/rlplug_async_modes/learn)")
     lp.add_argument("--results", default=str(RESULTS), help="where async_learning.{json,md} go")
+    lp.add_argument("--beside", default="nothing", help="what runs on the machine beside the runs (recorded)")
+    lp.add_argument("--report-only", action="store_true", help="rewrite the tables from what is there; run nothing")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)

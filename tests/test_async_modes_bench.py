@@ -103,6 +103,32 @@ def test_learning_table_reads_the_curve_the_minutes_and_whether_a_run_finished(t
     assert doc["table"] in (tmp_path / "r.md").read_text()
 
 
+def test_learning_rows_carry_over_sessions_only_on_the_same_cpu_kind_and_settings(tmp_path: Path) -> None:
+    info = {"date": "now", "cpu_model": "EPYC", "isa_flags": ["avx2"], "cores": 2, "torch": "t"}
+    info |= {"matmul_peak_bf16_gflops": 1.0, "loadavg_at_start": 0.0}
+    here = {"cpu_model": "EPYC", "isa_flags": ["avx2"], "cores": 2}
+    other = {"cpu_model": "Xeon", "isa_flags": ["amx_tile"], "cores": 2}
+    row = {"recipe": "ppo", "mode": "sync", "finished": True, "overrides": ["a=1"], "acc": {"0": 0.5}}
+    runs = [
+        {**row, "seed": 0, "machine": here, "date": "then"},
+        {**row, "seed": 1, "machine": other},  # another CPU kind: rerun
+        {**row, "seed": 2, "machine": here, "finished": False},  # unfinished: rerun
+    ]
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"steps": 30, "test_freq": 10, "runs": runs}))
+    carried = am.carried_runs(path, info, 30, 10)
+    assert list(carried) == [("ppo", "sync", 0)]
+    assert am.carried_runs(path, info, 20, 10) == {}  # other step count: nothing carried
+    # the run directory is gone (a new session): the table takes the carried row and says so
+    doc = am.write_learning(
+        tmp_path / "gone", ["ppo"], ["sync"], [0, 1], 30, 10, info, "cmd", False, tmp_path / "r", carried
+    )
+    first, second = doc["runs"]
+    assert first["carried"] and first["acc"] == {"0": 0.5} and not second["finished"]
+    assert "ppo sync 0 (then)" in (tmp_path / "r.md").read_text()
+    assert am._portable(["x=1", "trainer.default_local_dir=/somewhere"]) == ["x=1"]
+
+
 def test_tree_sampler_counts_this_process_cpu_time_on_the_cores_it_ran_on() -> None:
     sampler = am.TreeSampler(os.getpid())
     sampler.start_window()
