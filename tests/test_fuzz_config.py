@@ -110,7 +110,7 @@ ALIASES = [
 _NAME = next(i for i, a in enumerate(ALIASES) if a[0] == "reward.custom_reward_function.name")
 _PATH = next(i for i, a in enumerate(ALIASES) if a[0] == "reward.custom_reward_function.path")
 #: inert verl keys mixed in: they change nothing
-INERT = ["actor_rollout_ref.actor.rollout_n=7", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+INERT = ["actor_rollout_ref.actor.rollout_n=7", "trainer.nnodes=2",
          "critic.rollout_n=3", "actor_rollout_ref.actor.fsdp_config.param_offload=true"]  # fmt: skip
 
 

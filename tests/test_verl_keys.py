@@ -435,12 +435,12 @@ def test_rlplug_config_takes_a_yaml_file_and_prints_each_note_once(tmp_path, cap
 
     (tmp_path / "my_run.yaml").write_text(USER_YAML)
     rc = main(["config", "--config-path", str(tmp_path), "--config-name", "my_run", "debug=tiny",
-               "actor_rollout_ref.rollout.tensor_model_parallel_size=1"])  # fmt: skip
+               "trainer.n_gpus_per_node=1"])  # fmt: skip
     out = capsys.readouterr()
     assert rc == 0
     printed = OmegaConf.create(out.out[: out.out.rindex("\n\n")])  # the config, then the plugin choices
     assert (printed.actor.ppo_mini_batch_size, printed.actor.policy_loss, printed.rollout.n) == (2, "gspo", 2)
-    note = "Note: verl key actor_rollout_ref.rollout.tensor_model_parallel_size has no effect here: a parallel layout"
+    note = "Note: verl key trainer.n_gpus_per_node has no effect here: a parallel layout"
     assert out.err.count(note) == 1
 
 
@@ -523,8 +523,8 @@ def test_verls_ppo_example_composes_and_trains_two_tiny_steps(tmp_path, monkeypa
     assert cfg.actor.use_dynamic_bsz is True and cfg.actor.max_token_len_per_device == 24576
     assert cfg.actor.log_prob_max_token_len_per_device == 24576 and cfg.critic.max_token_len_per_device == 24576
     layout = re.search(r"^Note: verl keys (.*) have no effect here: a parallel layout", out.err, flags=re.M)
+    assert cfg.rollout.tensor_model_parallel_size == 2  # held, refused only with rollout.colocate=true
     assert layout and layout.group(1).split(", ") == [
-        "actor_rollout_ref.rollout.tensor_model_parallel_size",
         "trainer.n_gpus_per_node",
         "trainer.nnodes",
     ]

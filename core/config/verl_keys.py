@@ -180,6 +180,12 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"
 _DTYPES |= {"float32": "fp32", "fp32": "fp32", "float": "fp32", "auto": "auto"}
 
 
+def _hybrid_engine(value: Any) -> Any:
+    """verl's ``actor_rollout_ref.hybrid_engine`` (true in every verl recipe) as ``rollout.colocate``: true is
+    rlplug's default (null: decided per run), false keeps rank-0 generation."""
+    return None if value is True else value
+
+
 def _dtype(value: Any) -> Any:
     """verl's torch dtype names (``bfloat16``) as rlplug's (``bf16``)."""
     return _DTYPES.get(str(value), value) if value is not None else None
@@ -819,7 +825,13 @@ def _rollout_rows() -> list[VerlKey]:
         _m(f"{RO}.enforce_eager", "rollout.enforce_eager", False),
         _i(f"{RO}.cudagraph_capture_sizes", _ENGINE),
         _i(f"{RO}.free_cache_engine", "rlplug's backends free the engine's memory between rollouts (sleep/wake_up)"),
-        _i(f"{RO}.tensor_model_parallel_size", _LAYOUT),
+        _m(
+            f"{RO}.tensor_model_parallel_size",
+            "rollout.tensor_model_parallel_size",
+            2,
+            "with rank-0 generation a layout that changes nothing; rollout.colocate=true refuses a value above 1 "
+            "(one engine per rank) until it can be tested",
+        ),
         _i(f"{RO}.data_parallel_size", _LAYOUT),
         _i(f"{RO}.expert_parallel_size", _LAYOUT),
         _i(f"{RO}.pipeline_model_parallel_size", _LAYOUT),
@@ -925,11 +937,13 @@ def _rollout_rows() -> list[VerlKey]:
         ),
         _i(f"{RO}.disaggregation.*", "used only with disaggregation.enabled=true"),
         *_model(M, actor=True),
-        _i(
+        _m(
             "actor_rollout_ref.hybrid_engine",
-            "actor and rollout engine share the weights, as always in rlplug",
-            {True},
-            "rlplug always runs the actor and the rollout engine colocated (verl's hybrid engine).",
+            "rollout.colocate",
+            False,
+            "true -> null (rlplug's default: an engine on every rank under torchrun with trainer.async_mode=sync, "
+            "rank-0 generation otherwise; docs/scale_out.md); false -> false (rank 0 generates for every rank)",
+            convert=_hybrid_engine,
         ),
         _i("actor_rollout_ref.nccl_timeout", "the fsdp2 collective timeout is trainer.backend_kwargs.timeout_s"),
     ]

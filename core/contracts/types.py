@@ -586,13 +586,18 @@ class Coordinator(Protocol):
     ``is_main`` true, ``broadcast`` returns its argument). A multi-process backend (``fsdp2`` under
     ``torchrun``) runs the trainer on every rank: rank 0 alone generates, scores, logs and writes
     checkpoint metadata, and ``broadcast(obj)`` (a collective every rank calls) returns rank 0's
-    ``obj`` on every rank.
+    ``obj`` on every rank. With ``rollout.colocate`` every rank generates its share of the rollout
+    (:mod:`rlplug.rollout.colocate`) and the shares are joined with ``all_gather``.
     """
 
     world_size: int
     is_main: bool
 
     def broadcast(self, obj: Any) -> Any: ...
+
+    # Optional (colocated generation, ``rollout.colocate``; rlplug.rollout.colocate): ``rank`` (0-based) and
+    # ``all_gather(obj) -> list`` (every rank's ``obj`` in rank order; a collective every rank calls). A coordinator
+    # without them gets rank-0 generation.
 
 
 @runtime_checkable

@@ -118,21 +118,22 @@ def out_of_process(factory: Any, registry: Registry | None = None) -> bool:
     return any(getattr(obj, "runs_out_of_process", False) is True for obj in (factory, *classes))
 
 
-def build_engine(cfg: Any, registry: Registry, model_path: str, tokenizer: Any) -> Any:
+def build_engine(cfg: Any, registry: Registry, model_path: str, tokenizer: Any, *, own_process: bool = False) -> Any:
     """The run's rollout engine (a :class:`rlplug.contracts.types.RolloutBackend`).
 
     ``trainer.async_mode=sync`` (the default): ``registry.get("rollout_backend", cfg.rollout.name)(cfg,
-    model_path, tokenizer)``, the backend in this process as ever. ``one_step_off`` / ``async``: an
-    :class:`EngineProcess` running that backend, unless it already runs outside this process
-    (:func:`out_of_process`), in which case the factory's object as in ``sync``.
-    Raises ``ValueError`` for another ``async_mode``; what the factory or :class:`EngineProcess` raise.
+    model_path, tokenizer)``, the backend in this process as ever. ``one_step_off`` / ``async``, or
+    ``own_process`` (an engine per rank, :mod:`rlplug.rollout.colocate`): an :class:`EngineProcess` running that
+    backend, unless it already runs outside this process (:func:`out_of_process`), in which case the factory's
+    object as in ``sync``. Raises ``ValueError`` for another ``async_mode``; what the factory or
+    :class:`EngineProcess` raise.
     """
     name = str(cfg.rollout.name)
     factory = registry.get("rollout_backend", name)
     mode = str(typed(TrainerConfig, cfg.trainer).async_mode)
-    if mode == "sync":
+    if mode == "sync" and not own_process:
         return factory(cfg, model_path, tokenizer)
-    if mode not in ASYNC_MODES:
+    if mode not in (*ASYNC_MODES, "sync"):
         raise ValueError(f"trainer.async_mode={mode!r} is not a mode; use 'sync', 'one_step_off' or 'async'.")
     if out_of_process(factory, registry):
         return factory(cfg, model_path, tokenizer)

@@ -61,6 +61,7 @@ from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
 from rlplug.orchestration.episodes import episode_engine_for_run, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
+from rlplug.rollout.colocate import colocate_enabled, generate_colocated, idle_ranks, rank_engine_config
 from rlplug.rollout.engine_process import build_engine
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
 from rlplug.run import evaluate  # evaluate.score_responses: looked up at call time (tests patch it)
@@ -128,6 +129,46 @@ def checkpointed_state(trainer: Trainer) -> dict[str, Any]:
         # async modes: the loader position after what is trained, and the queued rollouts
         **getattr(trainer.pipeline, "checkpointed", lambda t: {})(trainer),
     }
+
+
+def run_colocated(cfg: DictConfig, registry: Registry, coordinator: Any) -> bool:
+    """Whether every rank generates (``rollout.colocate``, :func:`rlplug.rollout.colocate.colocate_enabled`); warns
+    when a step has fewer micro-batches than ranks. Raises ``ConfigError`` for a colocation the run cannot do."""
+    factory = registry.get("rollout_backend", cfg.rollout.name)
+    can_gather = callable(getattr(coordinator, "all_gather", None)) and hasattr(coordinator, "rank")
+    on = colocate_enabled(cfg, coordinator.world_size, factory, registry, can_gather=can_gather)
+    warning = idle_ranks(cfg, coordinator.world_size) if on else None
+    if warning and coordinator.is_main:
+        log.warning(warning)
+    return on
+
+
+def colocated_rollout(trainer: Trainer, rows: list[dict], params: SamplingParams, label: str) -> RolloutOutput:
+    """The rollout of ``rows`` with every rank generating its global micro-batches in its own engine (woken for
+    the call), joined in order on every rank (:func:`rlplug.rollout.colocate.generate_colocated`); multi-turn
+    episodes (``rollout.multi_turn.enable``) run per micro-batch on the rank that generates it. A collective."""
+    coordinator = trainer.coordinator
+
+    def generate_part(indices: list[int], part_params: SamplingParams) -> RolloutOutput:
+        if trainer.episodes is not None:
+            part_rows = [rows[i] for i in indices]
+            return trainer.episodes.generate(part_rows, part_params, step=trainer.global_step + 1)
+        return trainer.rollout.generate([rows[i]["prompt_ids"] for i in indices], part_params)
+
+    trainer.rollout.wake_up()
+    try:
+        _fault_point(label)
+        return generate_colocated(
+            len(rows),
+            params,
+            generate_part,
+            rank=int(coordinator.rank),
+            world_size=int(coordinator.world_size),
+            all_gather=coordinator.all_gather,
+            micro_batch_size=int(trainer.cfg.rollout.micro_batch_size),
+        )
+    finally:
+        trainer.rollout.sleep()
 
 
 def on_main_then_broadcast(method: Callable) -> Callable:
@@ -235,8 +276,15 @@ class Trainer:
         self.distributed, self.is_main = self.coordinator.world_size > 1, bool(self.coordinator.is_main)
         self.rollout: Any = None
         try:
-            if self.is_main:  # async modes: the engine in a process of its own (rlplug.rollout.engine_process)
+            #: rollout.colocate: an engine on every rank, each generating its share (rlplug.rollout.colocate)
+            self.colocated = run_colocated(cfg, self.registry, self.coordinator)
+            if self.colocated:
+                self.rollout = build_engine(
+                    rank_engine_config(cfg), self.registry, self.model_path, self.tokenizer, own_process=True
+                )
+            elif self.is_main:  # async modes: the engine in a process of its own (rlplug.rollout.engine_process)
                 self.rollout = build_engine(cfg, self.registry, self.model_path, self.tokenizer)
+            if self.is_main:
                 sources = self.reward.seen_data_sources  # the train and validation files' (read_run_datasets)
                 for manager in dict.fromkeys([self.reward, self.val_reward]):
                     manager.prepare(sources)  # a judge's server starts, a reward model loads: outside reward.timeout_s
@@ -311,7 +359,10 @@ class Trainer:
             self.rollout.sleep()
 
     def _rollout(self, rows: list[dict], params: SamplingParams, label: str = "rollout", main: bool = False) -> Any:
-        """:meth:`_generate` for dataset ``rows`` (``main``: already on the main process alone, not broadcast)."""
+        """:meth:`_generate` for dataset ``rows`` (``main``: already on the main process alone, not broadcast); with
+        :attr:`colocated`, every rank generates its share (:func:`colocated_rollout`), a collective."""
+        if self.colocated and not main:
+            return colocated_rollout(self, rows, params, label)
         generate = Trainer._generate.__wrapped__ if main else Trainer._generate  # type: ignore[attr-defined]
         return generate(self, [r["prompt_ids"] for r in rows], params, label, rows)
 
@@ -369,16 +420,24 @@ class Trainer:
             return {}
         rows = [self.val_ds[i] for i in range(len(self.val_ds))][: self.cfg.data.val_max_samples or None]
         params = self.sampling_params(validation=True)
-        scored = self._validation_scores(rows, params)
+        if self.colocated:  # every rank generates its share of each batch; rank 0 scores (rlplug.rollout.colocate)
+            size = int(self.cfg.data.val_batch_size or len(rows) or 1)
+            outs = [self._rollout(rows[s : s + size], params, "validation") for s in range(0, len(rows), size)]
+            scored = self._validation_scores(rows, params, iter(outs))
+        else:
+            scored = self._validation_scores(rows, params)
         self._last_val_samples = validation_samples(scored[: self.cfg.trainer.val_samples_to_log])
         return validation_metrics(scored, n=params.n)
 
     @on_main_then_broadcast
-    def _validation_scores(self, rows: list[dict], params: SamplingParams) -> list[Any]:
+    def _validation_scores(self, rows: list[dict], params: SamplingParams, outs: Iterator | None = None) -> list[Any]:
         """Generate and score the validation rows on the main process (the one that owns the engine and
-        has prepared the rewards: a judge's server starts there only); every process gets the result."""
+        has prepared the rewards: a judge's server starts there only); every process gets the result.
+        ``outs``: the batches' rollouts, generated already (colocated: by every rank)."""
 
-        generate = functools.partial(self._rollout, params=params, label="validation", main=True)
+        generate: Callable = functools.partial(self._rollout, params=params, label="validation", main=True)
+        if outs is not None:
+            generate = lambda chunk: next(outs)  # noqa: E731 - the rollouts of the batches, in order
         return evaluate.score_responses(
             rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size
         )

@@ -40,6 +40,7 @@ from rlplug.contracts.types import BATCH_FIELD_PRODUCERS, PER_TOKEN_QUANTITIES
 from rlplug.data.dataset import check_data_config, check_train_weights
 from rlplug.rewards.manager import _section, load_custom_reward_function, overlong_config
 from rlplug.rewards.reward_model import check_reward_model_config
+from rlplug.rollout.colocate import check_colocate_config
 from rlplug.run.alerts import check_alert_config, needs_old_log_probs
 from rlplug.run.dump import check_dump_config
 from rlplug.run.metrics import tracker_names
@@ -282,6 +283,7 @@ def validate_config(cfg: DictConfig, registry: Registry | None = None) -> list[P
     _check_batch_filter(cfg, registry, choices)
     _check_multi_turn(cfg, registry, choices)
     check_async_config(cfg)  # trainer.async_mode and what goes with it (rlplug.run.async_pipeline)
+    check_colocate_config(cfg)  # rollout.colocate, rollout.tensor_model_parallel_size (rlplug.rollout.colocate)
     plan = plan_batch(cfg, registry)  # every required batch field has a producer
     # algorithm.rollout_correction and its alias; a loss with PolicyLoss.bypass_mode pairs with bypass mode
     validate_rollout_correction(cfg, plan.per_token, loss_is_bypass=bool(getattr(loss, "bypass_mode", False)))

@@ -447,8 +447,8 @@ class Role:
 class TorchDistributedCoordinator:
     """The :class:`rlplug.contracts.types.Coordinator` of a ``torch.distributed`` process group.
 
-    ``world_size`` and ``rank`` of the group; ``is_main``: rank 0. :meth:`broadcast` is a
-    collective: every rank must call it, in the same order.
+    ``world_size`` and ``rank`` of the group; ``is_main``: rank 0. :meth:`broadcast` and :meth:`all_gather` are
+    collectives: every rank must call them, in the same order.
     """
 
     def __init__(self, world_size: int, rank: int) -> None:
@@ -465,6 +465,16 @@ class TorchDistributedCoordinator:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank (``dist.all_gather_object``); a collective."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist  # deferred: torch (torch.distributed, only with several ranks)
+
+        box: list[Any] = [None] * self.world_size
+        dist.all_gather_object(box, obj)
+        return box
 
     def __repr__(self) -> str:
         return f"TorchDistributedCoordinator(world_size={self.world_size}, rank={self.rank})"

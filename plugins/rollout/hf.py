@@ -111,6 +111,9 @@ class HFRollout:
     ``model.trust_remote_code``, ``trainer.seed``, ``trainer.device``).
     """
 
+    #: one engine per training rank, each in an engine process (rollout.colocate; rlplug.rollout.colocate)
+    supports_colocate = True
+
     def __init__(self, config: Any, model_path: str, tokenizer: Any) -> None:
         from transformers import GenerationConfig  # deferred: transformers
 

@@ -136,6 +136,7 @@ class VLLMRollout:
     #: what the trainer logs for this backend: the engine child's resident memory in GiB after each step
     metrics: tuple[str, ...] = ("perf/rollout_rss_gb",)
     runs_out_of_process = True  # the engine is a child process (rlplug.rollout.engine_process.out_of_process)
+    supports_colocate = True  # one engine child per training rank (rollout.colocate; rlplug.rollout.colocate)
 
     #: the engine child's command (the pipes' fds are appended); tests put a stub speaking the protocol here
     engine_argv: tuple[str, ...] = (sys.executable, "-m", "rlplug.plugins.rollout.vllm", "--engine-child")

@@ -1,0 +1,261 @@
+"""Generation on every rank: ``rollout.colocate`` (issue 35).
+
+Under ``torchrun`` with a multi-process training backend (``trainer=fsdp2``), rank 0 alone used to generate
+and score for every rank and broadcast the batch (``docs/scale_out.md``): with 8 devices, 7 waited. With
+``rollout.colocate=true`` every rank runs its own engine, as verl's hybrid engine and TRL's vLLM colocate
+mode do:
+
+* **One engine per rank, in a child process.** The ``vllm`` backend's engine is a child already; another
+  backend (``hf``) runs in an :class:`rlplug.rollout.engine_process.EngineProcess`. Each rank's engine gets
+  its own share of the cores (:func:`rank_cores`: ``rollout.num_threads`` cores, by default the cores
+  divided by the ranks on the node, ``LOCAL_WORLD_SIZE``), so the engines of one machine do not spin on
+  the same cores; on a GPU each rank's engine uses the rank's device. Not vLLM's in-trainer
+  ``external_launcher``, which binds threads and reseeds the trainer's RNGs inside the training process.
+* **Global micro-batches.** The step's ``len(prompts) * rollout.n`` sequences (prompt-major, as a
+  :class:`rlplug.contracts.types.RolloutOutput`) are cut into global micro-batches of
+  ``rollout.micro_batch_size`` sequences (:func:`micro_batches`); micro-batch ``k`` is generated with
+  ``n=1`` and the seed :func:`micro_batch_seed` ``(params.seed, k)`` whichever rank generates it; rank ``r``
+  of ``W`` takes the contiguous block :func:`rank_micro_batches`. The parts are all-gathered and joined in
+  micro-batch order (:func:`generate_colocated`), so the batch is the same whether 1 or 8 ranks made it
+  (bitwise with ``rollout=hf`` and equal threads per engine; vLLM: equal token ids at temperature 0).
+  Fewer micro-batches than ranks leave ranks idle: the trainer warns and names a ``micro_batch_size``.
+* **Weights per rank.** After each actor update every rank loads the full actor weights into its own
+  engine: the backend's ``actor_weights()`` all-gathers each tensor on every rank (no file on disk; the
+  engine child reads them from ``/dev/shm``). The engine sleeps while training runs and is woken before
+  generating (``sleep`` / ``wake_up``).
+
+What stays on rank 0: scoring (on its reward thread, overlapping the log-prob passes, broadcast as before),
+tracking and checkpoint metadata. ``rollout.colocate=false`` keeps rank-0 generation (the ``local``
+backend, one process, always generates in its process). ``rollout.colocate`` unset (null) means: true under
+a multi-process backend (``world_size > 1``) with ``trainer.async_mode=sync`` and an engine that can run
+per rank (:func:`supports_colocate`), else false. The asynchronous modes refuse ``rollout.colocate=true``
+(their engine overlaps training on devices of its own), and so does ``rollout.tensor_model_parallel_size > 1``
+(one engine spanning several ranks' devices cannot be tested here); unset, ``colocate`` is then false and rank 0
+generates, where the layout changes nothing (verl's example commands, which give 2, keep working).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rlplug.config.schema import ConfigError
+from rlplug.contracts.kinds import built_classes
+from rlplug.contracts.registry import Registry
+from rlplug.contracts.types import RolloutOutput, SamplingParams
+
+__all__ = [
+    "check_colocate_config",
+    "colocate_enabled",
+    "generate_colocated",
+    "idle_ranks",
+    "micro_batch_seed",
+    "micro_batches",
+    "rank_cores",
+    "rank_engine_config",
+    "rank_micro_batches",
+    "supports_colocate",
+]
+
+
+def check_colocate_config(cfg: DictConfig) -> None:
+    """Refuse what colocated generation cannot do, before any model loads; raises :class:`ConfigError`.
+
+    ``rollout.colocate=true`` with ``trainer.async_mode`` other than ``sync`` or with
+    ``rollout.tensor_model_parallel_size`` above 1; a ``tensor_model_parallel_size`` below 1; ``rollout.colocate``
+    that is not true, false or null.
+    """
+    r, t = cfg.rollout, cfg.trainer
+    setting = r.get("colocate", None)
+    if setting not in (None, True, False):
+        raise ConfigError(f"rollout.colocate={setting!r} must be true, false or null (null: decided per run).")
+    tp = r.get("tensor_model_parallel_size", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"rollout.tensor_model_parallel_size={tp!r} must be an integer >= 1 (devices per engine).")
+    if tp > 1 and setting is True:
+        raise ConfigError(
+            f"rollout.colocate=true with rollout.tensor_model_parallel_size={tp}: an engine spread over several "
+            "ranks' devices is not supported yet (it cannot be tested here). Use rollout.tensor_model_parallel_size=1 "
+            "(one engine per training rank), or drop rollout.colocate (rank 0 generates for every rank), or a server "
+            "fleet (rollout.server_urls) whose servers you start with their own tensor parallelism."
+        )
+    mode = t.get("async_mode", "sync")
+    if setting is True and mode != "sync":
+        raise ConfigError(
+            f"rollout.colocate=true runs an engine on every training rank, sharing its device with training "
+            f"(sleep while training), but trainer.async_mode={mode} overlaps generation with training. Use "
+            "trainer.async_mode=sync with rollout.colocate=true, or drop rollout.colocate (async modes generate "
+            "on rank 0, in an engine process of its own)."
+        )
+
+
+def supports_colocate(factory: Any, cfg: DictConfig, registry: Registry) -> bool:
+    """Whether the rollout factory ``factory`` can run one engine per rank: an in-process backend
+    (``rollout.mode=inprocess``) whose factory, or a class it builds (as registered in ``registry``), has
+    ``supports_colocate = True`` (``hf``, ``vllm``). Server backends (a fleet shared by every rank) do not."""
+    if str(cfg.rollout.get("mode", "inprocess")) != "inprocess":
+        return False
+    classes = list(built_classes(factory))
+    for reg in registry.entries.get("rollout_backend", {}).values():
+        if reg.obj is factory:
+            classes += built_classes(reg.obj, reg.extra)
+    return any(getattr(obj, "supports_colocate", False) is True for obj in (factory, *classes))
+
+
+def colocate_enabled(cfg: DictConfig, world_size: int, factory: Any, registry: Registry, *, can_gather: bool) -> bool:
+    """Whether this run generates on every rank (module docstring): ``rollout.colocate`` when given, else
+    ``world_size > 1`` with ``trainer.async_mode=sync``, ``rollout.tensor_model_parallel_size=1``, an engine that
+    :func:`supports_colocate` and a coordinator that can all-gather (``can_gather``).
+
+    Raises:
+        ConfigError: ``rollout.colocate=true`` with an engine that cannot run per rank (a server backend, or one
+            without ``supports_colocate``) or a coordinator without ``rank`` / ``all_gather``.
+    """
+    setting = cfg.rollout.get("colocate", None)
+    supported = supports_colocate(factory, cfg, registry)
+    if setting is None:
+        one_device = cfg.rollout.get("tensor_model_parallel_size", 1) == 1
+        sync = cfg.trainer.get("async_mode", "sync") == "sync"
+        return world_size > 1 and sync and one_device and supported and can_gather
+    if setting and not supported:
+        raise ConfigError(
+            f"rollout.colocate=true, but rollout={cfg.rollout.name} (rollout.mode={cfg.rollout.get('mode')}) cannot "
+            "run an engine per rank: servers are shared by every rank (docs/scale_out.md), and a third-party "
+            "backend must declare supports_colocate = True. Drop rollout.colocate or use rollout=hf / rollout=vllm."
+        )
+    if setting and not can_gather:
+        raise ConfigError(
+            f"rollout.colocate=true, but the training backend trainer={cfg.trainer.backend}'s coordinator has no "
+            "'rank' and 'all_gather' (rlplug.contracts.types.Coordinator), which colocated generation needs to "
+            "join the ranks' parts. Drop rollout.colocate, or add them to the backend."
+        )
+    return bool(setting)
+
+
+def micro_batches(num_sequences: int, size: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: the global micro-batches of ``size`` sequences (the last may be shorter) of
+    ``num_sequences`` (the prompt-major ``len(prompts) * n`` of a rollout). Raises ``ValueError`` for ``size < 1``."""
+    if size < 1:
+        raise ValueError(f"rollout.micro_batch_size must be >= 1 (sequences per micro-batch), got {size}.")
+    return [(s, min(s + size, num_sequences)) for s in range(0, num_sequences, size)]
+
+
+def rank_micro_batches(num_micro_batches: int, rank: int, world_size: int) -> range:
+    """The micro-batches rank ``rank`` of ``world_size`` generates: a contiguous block, the blocks as equal as
+    they can be (``floor(k * M / W)`` boundaries), so every micro-batch has exactly one rank."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    return range(rank * num_micro_batches // world_size, (rank + 1) * num_micro_batches // world_size)
+
+
+def micro_batch_seed(seed: int | None, index: int) -> int:
+    """The seed of global micro-batch ``index`` of a rollout seeded ``seed`` (``SamplingParams.seed``; None: 0):
+    a pure function of the two, so it does not depend on which rank generates the micro-batch. 63 bits."""
+    return (int(seed or 0) * 2_654_435_761 + (int(index) + 1) * 40_503 + 0xC010) % (2**63 - 1)
+
+
+def rank_cores(local_rank: int, local_world_size: int, threads: int | None, usable: Sequence[int]) -> list[int]:
+    """The cores of local rank ``local_rank``'s engine: ``threads`` of the ``usable`` cores (None: an equal share,
+    ``len(usable) // local_world_size``, at least 1), rank after rank, wrapping round when the ranks ask for more
+    cores than there are (they then share)."""
+    cores = sorted(int(c) for c in usable)
+    k = int(threads) if threads else max(1, len(cores) // max(1, local_world_size))
+    k = min(k, len(cores))
+    start = (local_rank * k) % len(cores)
+    return [cores[(start + i) % len(cores)] for i in range(k)]
+
+
+def idle_ranks(cfg: DictConfig, world_size: int) -> str | None:
+    """A warning when a training step has fewer global micro-batches (``data.train_batch_size * rollout.n`` sequences
+    over ``rollout.micro_batch_size``) than ranks, which leaves ranks without anything to generate; else None."""
+    sequences = int(cfg.data.train_batch_size) * max(1, int(cfg.rollout.n))
+    size = int(cfg.rollout.micro_batch_size)
+    count = -(-sequences // size)
+    if count >= world_size:
+        return None
+    return (
+        f"rollout.colocate: a step's {sequences} sequences make {count} micro-batch(es) of rollout.micro_batch_size="
+        f"{size} for {world_size} ranks, so {world_size - count} rank(s) generate nothing. Set "
+        f"rollout.micro_batch_size={-(-sequences // world_size)} (or lower) to give every rank a share."
+    )
+
+
+def rank_engine_config(cfg: DictConfig) -> DictConfig:
+    """A copy of the run config for this rank's engine: ``trainer.engine_cpus`` set to :func:`rank_cores` of the
+    rank on its node (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, as torchrun sets them) and ``rollout.num_threads`` to
+    their number. The engine process pins itself there (:class:`rlplug.rollout.engine_process.EngineProcess`); the
+    ``vllm`` backend binds its OpenMP threads there."""
+    from omegaconf import OmegaConf  # deferred: omegaconf (already imported by the config layer)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = rank_cores(local_rank, local_world, cfg.rollout.get("num_threads"), usable)
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    assert isinstance(out, DictConfig)
+    out.trainer.engine_cpus = cores
+    out.rollout.num_threads = len(cores)
+    return out
+
+
+def generate_colocated(
+    num_prompts: int,
+    params: SamplingParams,
+    generate_part: Callable[[list[int], SamplingParams], RolloutOutput],
+    *,
+    rank: int,
+    world_size: int,
+    all_gather: Callable[[Any], list[Any]],
+    micro_batch_size: int,
+) -> RolloutOutput:
+    """This rank's share of a rollout of ``num_prompts`` prompts, generated, then every rank's joined.
+
+    Args:
+        num_prompts: prompts of the rollout (``params.n`` responses each).
+        params: the rollout's sampling settings; each micro-batch is generated with ``n=1`` and
+            ``seed=micro_batch_seed(params.seed, k)``.
+        generate_part: ``generate_part(prompt_indices, params) -> RolloutOutput``: one response (``params.n`` is 1)
+            per entry of ``prompt_indices`` (indices into the rollout's prompts, repeated ``n`` times in a row for
+            a group), in that order; this rank's engine (or its multi-turn episodes).
+        rank, world_size: this process's rank and the number of ranks.
+        all_gather: ``all_gather(obj) -> [obj of rank 0, obj of rank 1, ...]``, a collective every rank calls.
+        micro_batch_size: ``rollout.micro_batch_size`` (sequences per global micro-batch).
+
+    Returns:
+        The whole rollout on every rank, as one engine would give it: ``len(prompts) * n`` responses, prompt-major,
+        ``prompt_index`` into the prompts. ``metrics`` (the engines' numbers) are the means over the micro-batches,
+        weighted by their responses (every engine reports its own run totals and gauges).
+
+    Raises:
+        ValueError: a part with another number of responses than it was asked for.
+    """
+    n = max(1, int(params.n))
+    sequences = [p for p in range(num_prompts) for _ in range(n)]  # prompt-major, as RolloutOutput
+    bounds = micro_batches(len(sequences), micro_batch_size)
+    mine: list[tuple[int, RolloutOutput]] = []
+    for k in rank_micro_batches(len(bounds), rank, world_size):
+        start, stop = bounds[k]
+        part = generate_part(
+            sequences[start:stop], dataclasses.replace(params, n=1, seed=micro_batch_seed(params.seed, k))
+        )
+        if len(part.response_ids) != stop - start:
+            raise ValueError(
+                f"micro-batch {k}: the engine returned {len(part.response_ids)} responses for {stop - start} prompts "
+                "with n=1."
+            )
+        mine.append((k, part))
+    parts = sorted((kp for got in all_gather(mine) for kp in got), key=lambda kp: kp[0])
+    if [k for k, _ in parts] != list(range(len(bounds))):
+        raise RuntimeError(f"colocated generation gathered micro-batches {[k for k, _ in parts]} of {len(bounds)}")
+    metrics: dict[str, float] = {}
+    for name in dict.fromkeys(m for _, p in parts for m in p.metrics):
+        have = [(float(p.metrics[name]), len(p.response_ids)) for _, p in parts if name in p.metrics]
+        weight = sum(w for _, w in have)
+        value = sum(v * w for v, w in have) / weight if weight else math.nan
+        metrics[name] = value
+    return RolloutOutput.join([p for _, p in parts], sequences, metrics)
