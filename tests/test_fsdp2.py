@@ -472,6 +472,40 @@ def test_disk_full_on_rank_zero_inside_the_backend_save_stops_both_ranks_with_74
     assert not list(run_dir.glob("global_step_*")), sorted(p.name for p in run_dir.iterdir())
 
 
+@pytest.mark.slow  # two torchrun launches of a tiny run (~50 s and ~30 s on the 2-core test machine)
+def test_colocated_generation_gives_the_same_batch_from_one_or_two_ranks(tmp_path):
+    """Issue 35: with rollout.colocate=true each rank's engine (rollout=hf, in an engine process of one thread)
+    generates whole global micro-batches seeded by their index; the step's batch (responses, their scores, the
+    old log-probs) and the validation responses are bitwise the same whether 1 or 2 ranks generated them."""
+    import pyarrow.parquet as pq
+
+    common = [
+        "trainer=fsdp2",
+        "debug=tiny",
+        "rollout.colocate=true",
+        "rollout.micro_batch_size=2",  # debug=tiny: 4 prompts x n -> several micro-batches per rank
+        "rollout.num_threads=1",
+        "trainer.num_threads=1",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=true",
+        "trainer.test_freq=0",
+        "trainer.dump_rollouts=true",
+    ]
+    batches, samples = {}, {}
+    for nproc in (2, 1):
+        run_dir = tmp_path / f"ranks{nproc}"
+        proc = _run_cli([*common, f"trainer.default_local_dir={run_dir}"], nproc=nproc)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        batches[nproc] = pq.read_table(run_dir / "rollouts" / "step_000001.parquet").to_pylist()
+        lines = (run_dir / "validation_samples.jsonl").read_text().splitlines()
+        samples[nproc] = [json.loads(line)["samples"] for line in lines]
+    assert len(batches[1]) == len(batches[2]) >= 4
+    for key in ("prompt_ids", "response_ids", "finish_reason", "score", "old_log_probs", "token_level_scores"):
+        assert [r[key] for r in batches[2]] == [r[key] for r in batches[1]], key
+    assert len({tuple(r["response_ids"]) for r in batches[1]}) > 1  # sampled responses, not one repeated
+    assert samples[2] == samples[1] and samples[1]
+
+
 # --------------------------------------------------------------------------- GPU (NCCL)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

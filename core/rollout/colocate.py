@@ -56,6 +56,7 @@ __all__ = [
     "idle_ranks",
     "micro_batch_seed",
     "micro_batches",
+    "pin_engine_device",
     "rank_cores",
     "rank_engine_config",
     "rank_micro_batches",
@@ -183,6 +184,23 @@ def idle_ranks(cfg: DictConfig, world_size: int) -> str | None:
         f"{size} for {world_size} ranks, so {world_size - count} rank(s) generate nothing. Set "
         f"rollout.micro_batch_size={-(-sequences // world_size)} (or lower) to give every rank a share."
     )
+
+
+def pin_engine_device() -> str | None:
+    """On a CUDA machine: make the local rank's device (``LOCAL_RANK``-th of ``CUDA_VISIBLE_DEVICES``, or of every
+    device) the only one the engine processes this rank starts from now on can see, and return it; None without
+    CUDA. Call it after the training backend has set up its device (this process's CUDA context is made, so the
+    setting only reaches the children)."""
+    import torch  # deferred: torch (CUDA query)
+
+    if not torch.cuda.is_available():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
+    devices = devices or [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)]
+    return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
 def rank_engine_config(cfg: DictConfig) -> DictConfig:

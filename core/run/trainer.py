@@ -61,7 +61,13 @@ from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
 from rlplug.orchestration.episodes import episode_engine_for_run, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
-from rlplug.rollout.colocate import colocate_enabled, generate_colocated, idle_ranks, rank_engine_config
+from rlplug.rollout.colocate import (
+    colocate_enabled,
+    generate_colocated,
+    idle_ranks,
+    pin_engine_device,
+    rank_engine_config,
+)
 from rlplug.rollout.engine_process import build_engine
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
 from rlplug.run import evaluate  # evaluate.score_responses: looked up at call time (tests patch it)
@@ -279,6 +285,7 @@ class Trainer:
             #: rollout.colocate: an engine on every rank, each generating its share (rlplug.rollout.colocate)
             self.colocated = run_colocated(cfg, self.registry, self.coordinator)
             if self.colocated:
+                pin_engine_device()  # a GPU rank's engine process sees only the rank's device
                 self.rollout = build_engine(
                     rank_engine_config(cfg), self.registry, self.model_path, self.tokenizer, own_process=True
                 )

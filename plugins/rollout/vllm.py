@@ -207,6 +207,11 @@ class VLLMRollout:
         )
         if self.on_gpu:
             engine_kwargs["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
+            # sleep mode: sleep() frees the device for training (weights to host memory, KV cache dropped)
+            engine_kwargs["enable_sleep_mode"] = True
+        #: GPU sleep mode (sleep / wake_up): whether the engine sleeps, whether its weights are back on the device
+        #: (a push while asleep wakes the weights alone), and the device memory the latest sleep freed (bytes)
+        self.asleep, self._weights_awake, self.sleep_freed_bytes = False, True, 0
 
         weights_dir = rollout.weights_dir
         self.weights_dir = str(Path(str(weights_dir)).expanduser()) if weights_dir else shm_dir()
@@ -319,6 +324,9 @@ class VLLMRollout:
         if previous is not None:
             with _suppress():
                 os.unlink(previous)
+        if self.asleep and not self._weights_awake:  # GPU sleep mode: the weights go back to the device first
+            self._call("wake_up", ["weights"])
+            self._weights_awake = True
         fd, path = tempfile.mkstemp(prefix=weights_file_prefix(), suffix=".safetensors", dir=self.weights_dir)
         os.close(fd)
         try:
@@ -335,10 +343,22 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
-        """No-op: the idle engine's OpenMP threads sleep after a brief spin (libgomp's default), leaving the cores free."""
+        """On a GPU: vLLM's sleep mode, level 1 (the weights move to host memory, the KV cache is dropped), so that
+        training has the device; the device memory freed is logged and kept in ``sleep_freed_bytes``. On a CPU a
+        no-op: the idle engine's OpenMP threads sleep after a brief spin (libgomp's default), leaving the cores free."""
+        if not self.on_gpu or self.asleep:
+            return
+        self.sleep_freed_bytes = int(self._call("sleep", 1))
+        self.asleep, self._weights_awake = True, False
+        log.info("vllm engine asleep: %.2f GiB of device memory freed.", self.sleep_freed_bytes / 2**30)
 
     def wake_up(self) -> None:
-        """No-op (see :meth:`sleep`)."""
+        """On a GPU: the engine back from :meth:`sleep` (the KV cache alone when a weight push already woke the
+        weights). On a CPU a no-op."""
+        if not self.on_gpu or not self.asleep:
+            return
+        self._call("wake_up", ["kv_cache"] if self._weights_awake else None)
+        self.asleep, self._weights_awake = False, True
 
     def memory(self) -> dict[str, float | bool]:
         """The engine child's memory: ``rss_mib`` (resident size), ``heap_used_mib`` / ``heap_free_mib``
@@ -1053,6 +1073,15 @@ def _engine_child_main(read_fd: int, write_fd: int) -> int:
             elif cmd == "update_weights":
                 result = _child_update_weights(llm, payload)
                 _child_trim()
+            elif cmd == "sleep":  # GPU sleep mode (level ``payload``): the device memory it freed, bytes
+                import torch  # deferred: torch (loaded with vllm already)
+
+                free_before = torch.cuda.mem_get_info()[0]
+                llm.sleep(level=int(payload))
+                result = int(torch.cuda.mem_get_info()[0] - free_before)
+            elif cmd == "wake_up":  # payload: vLLM's tags (["weights"], ["kv_cache"]) or None for everything
+                llm.wake_up(tags=payload) if payload else llm.wake_up()
+                result = None
             else:
                 raise ValueError(f"unknown command '{cmd}'")
             send.send(("ok", result))
