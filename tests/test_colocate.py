@@ -136,6 +136,7 @@ def test_the_batch_is_the_same_whether_one_two_or_three_ranks_generated_it() -> 
         )
     # the engine metrics: means over the micro-batches weighted by their responses (4*4 + 4*4 + 4*4 + 3*3) / 15
     assert one.metrics["rollout/turns_mean"] == pytest.approx((16 + 16 + 16 + 9) / 15)
+    assert one.metrics["rollout/gen_s_rank_max"] >= one.metrics["rollout/gen_s_rank_min"] >= 0.0
 
 
 def test_a_part_with_the_wrong_number_of_responses_is_refused() -> None:

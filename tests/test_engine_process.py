@@ -42,30 +42,48 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=True)
 
 
 class StubRollout:
-    """A rollout backend without a model: echoes each prompt's last token; ``runs_out_of_process`` unset."""
+    """A rollout backend without a model: echoes each prompt's last token; ``runs_out_of_process`` unset.
+
+    ``max_tokens=999``: sleeps 60 s; ``max_tokens=998``: kills its own process. A pushed name ``bad`` is
+    rejected; a pushed name ``die_once`` kills the process unless the file ``stub.flag`` of the config
+    exists, which it creates first (so the restarted child's load of the same push goes through)."""
 
     def __init__(self, config, model_path, tokenizer) -> None:
         self.pushed = 0
+        self.asleep = False
+        self.flag = config.get("stub", {}).get("flag")
 
     def generate(self, prompt_ids, params) -> RolloutOutput:
         if params.max_tokens == 999:  # a long call, for the parent-death test
             time.sleep(60)
+        if params.max_tokens == 998:  # a batch that kills the engine every time (the OOM killer's pick)
+            os.kill(os.getpid(), signal.SIGKILL)
         k = len(prompt_ids)
         return RolloutOutput(
             response_ids=[p[-1:] for p in prompt_ids], finish_reasons=["length"] * k, prompt_index=list(range(k))
         )
 
     def update_weights(self, named_tensors) -> None:
+        if "bad" in named_tensors:
+            raise ValueError("unknown weight 'bad'")
+        if "die_once" in named_tensors and not Path(self.flag).exists():
+            Path(self.flag).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
         self.pushed += 1
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        self.asleep = True
 
-    def wake_up(self) -> None: ...
+    def wake_up(self) -> None:
+        self.asleep = False
 
     def close(self) -> None: ...
 
     def pushes(self) -> int:
         return self.pushed
+
+    def state(self) -> tuple[int, bool]:
+        return self.pushed, self.asleep
 
     def fail(self, message: str) -> None:
         raise RuntimeError(message)
@@ -75,8 +93,16 @@ class OutOfProcessStub(StubRollout):
     runs_out_of_process = True
 
 
-def _stub_engine(**trainer) -> EngineProcess:
-    return EngineProcess({"rollout": {}, "trainer": trainer}, "stub", "unused", factory=StubRollout, tokenizer="tok")
+def _stub_engine(rollout=None, stub=None, **trainer) -> EngineProcess:
+    cfg = {"rollout": rollout or {}, "trainer": trainer, "stub": stub or {}}
+    return EngineProcess(cfg, "stub", "unused", factory=StubRollout, tokenizer="tok")
+
+
+def _weight_files() -> set[Path]:
+    """This process's pushed-weights files (rlplug-engine-weights-<pid>-*) in /dev/shm or the temp dir."""
+    from rlplug.rollout.utils import shm_dir
+
+    return set(Path(shm_dir()).glob(f"rlplug-engine-weights-{os.getpid()}-*"))
 
 
 def _gone(pid: int) -> bool:
@@ -146,7 +172,6 @@ def test_update_weights_takes_effect(engine, cfg, model_path, tok, original_weig
         assert after.response_ids == expected.response_ids and after.log_probs == expected.log_probs
         assert after.log_probs != before.log_probs  # the push changed the engine's model
         assert engine.last_update_s > 0
-        assert not list(Path("/dev/shm").glob(f"rlplug-engine-weights-{os.getpid()}-*"))  # the file was removed
     finally:
         engine.update_weights(original_weights)
     assert engine.generate(PROMPTS, GREEDY).log_probs == before.log_probs
@@ -191,8 +216,8 @@ def test_generate_and_update_weights_from_two_threads_are_serialised(engine, ori
     assert all(r.response_ids == expected.response_ids and r.log_probs == expected.log_probs for r in results)
 
 
-def test_a_killed_child_raises_naming_the_exit() -> None:
-    e = _stub_engine()
+def test_a_killed_child_raises_naming_the_exit_without_restarts() -> None:
+    e = _stub_engine(rollout={"max_restarts": 0})
     pid = e.pid
     assert e.generate([[5, 6]], GREEDY).response_ids == [[6]]
     os.kill(pid, signal.SIGKILL)
@@ -200,12 +225,124 @@ def test_a_killed_child_raises_naming_the_exit() -> None:
         e.generate([[5, 6]], GREEDY)
     msg = str(info.value)
     assert f"pid {pid}" in msg and "killed by SIGKILL (exit code -9)" in msg and "'generate'" in msg
+    assert "not restarted: all rollout.max_restarts=0 restarts are used up (0 done)" in msg
     assert f"rlplug engine process {pid}: backend 'stub'" in msg  # the log's last lines
+    assert e.restarts == 0
     with pytest.raises(EngineProcessError, match="is gone"):
         e.update_weights({"w": torch.zeros(2)})
     assert e.pid is None
     e.close()
     e.close()
+
+
+def test_a_killed_child_is_restarted_with_the_pushed_weights_and_gives_the_same_batch(
+    model_path, tok, original_weights
+) -> None:
+    async_cfg = compose([*BASE, "trainer.async_mode=one_step_off"])
+    g = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original_weights.items()}
+    with EngineProcess(async_cfg, "hf", model_path, factory=HFRollout, tokenizer=tok) as e:
+        initial = e.generate(PROMPTS, SAMPLED)
+        e.update_weights(perturbed)
+        pushed = e.generate(PROMPTS, SAMPLED)
+        assert pushed.log_probs != initial.log_probs  # the push changed the engine's model
+        pid = e.pid
+        os.kill(pid, signal.SIGKILL)
+        again = e.generate(PROMPTS, SAMPLED)  # the dead child's batch, generated by a new one
+        assert e.restarts == 1 and e.pid not in (None, pid) and _gone(pid)
+        assert again.response_ids == pushed.response_ids and again.log_probs == pushed.log_probs
+        assert again.finish_reasons == pushed.finish_reasons and again.prompt_index == pushed.prompt_index
+        assert pushed.metrics == {} and again.metrics == {"rollout/engine_restarts": 1.0}
+        assert "rollout/engine_restarts" in e.metrics
+        assert e.generate(PROMPTS, SAMPLED) == again  # the new child keeps serving, with the pushed weights
+
+
+def test_a_restarted_child_gets_the_latest_push_and_the_sleep_state(tmp_path) -> None:
+    with _stub_engine(rollout={"max_restarts": 1}, stub={"flag": str(tmp_path / "flag")}) as e:
+        e.update_weights({"a": torch.ones(2)})
+        e.update_weights({"a": torch.ones(2)})
+        e.sleep()
+        assert e.call("state") == (2, True)
+        first = e.pid
+        os.kill(first, signal.SIGKILL)
+        # one push loaded (the latest: the file is kept), put back to sleep, then the call sent again
+        assert e.call("state") == (1, True)
+        assert e.restarts == 1 and e.pid != first
+        e.wake_up()
+        assert e.call("state") == (1, False)
+        second = e.pid
+        os.kill(second, signal.SIGKILL)
+        with pytest.raises(EngineProcessError, match=r"(?s)not restarted: all rollout.max_restarts=1 restarts are"):
+            e.generate([[1]], GREEDY)
+        assert e.restarts == 1 and e.pid is None
+        with pytest.raises(EngineProcessError, match="is gone"):
+            e.generate([[1]], GREEDY)
+
+
+def test_a_child_that_dies_loading_a_push_is_restarted_and_loads_it_once(tmp_path) -> None:
+    flag = tmp_path / "flag"
+    already = _weight_files()  # the module's engine keeps its own
+    with _stub_engine(stub={"flag": str(flag)}) as e:
+        e.update_weights({"a": torch.ones(2)})
+        first = e.pid
+        e.update_weights({"die_once": torch.ones(2)})  # the child dies loading it; the new child loads it
+        assert flag.exists() and e.restarts == 1 and e.pid != first
+        assert e.call("pushes") == 1  # the latest push only: loading it was the retry, not done twice
+        assert len(_weight_files() - already) == 1  # still kept, for the next restart
+
+
+def test_a_batch_that_kills_the_child_again_is_not_retried_twice() -> None:
+    with _stub_engine() as e:
+        first = e.pid
+        with pytest.raises(EngineProcessError) as info:
+            e.generate([[1]], SamplingParams(max_tokens=998))
+        msg = str(info.value)
+        assert "killed by SIGKILL" in msg and "had been restarted (1 of rollout.max_restarts=3)" in msg
+        assert "not retried twice" in msg and e.restarts == 1 and e.pid is None and _gone(first)
+
+
+def test_no_restart_after_a_failed_push() -> None:
+    """A failed push leaves no copy of the weights the child holds: a restart would change them, so none."""
+    with _stub_engine() as e:
+        e.update_weights({"a": torch.ones(2)})
+        with pytest.raises(EngineProcessError, match="unknown weight 'bad'"):
+            e.update_weights({"bad": torch.ones(2)})
+        os.kill(e.pid, signal.SIGKILL)
+        with pytest.raises(EngineProcessError, match=r"not restarted: the weights it held have no copy"):
+            e.generate([[1]], GREEDY)
+        assert e.restarts == 0
+
+
+def test_one_weights_file_is_kept_and_deleted_at_close() -> None:
+    already = _weight_files()  # the module's engine keeps its own
+    e = _stub_engine()
+    e.update_weights({"a": torch.ones(2)})
+    (first,) = _weight_files() - already
+    e.update_weights({"a": torch.zeros(2), "b": torch.ones(1)})
+    (second,) = _weight_files() - already  # the first push's file went before the second was written
+    assert second != first and not first.exists()
+    import safetensors.torch
+
+    assert sorted(safetensors.torch.load_file(second)) == ["a", "b"]
+    e.close()
+    assert _weight_files() - already == set()
+
+
+def test_weights_left_by_a_dead_process_are_deleted_at_start() -> None:
+    from rlplug.rollout.utils import shm_dir
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    stale = Path(shm_dir()) / f"rlplug-engine-weights-{dead_pid}-abc123.safetensors"
+    live = Path(shm_dir()) / f"rlplug-engine-weights-{os.getpid()}-abc123.safetensors"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    try:
+        with _stub_engine():
+            assert not stale.exists() and live.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
 
 
 def test_close_is_idempotent_and_ends_the_child() -> None:

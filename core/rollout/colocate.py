@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -247,7 +248,9 @@ def generate_colocated(
     Returns:
         The whole rollout on every rank, as one engine would give it: ``len(prompts) * n`` responses, prompt-major,
         ``prompt_index`` into the prompts. ``metrics`` (the engines' numbers) are the means over the micro-batches,
-        weighted by their responses (every engine reports its own run totals and gauges).
+        weighted by their responses (every engine reports its own run totals and gauges), plus
+        ``rollout/gen_s_rank_max`` / ``rollout/gen_s_rank_min``: the seconds the slowest / fastest rank spent
+        generating its share (the max is what the step waits for; their gap is the imbalance).
 
     Raises:
         ValueError: a part with another number of responses than it was asked for.
@@ -256,6 +259,7 @@ def generate_colocated(
     sequences = [p for p in range(num_prompts) for _ in range(n)]  # prompt-major, as RolloutOutput
     bounds = micro_batches(len(sequences), micro_batch_size)
     mine: list[tuple[int, RolloutOutput]] = []
+    t0 = time.perf_counter()
     for k in rank_micro_batches(len(bounds), rank, world_size):
         start, stop = bounds[k]
         part = generate_part(
@@ -267,7 +271,8 @@ def generate_colocated(
                 "with n=1."
             )
         mine.append((k, part))
-    parts = sorted((kp for got in all_gather(mine) for kp in got), key=lambda kp: kp[0])
+    gathered = all_gather((time.perf_counter() - t0, mine))
+    parts = sorted((kp for _, got in gathered for kp in got), key=lambda kp: kp[0])
     if [k for k, _ in parts] != list(range(len(bounds))):
         raise RuntimeError(f"colocated generation gathered micro-batches {[k for k, _ in parts]} of {len(bounds)}")
     metrics: dict[str, float] = {}
@@ -276,4 +281,6 @@ def generate_colocated(
         weight = sum(w for _, w in have)
         value = sum(v * w for v, w in have) / weight if weight else math.nan
         metrics[name] = value
+    seconds = [float(s) for s, _ in gathered]  # each rank's own generation: the step waits for the slowest
+    metrics["rollout/gen_s_rank_max"], metrics["rollout/gen_s_rank_min"] = max(seconds), min(seconds)
     return RolloutOutput.join([p for _, p in parts], sequences, metrics)

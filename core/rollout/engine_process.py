@@ -37,12 +37,16 @@ Weights
 -------
 :meth:`EngineProcess.update_weights` copies the tensors to the CPU (as they are: the backend casts),
 writes them as one safetensors file to ``/dev/shm`` (:func:`rlplug.rollout.utils.shm_dir`; named
-``rlplug-engine-weights-<pid>-*``) and sends its path; the child loads it, hands the dict to the
-backend's ``update_weights`` and deletes the file, which the parent deletes too should the child
-die first. Measured on the 2-core CPU machine (torch 2.13.0+cpu, AMD EPYC; a push into a backend
-that copies every tensor into its parameters): the tiny test model, 6.4M fp32 parameters (25 MB),
-34 ms; 135M fp32 parameters (540 MB, SmolLM2-135M's size) in 30 tensors, 0.5 s (0.7 s the first time,
-while the backend allocates), 0.27 s of it writing and loading the file.
+``rlplug-engine-weights-<trainer pid>-*``) and sends its path (and the names in the caller's order);
+the child loads it and hands the dict to the backend's ``update_weights``. The parent keeps the latest
+file for a restarted child (below): each push deletes the previous file before writing its own, so
+there is at most one model copy there, and :meth:`EngineProcess.close` (or the object's finalizer)
+deletes the last one. A trainer killed by SIGKILL cannot: the next :class:`EngineProcess` started on
+the machine deletes every such file whose process is gone. Measured on the 2-core CPU machine
+(torch 2.13.0+cpu, AMD EPYC; a push into a backend that copies every tensor into its parameters):
+the tiny test model, 6.4M fp32 parameters (25 MB), 34 ms; 135M fp32 parameters (540 MB, SmolLM2-135M's
+size) in 30 tensors, 0.5 s (0.7 s the first time, while the backend allocates), 0.27 s of it writing
+and loading the file.
 (torch's tensor sharing, :mod:`torch.multiprocessing`, needs a ``multiprocessing``-started child to
 pass file descriptors or names; a file needs nothing, and is what the ``vllm`` backend pushes too.)
 
@@ -51,14 +55,38 @@ Calls
 One :class:`threading.Lock` serialises the commands: the async pipeline generates from a producer
 thread and pushes weights from the trainer's; a second caller waits for the first to finish.
 A failing backend call raises :class:`EngineProcessError` with the child's traceback, and the
-child keeps serving. A child that dies (SIGKILL from the OOM killer, a crash) raises
-:class:`EngineProcessError` naming its exit code and quoting its log; every later call raises too
-(the engine is not restarted: its weights died with it).
+child keeps serving. A child that does not answer within a command's timeout (``init``:
+``RLPLUG_ENGINE_STARTUP_TIMEOUT_S``; ``memory``: 60 s) or whose call is interrupted (Ctrl-C) is
+stopped, and every later call raises.
+
+Restarts
+--------
+A child that dies during a command (``generate``, ``update_weights``, ``sleep``, ``wake_up``,
+``memory``, ``call``; SIGKILL from the OOM killer, a crash) is restarted, at most
+``rollout.max_restarts`` times in the object's life (default 3; 0: never): a warning names its exit
+code or signal and quotes its log, a new child gets the same ``init`` (same config, tokenizer, cores
+and threads; its output appended to the same log), loads the latest pushed weights file when there
+was a push (so it holds the weights the dead one held, not the model's initial ones), is put back to
+sleep when the last of :meth:`EngineProcess.sleep` / :meth:`EngineProcess.wake_up` was ``sleep``, and
+is sent the interrupted command once more, under the same lock (for ``update_weights`` the new
+child's loading of the pushed file is the retry). Backends that seed each call from
+``SamplingParams.seed`` (``hf``: :mod:`rlplug.plugins.rollout.hf`) therefore return the same
+``RolloutOutput`` as without the death: the batch does not depend on it. ``restarts`` counts them;
+``generate`` reports the count as ``rollout/engine_restarts`` from the first restart on.
+
+:class:`EngineProcessError` (quoting the log), and every later call raises too, when the child dies
+and no restart is left, when it dies again on the retried command, when the new child fails to
+start, when :meth:`EngineProcess.close` is in progress (it never restarts), or when no copy of the
+dead child's weights exists, as a new child would then generate with other weights: a push deletes the
+previous file before it writes its own, so from then until the push gets the lock (after the command
+in progress: a ``generate`` in the asynchronous modes) the child holds weights that are in no file;
+likewise after a failed push, until a push succeeds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -84,6 +112,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["EngineProcess", "EngineProcessError", "build_engine", "out_of_process"]
+
+log = logging.getLogger(__name__)
 
 #: ``trainer.async_mode`` values that run the engine in a process of its own
 ASYNC_MODES = ("one_step_off", "async")
@@ -150,17 +180,25 @@ class EngineProcess:
     registry), ``tokenizer`` the trainer's tokenizer (None, or one that does not pickle: the child loads
     ``model_path``'s, with ``model.trust_remote_code``, left padding and EOS as pad). Reads ``rollout.num_threads`` (torch
     threads in the child; None: ``len(trainer.engine_cpus)`` when set, else ``os.cpu_count()``),
+    ``rollout.max_restarts`` (restarts of a child that died, in the object's life; 0: none),
     ``trainer.engine_cpus`` (the child's cores; None: the parent's), ``trainer.malloc_trim`` (the child
     returns its free heap to the OS after each generate and push) and whatever the backend reads.
     Blocks until the backend is built (``startup_s``: seconds).
 
-    Attributes: ``pid`` (the child's, None once closed: the trainer logs its resident size as
-    ``perf/rollout_rss_gb``), ``metrics`` (the backend's ``metrics`` names plus
-    ``perf/rollout_rss_gb``), ``num_threads`` and ``cpus`` (as the child reports them),
-    ``last_update_s`` (seconds of the latest :meth:`update_weights`), ``log_path``.
+    A child that dies during a command is restarted (see the module docstring's "Restarts"): a new
+    child gets the same ``init``, the latest pushed weights and the last :meth:`sleep` / :meth:`wake_up`
+    state, and the command is sent to it once more.
 
-    Raises ``ValueError`` when ``trainer.engine_cpus`` names cores this process may not use and
-    :class:`EngineProcessError` when the child fails to start (its traceback or log quoted).
+    Attributes: ``pid`` (the live child's, a new one after a restart; None once closed or gone: the
+    trainer logs its resident size as ``perf/rollout_rss_gb``), ``restarts`` (children restarted so
+    far), ``max_restarts``, ``metrics`` (the backend's ``metrics`` names plus ``rollout/engine_restarts``
+    and ``perf/rollout_rss_gb``), ``num_threads`` and ``cpus`` (as the child reports them),
+    ``last_update_s`` (seconds of the latest :meth:`update_weights`), ``log_path`` (every child's output,
+    one after another).
+
+    Raises ``ValueError`` when ``trainer.engine_cpus`` names cores this process may not use or
+    ``rollout.max_restarts`` is negative, and :class:`EngineProcessError` when the child fails to start
+    (its traceback or log quoted).
     """
 
     #: the engine is a child process: :func:`out_of_process` is true, so it is never wrapped twice
@@ -177,6 +215,8 @@ class EngineProcess:
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> None:
         from omegaconf import DictConfig, OmegaConf  # deferred: omegaconf
+
+        from rlplug.rollout.utils import shm_dir  # deferred: torch (rlplug.rollout.utils imports it)
 
         self.factory_name = str(factory_name)
         self.model_path = str(model_path)
@@ -198,9 +238,13 @@ class EngineProcess:
             threads = len(cpus) if cpus is not None else (os.cpu_count() or 1)
         if threads < 1:
             raise ValueError(f"rollout.num_threads must be >= 1 (or None: one per core), got {threads}.")
+        self.max_restarts = int(rollout.max_restarts)
+        if self.max_restarts < 0:
+            raise ValueError(f"rollout.max_restarts must be >= 0 (0: never restart), got {self.max_restarts}.")
         container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
         trust = bool(typed(ModelConfig, cfg["model"] if "model" in cfg else None).trust_remote_code)
-        payload = {
+        #: the ``init`` command's payload, sent again to a restarted child
+        self._payload = {
             "cfg": container,
             "factory_name": self.factory_name,
             "factory": _pickled_reference(factory),
@@ -212,87 +256,108 @@ class EngineProcess:
             "sys_path": list(sys.path),
             "malloc_trim": bool(trainer.malloc_trim),
         }
+        self._env = dict(os.environ)
+        self._env["OMP_NUM_THREADS"] = self._env["MKL_NUM_THREADS"] = str(threads)
+        self._startup_timeout_s = float(startup_timeout_s)
         self.last_update_s = 0.0
-        self._lock = threading.Lock()
+        self.restarts = 0
+        self._lock = threading.Lock()  # one command at a time
+        self._push_lock = threading.Lock()  # one update_weights at a time (its file is written outside _lock)
+        self._files_lock = threading.Lock()  # the weights file's bookkeeping against a restart loading it
         self._closed = False
         self._closing = False
         self._dead: str | None = None
+        self._asleep = False  # the latest successful sleep() / wake_up(), restored in a restarted child
+        #: the latest pushed weights, ``[(path, names)]`` or ``[]`` (none, or its copy is gone): what a
+        #: restarted child loads. A list shared with the finalizer, which deletes the file.
+        self._weights: list[tuple[str, list[str]]] = []
+        #: True while the child holds pushed weights of which no file exists (a push in progress or failed):
+        #: a restart then would generate with other weights, so it is refused
+        self._weights_missing = False
+        self._weights_dir = shm_dir()
+        _remove_stale_weights(self._weights_dir)
+        self._weights_finalizer = weakref.finalize(self, _remove_weights, self._weights)
+        self._finalizer: weakref.finalize | None = None
         self.log_dir = Path(tempfile.mkdtemp(prefix="rlplug-engine-"))
         self.log_path = self.log_dir / "engine.log"
-        env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-        p2c_r, p2c_w = os.pipe()
-        c2p_r, c2p_w = os.pipe()
-        argv = [sys.executable, "-m", "rlplug.rollout.engine_process", "--engine-child"]
-        try:
-            with open(self.log_path, "ab") as logf:
-                self._proc = subprocess.Popen(
-                    [*argv, str(p2c_r), str(c2p_w), str(os.getpid())],
-                    pass_fds=(p2c_r, c2p_w),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    close_fds=True,
-                )
-        finally:
-            os.close(p2c_r)
-            os.close(c2p_w)
-        self._send = Connection(p2c_w, readable=False)
-        self._recv = Connection(c2p_r, writable=False)
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._send, self._recv)
         t0 = time.perf_counter()
         try:
-            info = self._call("init", payload, timeout=startup_timeout_s)
+            info = self._start()
         except BaseException:
             self._close(keep_logs=True)
             raise
         self.startup_s = time.perf_counter() - t0
         self.num_threads = int(info["num_threads"])
         self.cpus: list[int] = list(info["cpus"])
+        own = ("rollout/engine_restarts", "perf/rollout_rss_gb")
         backend_metrics = info["metrics"]
         if backend_metrics is not None:  # forwarded only where the backend declares some, as its own attribute
-            self.metrics: tuple[str, ...] = tuple(dict.fromkeys([*backend_metrics, "perf/rollout_rss_gb"]))
+            self.metrics: tuple[str, ...] = tuple(dict.fromkeys([*backend_metrics, *own]))
         else:
-            self.metrics = ("perf/rollout_rss_gb",)
+            self.metrics = own
 
     # ------------------------------------------------------------------ RolloutBackend
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """The backend's ``generate`` in the child (see :class:`rlplug.contracts.types.RolloutBackend`).
-        Raises :class:`EngineProcessError` (the backend raised: its traceback; or the child died)."""
+
+        After a restart (:attr:`restarts` > 0) the output's ``metrics`` carry ``rollout/engine_restarts``,
+        the restarts so far (absent before the first, so a run without deaths logs what ``sync`` logs).
+        A batch interrupted by the child's death is generated again by the restarted child with the same
+        weights and ``params`` (seed included): the same output as without the death.
+        Raises :class:`EngineProcessError` (the backend raised: its traceback; or the child died and was
+        not restarted, or died again)."""
         out = self._call("generate", ([list(map(int, p)) for p in prompt_ids], params))
         assert isinstance(out, RolloutOutput)
+        if self.restarts:
+            out.metrics["rollout/engine_restarts"] = float(self.restarts)
         return out
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
         """Send the actor's weights (HF names, any dtype/device) to the backend's ``update_weights``.
 
         The tensors are copied to the CPU and written to one safetensors file in ``/dev/shm`` before
-        the lock is taken (so a running ``generate`` is not held up by the copy), which the child
-        loads and deletes. ``last_update_s``: seconds, copy included. Raises
+        the lock is taken (so a running ``generate`` is not held up by the copy); the child loads it.
+        The file is kept, for a restarted child, until the next push, which deletes it before writing
+        its own (one model copy at most), or :meth:`close`. A child that dies while loading it is
+        restarted and loads it (that is the retry). ``last_update_s``: seconds, copy included. Raises
         :class:`EngineProcessError` (the backend rejected them -- unknown names or shapes -- or the
-        child died)."""
+        child died and was not restarted); a failed push deletes its file, and a child that dies later
+        is not restarted (no copy of the weights it holds exists) until a push succeeds."""
         import safetensors.torch  # deferred: safetensors (imports torch)
 
-        from rlplug.rollout.utils import shm_dir  # deferred: torch (rlplug.rollout.utils imports it)
-
         self._check_open()
-        t0 = time.perf_counter()
-        tensors = _cpu_tensors(named_tensors)
-        fd, path = tempfile.mkstemp(prefix=f"{WEIGHTS_PREFIX}{os.getpid()}-", suffix=".safetensors", dir=shm_dir())
-        os.close(fd)
-        try:
-            safetensors.torch.save_file(tensors, path)
-            names = list(tensors)  # the file keeps its own order; the backend gets the caller's (tied weights)
-            del tensors
-            self._call("update_weights", (path, names))
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self.last_update_s = time.perf_counter() - t0
+        with self._push_lock:
+            t0 = time.perf_counter()
+            tensors = _cpu_tensors(named_tensors)
+            with self._files_lock:  # the previous copy goes first: at most one on disk / in RAM
+                had_push = bool(self._weights)
+                _remove_weights(self._weights)
+                self._weights_missing = self._weights_missing or had_push
+            fd, path = tempfile.mkstemp(
+                prefix=f"{WEIGHTS_PREFIX}{os.getpid()}-", suffix=".safetensors", dir=self._weights_dir
+            )
+            os.close(fd)
+            try:
+                safetensors.torch.save_file(tensors, path)
+                names = list(tensors)  # the file keeps its own order; the backend gets the caller's (tied weights)
+                del tensors
+                with self._lock:
+                    self._check_open()
+                    with self._files_lock:  # a death while loading it: the restarted child loads it
+                        self._weights.append((path, names))
+                        self._weights_missing = False
+                    self._command("update_weights", (path, names), None)
+            except BaseException:
+                with self._files_lock:
+                    self._weights_missing = True
+                    _remove_weights(self._weights)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+            self.last_update_s = time.perf_counter() - t0
 
     def sleep(self) -> None:
-        """The backend's ``sleep`` in the child."""
+        """The backend's ``sleep`` in the child (and in a child restarted later)."""
         self._call("sleep")
 
     def wake_up(self) -> None:
@@ -306,19 +371,22 @@ class EngineProcess:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``backend.<method>(*args, **kwargs)`` in the child, for a backend's methods beyond the
-        protocol (arguments and result pickled). Raises :class:`EngineProcessError`."""
+        protocol (arguments and result pickled; sent again to a restarted child when the child died
+        during it). Raises :class:`EngineProcessError`."""
         return self._call("call", (str(method), args, kwargs))
 
     @property
     def pid(self) -> int | None:
-        """The child's process id (None once closed or dead)."""
+        """The live child's process id (a new one after a restart; None once closed or gone)."""
         return None if self._closed or self._dead is not None else int(self._proc.pid)
 
     def close(self) -> None:
-        """Stop the child (``close``, then SIGTERM, then SIGKILL) and delete its log folder; idempotent.
+        """Stop the child (``close``, then SIGTERM, then SIGKILL), delete the kept weights file and the log
+        folder (kept when the child was gone); idempotent.
 
         A command running in another thread is waited for up to :data:`CLOSE_WAIT_S` seconds, then the
-        child is killed at once (that command raises :class:`EngineProcessError`, "was closed")."""
+        child is killed at once (that command raises :class:`EngineProcessError`, "was closed"; it is
+        not restarted)."""
         if self._closed:
             return
         self._closing = True
@@ -339,9 +407,50 @@ class EngineProcess:
         self.close()
 
     # ------------------------------------------------------------------ plumbing
+    def _start(self) -> dict:
+        """Start a child (its output appended to ``log_path``), send it ``init`` and return its answer.
+        Raises :class:`EngineProcessError` (the backend failed to build, the child died, or
+        :meth:`close` began meanwhile)."""
+        p2c_r, p2c_w = os.pipe()
+        c2p_r, c2p_w = os.pipe()
+        argv = [sys.executable, "-m", "rlplug.rollout.engine_process", "--engine-child"]
+        try:
+            with open(self.log_path, "ab") as logf:
+                proc = subprocess.Popen(
+                    [*argv, str(p2c_r), str(c2p_w), str(os.getpid())],
+                    pass_fds=(p2c_r, c2p_w),
+                    env=self._env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    close_fds=True,
+                )
+        except BaseException:
+            os.close(p2c_w)
+            os.close(c2p_r)
+            raise
+        finally:
+            os.close(p2c_r)
+            os.close(c2p_w)
+        send, recv = Connection(p2c_w, readable=False), Connection(c2p_r, writable=False)
+        self._proc, self._send, self._recv = proc, send, recv
+        self._finalizer = weakref.finalize(self, _shutdown, proc, send, recv)
+        if self._closing:  # close() from another thread may have stopped the previous child, not this one
+            self._finalizer()
+            raise EngineProcessError(
+                f"The rollout engine process (backend '{self.factory_name}') was closed while it was restarted."
+            )
+        return dict(self._exchange("init", self._payload, self._startup_timeout_s))
+
+    def _stop_child(self) -> None:
+        """Stop the current child and close its pipes (:func:`_shutdown`; once per child)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
     def _close(self, *, keep_logs: bool) -> None:
         self._closed = True
-        self._finalizer()
+        self._stop_child()
+        self._weights_finalizer()  # the kept weights file
         if not keep_logs:
             import shutil  # deferred: only at close
 
@@ -358,28 +467,110 @@ class EngineProcess:
     def _call(self, cmd: str, payload: Any = None, timeout: float | None = None) -> Any:
         with self._lock:
             self._check_open()
-            return self._exchange(cmd, payload, timeout)
+            return self._command(cmd, payload, timeout)
+
+    def _command(self, cmd: str, payload: Any, timeout: float | None) -> Any:
+        """Send ``cmd`` and return the child's answer; a child that dies meanwhile is restarted and
+        ``cmd`` sent again once (``update_weights``: the restarted child loaded the file, which is the
+        retry). Called with ``_lock`` held. Raises :class:`EngineProcessError`."""
+        try:
+            result = self._exchange(cmd, payload, timeout)
+        except _ChildDied as died:
+            loaded = self._restart(cmd, died)
+            if cmd == "update_weights":
+                return loaded
+            try:
+                result = self._exchange(cmd, payload, timeout)
+            except _ChildDied as again:
+                self._dead = (
+                    f"{again.headline} It had been restarted ({self.restarts} of rollout.max_restarts="
+                    f"{self.max_restarts}) after dying on '{cmd}', which is not retried twice."
+                )
+                raise EngineProcessError(self._with_log(self._dead)) from again
+        if cmd in ("sleep", "wake_up"):
+            self._asleep = cmd == "sleep"
+        return result
+
+    def _restart(self, cmd: str, died: _ChildDied) -> Any:
+        """Start a new child in place of the one that died on ``cmd`` and give it the latest pushed weights
+        and the sleep state; returns the answer to the weights' ``update_weights`` (None without a push).
+        Called with ``_lock`` held. Raises :class:`EngineProcessError` when :meth:`close` is in progress,
+        no restart is left, no copy of the dead child's weights exists, or the new child fails."""
+        if self._closing:
+            self._dead = died.headline
+            raise EngineProcessError(str(died)) from died
+        with self._files_lock:  # a push waits here before deleting the file this restart loads
+            if self.restarts >= self.max_restarts:
+                why = (
+                    f"It is not restarted: all rollout.max_restarts={self.max_restarts} restarts are used up "
+                    f"({self.restarts} done)."
+                )
+            elif self._weights_missing:
+                why = (
+                    "It is not restarted: the weights it held have no copy (a push was in progress or failed), "
+                    "and a new child would generate with other weights."
+                )
+            else:
+                why = ""
+            if why:
+                self._dead = f"{died.headline} {why}"
+                raise EngineProcessError(self._with_log(self._dead)) from died
+            self.restarts += 1
+            weights = self._weights[0] if self._weights else None
+            log.warning(
+                "%s Restarting it (%d of rollout.max_restarts=%d) with %s. Last lines of its log %s:\n%s",
+                died.headline,
+                self.restarts,
+                self.max_restarts,
+                "the latest pushed weights" if weights is not None else "the model's own weights (none pushed)",
+                self.log_path,
+                self.log_tail(),
+            )
+            t0 = time.perf_counter()
+            try:
+                self._start()
+                loaded = None if weights is None else self._exchange("update_weights", weights, None)
+                if self._asleep:
+                    self._exchange("sleep", None, None)
+            except EngineProcessError as exc:
+                self._stop_child()
+                self._dead = (
+                    f"{died.headline} Its restart ({self.restarts} of rollout.max_restarts={self.max_restarts}) "
+                    f"failed: {exc}"
+                )
+                raise EngineProcessError(self._dead) from exc
+            except BaseException:  # interrupted: the new child's answers may be out of step
+                self._stop_child()
+                self._dead = f"{died.headline} Its restart was interrupted."
+                raise
+        log.warning(
+            "Rollout engine process restarted in %.1f s (pid %d, backend '%s').",
+            time.perf_counter() - t0,
+            self._proc.pid,
+            self.factory_name,
+        )
+        return loaded
 
     def _exchange(self, cmd: str, payload: Any, timeout: float | None) -> Any:
-        proc = self._proc
+        proc, send, recv = self._proc, self._send, self._recv
         try:
-            self._send.send((cmd, payload))
+            send.send((cmd, payload))
         except (BrokenPipeError, OSError) as exc:
             raise self._died(cmd) from exc
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while not self._recv.poll(0.2):
+            while not recv.poll(0.2):
                 if proc.poll() is not None:
                     raise self._died(cmd)
                 if deadline is not None and time.monotonic() > deadline:
                     self._dead = f"It did not answer '{cmd}' within {timeout:.0f} s and was stopped."
-                    self._finalizer()
+                    self._stop_child()
                     raise EngineProcessError(
                         f"The rollout engine process (pid {proc.pid}, backend '{self.factory_name}') did not answer "
                         f"'{cmd}' within {timeout:.0f} s; it was stopped. Last lines of its log {self.log_path}:\n"
                         f"{self.log_tail()}"
                     )
-            status, result = self._recv.recv()
+            status, result = recv.recv()
         except EOFError as exc:
             raise self._died(cmd) from exc
         except EngineProcessError:
@@ -392,7 +583,7 @@ class EngineProcess:
                 ) from exc
             # interrupted mid-command: the answers are out of step with the commands, so the child goes
             self._dead = f"A call to '{cmd}' was interrupted and the child stopped."
-            self._finalizer()
+            self._stop_child()
             raise
         if status == "error":
             raise EngineProcessError(
@@ -401,8 +592,9 @@ class EngineProcess:
             )
         return result
 
-    def _died(self, cmd: str) -> EngineProcessError:
-        """Record the child's death while handling ``cmd`` and return the error describing it."""
+    def _died(self, cmd: str) -> _ChildDied:
+        """Stop the child that died while handling ``cmd`` (reap it, close the pipes) and return the error
+        describing it: exit code or signal, and its log's last lines."""
         proc = self._proc
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
@@ -419,13 +611,15 @@ class EngineProcess:
                 how += "; the OOM killer sends SIGKILL: check the machine's memory"
         else:
             how = f"exited with code {code}"
-        msg = (
-            f"The rollout engine process (pid {proc.pid}, backend '{self.factory_name}') {how} while handling "
-            f"'{cmd}'. Last lines of its log {self.log_path}:\n{self.log_tail()}"
+        headline = (
+            f"The rollout engine process (pid {proc.pid}, backend '{self.factory_name}') {how} while handling '{cmd}'."
         )
-        self._dead = msg
-        self._finalizer()  # close the pipes, reap the child
-        return EngineProcessError(msg)
+        self._stop_child()
+        return _ChildDied(headline, self._with_log(headline))
+
+    def _with_log(self, text: str) -> str:
+        """``text`` followed by the last lines of the log."""
+        return f"{text} Last lines of its log {self.log_path}:\n{self.log_tail()}"
 
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of the child's output."""
@@ -434,6 +628,62 @@ class EngineProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+class _ChildDied(EngineProcessError):
+    """The child died during a command (``headline``: what happened; the message adds its log's last lines)."""
+
+    def __init__(self, headline: str, message: str) -> None:
+        super().__init__(message)
+        self.headline = headline
+
+
+def _remove_weights(files: list[tuple[str, list[str]]]) -> None:
+    """Delete the pushed weights files in ``files`` and empty the list (missing files ignored)."""
+    while files:
+        path, _ = files.pop()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _remove_stale_weights(directory: str) -> list[str]:
+    """Delete the ``rlplug-engine-weights-<pid>-*.safetensors`` files in ``directory`` whose process
+    ``<pid>`` is gone: the kept copy of a trainer killed by SIGKILL (a whole model, in RAM in ``/dev/shm``).
+    Files of live processes (another user's included) are kept. Returns the deleted paths; never raises."""
+    import re  # deferred: only here
+
+    pattern = re.compile(re.escape(WEIGHTS_PREFIX) + r"(\d+)-[^/]*\.safetensors$")
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        if m is None or _process_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+        log.warning("Deleted %s: rollout engine weights left by process %s, which is gone.", path, m.group(1))
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z")
+    except OSError:
+        return True
 
 
 def _pickled_reference(factory: Any) -> bytes | None:
@@ -567,16 +817,13 @@ def _child_init(payload: dict) -> tuple[Any, dict]:
 
 
 def _child_update_weights(backend: Any, path: str, names: list[str]) -> float:
-    """Load the pushed file, delete it, and pass its tensors to the backend in the caller's order
-    (``names``: where two names share one parameter, tied embeddings, the later one wins, as in-process)."""
+    """Load the pushed file (the parent keeps it, for a restarted child, and deletes it) and pass its
+    tensors to the backend in the caller's order (``names``: where two names share one parameter, tied
+    embeddings, the later one wins, as in-process). Returns seconds."""
     import safetensors.torch  # deferred: safetensors (imports torch)
 
     t0 = time.perf_counter()
-    try:
-        loaded = safetensors.torch.load_file(path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    loaded = safetensors.torch.load_file(path)
     backend.update_weights({name: loaded[name] for name in names})
     return time.perf_counter() - t0
 
