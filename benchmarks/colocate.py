@@ -12,7 +12,8 @@ run (never two at once):
   one OpenMP thread, bound to the rank's core) generates its global micro-batches (``rollout.micro_batch_size``,
   by default half a step's sequences, so each rank gets one) and the parts are all-gathered;
 * ``rank0``: ``rollout.colocate=false``: rank 0's engine (one thread, as each colocated engine has) generates the
-  whole batch while rank 1 waits, then broadcasts it (rlplug's behaviour before issue 35).
+  whole batch while rank 1 waits, then broadcasts it (rlplug's behaviour before issue 35);
+* ``rank0_all_cores``: ``rank0`` with the engine on every core of the machine (``--modes`` to add it).
 
 Figures, from rank 0's ``metrics.jsonl`` over steps 2..N (step 1 is warm-up): ``timing_s/gen`` (the step's
 generation as the trainer waits for it: colocated, the slowest rank's share plus the all-gather), ``timing_s/step``,
@@ -23,10 +24,15 @@ child, or rlplug's engine process) and ``rank R other`` (other descendants, e.g.
 whole run (the sum at each sample). Host memory, not a GPU's: on this CPU machine the engines and the
 training share the RAM.
 
-``--kill-resume``: the colocated configuration twice more with ``trainer.save_freq=1``: once straight through, once
-with ``RLPLUG_TEST_KILL_AT=update_actor:3`` (both ranks SIGKILL themselves in step 3's actor update) and then the
-same command again (it resumes from step 2); the step-3 records (numbers only: timings excepted) and the final
-actor weights must be bitwise equal.
+``--kill-resume``: the colocated configuration twice more for ``--kill-steps`` steps (default 5: the default PPO
+preset trains only the critic in its first 3 steps, so steps 4 and 5 update the actor and load its weights into
+both engines) with ``trainer.save_freq=1``: once straight through, once with ``RLPLUG_TEST_KILL_AT=--kill-at``
+(default ``update_actor:2``: both ranks SIGKILL themselves in their second actor update, step 5) and then the same
+command again (it resumes from the last checkpoint); the last step's records (numbers only: timings excepted) and
+the final actor weights must be bitwise equal.
+
+A configuration whose run directory under ``--out`` holds its ``bench_run.json`` (written when it finished) is
+read, not run again, so ``--kill-resume`` can be added to an earlier command with the same ``--out``.
 
 Writes ``benchmarks/results/colocate.{json,md}`` (``--tiny``: ``colocate_tiny.*``) with the machine (CPU model,
 flags, bf16 matmul peak, load average at the start). Run it on an otherwise idle machine.
@@ -52,7 +58,12 @@ sys.path.insert(0, str(HERE))
 
 from async_modes import machine_info, read_records  # noqa: E402
 
-MODES = {"colocated": ["rollout.colocate=true"], "rank0": ["rollout.colocate=false"]}
+MODES = {
+    "colocated": ["rollout.colocate=true"],
+    "rank0": ["rollout.colocate=false"],
+    # rank 0's engine on every core (rank 1 idles while it generates): the best rank-0 generation on one machine
+    "rank0_all_cores": ["rollout.colocate=false", f"rollout.num_threads={len(os.sched_getaffinity(0))}"],
+}
 #: metrics that differ between two runs of the same numbers (clocks, memory)
 TIMING_PREFIXES = ("timing_s/", "perf/", "wall_time", "rollout/gen_s_rank", "throughput/", "timing_per_token_ms/")
 
@@ -177,13 +188,13 @@ def numbers(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
 
 
-def kill_resume(base: list[str], out: Path) -> dict[str, Any]:
+def kill_resume(base: list[str], out: Path, steps: int, kill_at: str) -> dict[str, Any]:
     """The bitwise check of ``--kill-resume`` (module docstring)."""
     from safetensors.torch import load_file
 
-    args = [*base, *MODES["colocated"], "trainer.save_freq=1", "trainer.max_ckpt_to_keep=1"]
+    args = [*base, *MODES["colocated"], "trainer.save_freq=1", f"trainer.total_training_steps={steps}"]
     straight = torchrun(args, out / "straight")
-    killed = torchrun(args, out / "killed", {"RLPLUG_TEST_KILL_AT": "update_actor:3"})
+    killed = torchrun(args, out / "killed", {"RLPLUG_TEST_KILL_AT": kill_at})
     resumed = torchrun(args, out / "killed")
     a, b = read_records(out / "straight"), read_records(out / "killed")
     last = max(int(r["step"]) for r in a)
@@ -192,7 +203,9 @@ def kill_resume(base: list[str], out: Path) -> dict[str, Any]:
     wb = load_file(str(out / "killed" / "final_model" / "model.safetensors"))
     same_weights = wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
     return {
+        "kill_at": kill_at,
         "exit_codes": [straight["exit_code"], killed["exit_code"], resumed["exit_code"]],
+        "killed_after_step": max((int(r["step"]) for r in b if int(r["step"]) < last), default=0),
         "last_step": last,
         "resumed": "Resumed from" in (out / "killed" / "train.log").read_text(),
         "same_step_numbers": numbers(ra) == numbers(rb),
@@ -206,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--modes", default="colocated,rank0")
     p.add_argument("--kill-resume", action="store_true")
+    p.add_argument("--kill-steps", type=int, default=5, help="steps of the kill-and-resume runs")
+    p.add_argument("--kill-at", default="update_actor:2", help="RLPLUG_TEST_KILL_AT of the killed run")
     p.add_argument("--tiny", action="store_true", help="debug=tiny, rollout=hf: a wiring check")
     p.add_argument("--out", default=None, help="run directories (default: a new temp dir)")
     p.add_argument("--results", default=str(HERE / "results"))
@@ -231,12 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"machine": info, "command": shlex.join(["python", "benchmarks/colocate.py", *(argv or sys.argv[1:])]),
                            "overrides": base, "runs": {}}  # fmt: skip
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        run = torchrun([*base, *MODES[mode], "trainer.save_freq=0"], out / mode)
-        run["summary"] = summary(read_records(out / mode))
+        done = out / mode / "bench_run.json"
+        if done.is_file():
+            run = json.loads(done.read_text())
+            print(f"{mode}: finished earlier, read from {done}", flush=True)
+        else:
+            run = torchrun([*base, *MODES[mode], "trainer.save_freq=0"], out / mode)
+            run["summary"] = summary(read_records(out / mode))
+            done.write_text(json.dumps(run, indent=1))
         doc["runs"][mode] = run
         print(f"{mode}: {json.dumps(run)}", flush=True)
     if args.kill_resume:
-        doc["kill_resume"] = kill_resume(base, out / "kill_resume")
+        doc["kill_resume"] = kill_resume(base, out / "kill_resume", args.kill_steps, args.kill_at)
         print(f"kill-resume: {json.dumps(doc['kill_resume'])}", flush=True)
     name = "colocate_tiny" if args.tiny else "colocate"
     results = Path(args.results)

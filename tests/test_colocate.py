@@ -5,6 +5,7 @@ tests/test_fsdp2.py (torchrun, slow)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -220,3 +221,25 @@ def test_rank_engine_config_gives_each_local_rank_its_cores(monkeypatch: pytest.
     monkeypatch.setenv("LOCAL_RANK", "1")
     cfg = colocate.rank_engine_config(compose([]))
     assert list(cfg.trainer.engine_cpus) == [1] and cfg.rollout.num_threads == 1
+
+
+# ---------------------------------------------------------------------------- scoring per rank
+def test_rank_responses_are_the_span_of_the_ranks_micro_batches() -> None:
+    # 10 responses in micro-batches of 3: [0,3) [3,6) [6,9) [9,10); 2 ranks take micro-batches {0,1} and {2,3}
+    assert [colocate.rank_responses(10, 3, r, 2) for r in range(2)] == [range(6), range(6, 10)]
+    assert [colocate.rank_responses(4, 4, r, 2) for r in range(2)] == [range(0), range(4)]  # rank 0 idle
+    spans = [colocate.rank_responses(17, 2, r, 3) for r in range(3)]
+    assert [i for span in spans for i in span] == list(range(17))
+
+
+def test_join_scores_puts_the_ranks_scores_in_order_and_sums_only_the_counts() -> None:
+    rank1 = (3, ([0.5, 1.0], {"acc": [1.0, 0.0], "format": [1.0, 1.0]}, {"reward/failures": 1.0, "reward/m": 4.0}))
+    rank0 = (0, ([0.0, 0.1, 0.2], {"acc": [0.0, 1.0, 1.0]}, {"reward/failures": 2.0, "reward/m": 1.0}))
+    scores, extra, metrics = colocate.join_scores([rank0, None, rank1], 5)  # the middle rank had no responses
+    assert scores == [0.0, 0.1, 0.2, 0.5, 1.0]
+    assert extra["acc"] == [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert all(math.isnan(x) for x in extra["format"][:3]) and extra["format"][3:] == [1.0, 1.0]  # NaN: not reported
+    assert metrics["reward/failures"] == 3.0  # a count: summed
+    assert metrics["reward/m"] == pytest.approx((1.0 * 3 + 4.0 * 2) / 5)  # a mean: weighted by responses
+    with pytest.raises(ValueError, match="not each exactly once"):
+        colocate.join_scores([rank0], 5)

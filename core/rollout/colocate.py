@@ -24,9 +24,14 @@ mode do:
   engine child reads them from ``/dev/shm``). The engine sleeps while training runs and is woken before
   generating (``sleep`` / ``wake_up``).
 
-What stays on rank 0: scoring (on its reward thread, overlapping the log-prob passes, broadcast as before),
-tracking and checkpoint metadata. ``rollout.colocate=false`` keeps rank-0 generation (the ``local``
-backend, one process, always generates in its process). ``rollout.colocate`` unset (null) means: true under
+* **Scoring per rank.** Each rank scores the responses it generated (:func:`rank_responses`) with its own reward
+  manager, on its reward thread while the log-prob passes run, and the ranks' results are all-gathered and joined
+  in response order (:func:`join_scores`), so every rank trains on the same scores. Validation, a batch filter's
+  per-batch scoring and ReMax's greedy baseline are scored on rank 0 (and broadcast) as before.
+
+What stays on rank 0: validation scoring, tracking and checkpoint metadata. ``rollout.colocate=false`` keeps rank-0 generation, which is also what one
+process (``trainer=local``) does by default; ``rollout.colocate=true`` there runs its one engine in an engine process
+over the same micro-batches (the one-rank reference of the batch equality). ``rollout.colocate`` unset (null) means: true under
 a multi-process backend (``world_size > 1``) with ``trainer.async_mode=sync`` and an engine that can run
 per rank (:func:`supports_colocate`), else false. The asynchronous modes refuse ``rollout.colocate=true``
 (their engine overlaps training on devices of its own), and so does ``rollout.tensor_model_parallel_size > 1``
@@ -55,12 +60,14 @@ __all__ = [
     "colocate_enabled",
     "generate_colocated",
     "idle_ranks",
+    "join_scores",
     "micro_batch_seed",
     "micro_batches",
     "pin_engine_device",
     "rank_cores",
     "rank_engine_config",
     "rank_micro_batches",
+    "rank_responses",
     "supports_colocate",
 ]
 
@@ -159,6 +166,57 @@ def micro_batch_seed(seed: int | None, index: int) -> int:
     """The seed of global micro-batch ``index`` of a rollout seeded ``seed`` (``SamplingParams.seed``; None: 0):
     a pure function of the two, so it does not depend on which rank generates the micro-batch. 63 bits."""
     return (int(seed or 0) * 2_654_435_761 + (int(index) + 1) * 40_503 + 0xC010) % (2**63 - 1)
+
+
+def rank_responses(num_responses: int, micro_batch_size: int, rank: int, world_size: int) -> range:
+    """The responses (indices into a prompt-major rollout of ``num_responses``) that rank ``rank`` of
+    ``world_size`` generated: the span of its global micro-batches (empty for a rank without any)."""
+    bounds = micro_batches(num_responses, micro_batch_size)
+    share = rank_micro_batches(len(bounds), rank, world_size)
+    return range(bounds[share[0]][0], bounds[share[-1]][1]) if len(share) else range(0)
+
+
+#: reward metrics that count (summed over the ranks' shares); the others are means (weighted by responses)
+COUNTED_REWARD_METRICS = frozenset(
+    {"reward/failures", "reward/timeouts", "reward/failed_samples", "reward/worker_restarts", "reward/unscorable"}
+)
+
+
+def join_scores(
+    parts: Sequence[tuple[int, tuple[list[float], dict[str, list], dict[str, float]]] | None], num_responses: int
+) -> tuple[list[float], dict[str, list], dict[str, float]]:
+    """The ranks' scoring results joined into the whole rollout's, as one
+    :meth:`rlplug.rewards.manager.RewardManager.score` call over it would give.
+
+    Args:
+        parts: per rank (all-gathered), ``(start, (scores, extra, reward_metrics))`` for the responses
+            ``start .. start + len(scores) - 1`` it scored, or None for a rank that had none.
+        num_responses: responses of the rollout.
+
+    Returns:
+        ``(scores, extra, reward_metrics)``: scores in response order; each ``extra`` list in response order, NaN
+        where a rank's reward reported no such value (as the reward manager does across data sources); the
+        metrics of :data:`COUNTED_REWARD_METRICS` summed, the others averaged weighted by the rank's responses.
+
+    Raises:
+        ValueError: the parts do not cover every response exactly once.
+    """
+    got = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+    covered = [i for start, (scores, _, _) in got for i in range(start, start + len(scores))]
+    if covered != list(range(num_responses)):
+        raise ValueError(f"the ranks scored responses {covered[:8]}... of {num_responses}: not each exactly once")
+    scores = [x for _, (sc, _, _) in got for x in sc]
+    keys = list(dict.fromkeys(k for _, (_, extra, _) in got for k in extra))
+    extra = {k: [v for _, (sc, ex, _) in got for v in ex.get(k, [math.nan] * len(sc))] for k in keys}
+    metrics: dict[str, float] = {}
+    for name in dict.fromkeys(m for _, (_, _, ms) in got for m in ms):
+        have = [(float(ms[name]), len(sc)) for _, (sc, _, ms) in got if name in ms]
+        if name in COUNTED_REWARD_METRICS:
+            metrics[name] = sum(v for v, _ in have)
+        else:
+            weight = sum(w for _, w in have)
+            metrics[name] = sum(v * w for v, w in have) / weight if weight else math.nan
+    return scores, extra, metrics
 
 
 def rank_cores(local_rank: int, local_world_size: int, threads: int | None, usable: Sequence[int]) -> list[int]:

@@ -161,7 +161,7 @@ class SyncStepPipeline:
         """The critic, then (after the phase's critic warm-up) the actor; the new weights to the engine."""
         cfg, batch, step, scored = trainer.cfg, state.batch, state.step, state.scored
         assert scored is not None, "prepare() runs before update()"
-        first_error = functools.partial(trainer.coordinator.broadcast, trainer.reward.last_error)  # same everywhere
+        first_error = first_reward_error(trainer)  # a collective, called only when the guard needs the message
         update = trainer.reward_guard.allows_update(scored, step, first_error, trainer.ckpt.root)
         with rows_left_out(batch, ~scored):
             if trainer.use_critic and update:
@@ -198,6 +198,15 @@ class SyncStepPipeline:
         trainer.trackers.log_train_generations(
             step, cfg.trainer, state.rows, out, state.scores, batch, trainer.tokenizer
         )
+
+
+def first_reward_error(trainer: Any) -> Callable[[], str | None]:
+    """The reward guard's ``first_error()``: the first reward failure's message, the same on every process (rank 0's,
+    broadcast; colocated, where every rank scored its share, the lowest rank's that has one, all-gathered)."""
+    coordinator, reward = trainer.coordinator, trainer.reward
+    if getattr(trainer, "colocated", False):
+        return lambda: next((e for e in coordinator.all_gather(reward.last_error) if e), None)
+    return functools.partial(coordinator.broadcast, reward.last_error)
 
 
 def check_bad_steps(bad: int, trainer_cfg: DictConfig, checkpoint_root: Path, cfg: DictConfig | None = None) -> None:

@@ -33,6 +33,7 @@ mark where the crash tests stop the process: a testing aid that does nothing unl
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import functools
 import logging
@@ -65,8 +66,10 @@ from rlplug.rollout.colocate import (
     colocate_enabled,
     generate_colocated,
     idle_ranks,
+    join_scores,
     pin_engine_device,
     rank_engine_config,
+    rank_responses,
 )
 from rlplug.rollout.engine_process import build_engine
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
@@ -175,6 +178,54 @@ def colocated_rollout(trainer: Trainer, rows: list[dict], params: SamplingParams
         )
     finally:
         trainer.rollout.sleep()
+
+
+def colocated_scoring(trainer: Trainer, rows: list[dict], out: RolloutOutput) -> Any:
+    """Start scoring the responses this rank generated (:func:`rlplug.rollout.colocate.rank_responses`) on its
+    reward manager's thread; the future's result is ``((start, score's result), seconds)``. None: no responses."""
+    coordinator = trainer.coordinator
+    share = rank_responses(len(out.response_ids), int(trainer.cfg.rollout.micro_batch_size),
+                           int(coordinator.rank), int(coordinator.world_size))  # fmt: skip
+    if not len(share):
+        return None
+    mine = out.take(list(share), [out.prompt_index[i] for i in share])
+    future = trainer.reward.score_async(
+        rows_for_scoring(rows, mine),
+        lambda: trainer._decode(mine),
+        overlap=bool(trainer.cfg.reward.overlap),
+        lengths=mine.response_lengths,
+        **trl_inputs(trainer, mine),
+    )
+    start = share.start
+    wrapped: Any = cf.Future()
+
+    def done(f: Any) -> None:
+        try:
+            result, seconds = f.result()
+        except BaseException as exc:  # handed over: join_rank_scores raises it on every rank
+            wrapped.set_exception(exc)
+            return
+        wrapped.set_result(((start, result), seconds))
+
+    future.add_done_callback(done)
+    return wrapped
+
+
+def join_rank_scores(trainer: Trainer, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
+    """The ranks' scores of :func:`colocated_scoring` joined on every rank (an all-gather); a rank whose scoring
+    raised makes every rank raise (``RuntimeError`` naming it), so none is left waiting in a collective."""
+    part, error = None, None
+    if future is not None:
+        try:
+            part, metrics["timing_s/reward"] = future.result()
+        except Exception as exc:  # reported to every rank below
+            error = f"{type(exc).__name__}: {exc}"
+    gathered = trainer.coordinator.all_gather((part, error))
+    failed = [(rank, err) for rank, (_, err) in enumerate(gathered) if err is not None]
+    if failed:
+        raise RuntimeError(f"reward scoring failed on rank {failed[0][0]}: {failed[0][1]}")
+    n = sum(len(p[1][0]) for p, _ in gathered if p is not None)
+    return join_scores([p for p, _ in gathered], n)
 
 
 def on_main_then_broadcast(method: Callable) -> Callable:
@@ -291,9 +342,9 @@ class Trainer:
                 )
             elif self.is_main:  # async modes: the engine in a process of its own (rlplug.rollout.engine_process)
                 self.rollout = build_engine(cfg, self.registry, self.model_path, self.tokenizer)
-            if self.is_main:
+            if self.is_main or self.colocated:  # colocated: every rank scores its own responses
                 sources = self.reward.seen_data_sources  # the train and validation files' (read_run_datasets)
-                for manager in dict.fromkeys([self.reward, self.val_reward]):
+                for manager in dict.fromkeys([self.reward, *([self.val_reward] if self.is_main else [])]):
                     manager.prepare(sources)  # a judge's server starts, a reward model loads: outside reward.timeout_s
         except BaseException:
             self.close()  # the backend (and a process group) is already up: do not leak it
@@ -391,7 +442,10 @@ class Trainer:
 
     def _start_scoring(self, rows: list[dict], out: RolloutOutput) -> Any:
         """Decode and score ``out`` on the reward manager's thread (main process only; on the main
-        thread with ``reward.overlap=false``); returns the future, joined by :meth:`_finish_scoring`."""
+        thread with ``reward.overlap=false``); returns the future, joined by :meth:`_finish_scoring`. Colocated:
+        every rank scores the responses it generated (:func:`colocated_scoring`)."""
+        if self.colocated:
+            return colocated_scoring(self, rows, out)
         if not self.is_main:
             return None
         rows_out, overlap = rows_for_scoring(rows, out), bool(self.cfg.reward.overlap)
@@ -402,6 +456,8 @@ class Trainer:
     def _finish_scoring(self, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
         """The scores of :meth:`_start_scoring` on every process; ``timing_s/reward`` is the scoring time
         itself (the part the passes did not cover shows in ``timing_s/reward_wait``)."""
+        if self.colocated:  # every rank's share, joined on every rank (rlplug.rollout.colocate.join_scores)
+            return join_rank_scores(self, future, metrics)
         result = None
         if future is not None:
             result, metrics["timing_s/reward"] = future.result()
