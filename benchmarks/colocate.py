@@ -256,11 +256,16 @@ def main(argv: list[str] | None = None) -> int:
             done.write_text(json.dumps(run, indent=1))
         doc["runs"][mode] = run
         print(f"{mode}: {json.dumps(run)}", flush=True)
-    if args.kill_resume:
-        doc["kill_resume"] = kill_resume(base, out / "kill_resume", args.kill_steps, args.kill_at)
-        print(f"kill-resume: {json.dumps(doc['kill_resume'])}", flush=True)
     name = "colocate_tiny" if args.tiny else "colocate"
     results = Path(args.results)
+    if args.kill_resume:
+        doc["kill_resume"] = kill_resume(base, out / "kill_resume", args.kill_steps, args.kill_at)
+        doc["kill_resume"]["date"] = info["date"]
+        print(f"kill-resume: {json.dumps(doc['kill_resume'])}", flush=True)
+    elif (results / f"{name}.json").is_file():  # an earlier check is kept (with its date), not dropped
+        earlier = json.loads((results / f"{name}.json").read_text()).get("kill_resume")
+        if earlier is not None:
+            doc["kill_resume"] = earlier
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     (results / f"{name}.md").write_text(markdown(doc))
@@ -302,7 +307,16 @@ def markdown(doc: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"Means over steps {doc['runs'][next(iter(doc['runs']))]['summary']['steps']} (step 1: warm-up).")
     if "kill_resume" in doc:
-        lines += ["", f"Kill and resume (colocated): `{json.dumps(doc['kill_resume'])}`"]
+        kr = doc["kill_resume"]
+        verdict = (
+            "bitwise equal" if kr["same_step_numbers"] and kr["same_final_weights"] and kr["resumed"] else "NOT equal"
+        )
+        lines += [
+            "",
+            f"Kill and resume (colocated, {kr.get('date', '')}): killed at `{kr['kill_at']}` after step "
+            f"{kr.get('killed_after_step')}, resumed to step {kr['last_step']}: step {kr['last_step']}'s numbers and the "
+            f"final actor weights are {verdict} to an uninterrupted run (`{json.dumps(kr)}`).",
+        ]
     return "\n".join(lines) + "\n"
 
 
