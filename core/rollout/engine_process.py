@@ -652,38 +652,10 @@ def _remove_stale_weights(directory: str) -> list[str]:
     Files of live processes (another user's included) are kept. Returns the deleted paths; never raises."""
     import re  # deferred: only here
 
+    from rlplug.rollout.utils import remove_dead_process_files  # deferred: torch (rlplug.rollout.utils imports it)
+
     pattern = re.compile(re.escape(WEIGHTS_PREFIX) + r"(\d+)-[^/]*\.safetensors$")
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = pattern.match(name)
-        if m is None or _process_alive(int(m.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(path)
-        log.warning("Deleted %s: rollout engine weights left by process %s, which is gone.", path, m.group(1))
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z")
-    except OSError:
-        return True
+    return remove_dead_process_files(directory, [pattern], "rollout engine weights")
 
 
 def _pickled_reference(factory: Any) -> bytes | None:

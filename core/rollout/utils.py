@@ -16,9 +16,11 @@ backends); they are part of the engine (``rlplug.rollout.utils``), not of any pl
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,8 @@ from rlplug.contracts.types import SamplingParams
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+log = logging.getLogger("rlplug.rollout")
+
 __all__ = [
     "DTYPE_NAMES",
     "TORCH_DTYPES",
@@ -40,6 +44,7 @@ __all__ = [
     "checkpoint_shapes",
     "checked_weights",
     "shm_dir",
+    "remove_dead_process_files",
     "sampling_params",
 ]
 
@@ -197,6 +202,45 @@ def shm_dir() -> str:
     """``/dev/shm`` when it is a writable folder (RAM), else the temp dir."""
     d = "/dev/shm"
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie (another user's process counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z")
+    except OSError:
+        return True
+
+
+def remove_dead_process_files(directory: str, patterns: Sequence[re.Pattern[str]], what: str) -> list[str]:
+    """Delete the files in ``directory`` whose name matches one of ``patterns`` (group 1: the pid of the process
+    that wrote it) and whose process is gone (:func:`pid_alive`): what a process killed by SIGKILL left behind,
+    e.g. a kept copy of pushed weights (a whole model, in RAM when ``directory`` is ``/dev/shm``). Files of live
+    processes (another user's included) are kept. Each deletion is logged as ``what`` left by the process.
+    Returns the deleted paths; never raises (a missing folder: none)."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = next((m for m in (p.match(name) for p in patterns) if m is not None), None)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+        log.warning("Deleted %s: %s left by process %s, which is gone.", path, what, m.group(1))
+    return removed
 
 
 def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0) -> SamplingParams:

@@ -98,6 +98,7 @@ from rlplug.plugin import (
     heap_mib,
     hookimpl,
     malloc_trim,
+    remove_dead_process_files,
     resolve_dtype,
     rss_bytes,
     server_urls,
@@ -421,39 +422,9 @@ def remove_stale_weights(directory: str, *, legacy: bool = False) -> list[str]:
     earlier versions, ``rlplug-vllm-weights-<pid>-*.safetensors`` (they wrote only to the local
     ``/dev/shm``). Files of live processes (this one included, or another user's: ``PermissionError``)
     and of other hosts are kept. Returns the deleted paths; never raises."""
-    removed: list[str] = []
     mine = re.compile(re.escape(f"{WEIGHTS_PREFIX}{socket.gethostname()}-") + r"(\d+)-[^-]+\.safetensors$")
     old = re.compile(re.escape(WEIGHTS_PREFIX) + r"(\d+)-[^-]+\.safetensors$")
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = mine.match(name) or (old.match(name) if legacy else None)
-        if m is None or _pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(path)
-        log.warning("Deleted %s: pushed weights left by process %s, which is gone.", path, m.group(1))
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts as gone; another user's process as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z")
-    except OSError:
-        return True
+    return remove_dead_process_files(directory, [mine, old] if legacy else [mine], "pushed weights")
 
 
 def _suppress() -> contextlib.suppress:
