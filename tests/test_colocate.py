@@ -80,7 +80,7 @@ class ScriptedEngine:
             finish_reasons=["stop"] * len(ids),
             prompt_index=list(range(len(ids))),
             log_probs=[[-0.5] * 3 for _ in ids],
-            metrics={"rollout/turns_mean": float(len(ids))},
+            metrics={"rollout/turns_mean": float(len(ids)), "num_turns/max": float(len(ids) + 1)},
         )
 
 
@@ -137,6 +137,7 @@ def test_the_batch_is_the_same_whether_one_two_or_three_ranks_generated_it() -> 
         )
     # the engine metrics: means over the micro-batches weighted by their responses (4*4 + 4*4 + 4*4 + 3*3) / 15
     assert one.metrics["rollout/turns_mean"] == pytest.approx((16 + 16 + 16 + 9) / 15)
+    assert one.metrics["num_turns/max"] == 5.0  # a maximum stays the maximum over the micro-batches (4 + 1)
     assert one.metrics["rollout/gen_s_rank_max"] >= one.metrics["rollout/gen_s_rank_min"] >= 0.0
 
 

@@ -235,6 +235,7 @@ def test_a_killed_child_raises_naming_the_exit_without_restarts() -> None:
     e.close()
 
 
+@pytest.mark.slow  # two hf engine processes start (~12 s); the stub tests above cover the restart in the default suite
 def test_a_killed_child_is_restarted_with_the_pushed_weights_and_gives_the_same_batch(
     model_path, tok, original_weights
 ) -> None:

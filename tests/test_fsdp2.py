@@ -506,6 +506,49 @@ def test_colocated_generation_gives_the_same_batch_from_one_or_two_ranks(tmp_pat
     assert samples[2] == samples[1] and samples[1]
 
 
+@pytest.mark.slow  # two torchrun launches of a tiny multi-turn run with a batch filter
+def test_colocated_multi_turn_episodes_and_batch_filter_give_the_same_batch_from_one_or_two_ranks(tmp_path):
+    """Issue 35: colocated generation with tool-calling episodes (tool_agent + calculator, run per micro-batch on
+    the rank that generates it) and DAPO's dynamic sampling (filter_groups: scored on rank 0 per generation batch,
+    refilled through the colocated path): the trained batch is the same from 1 or 2 ranks."""
+    import pyarrow.parquet as pq
+
+    common = [
+        "trainer=fsdp2",
+        "debug=tiny",
+        "rollout.colocate=true",
+        "rollout.micro_batch_size=2",
+        "rollout.num_threads=1",
+        "trainer.num_threads=1",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "trainer.dump_rollouts=true",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.environment=tool_agent",
+        "rollout.multi_turn.tools=[calculator]",
+        "rollout.multi_turn.max_assistant_turns=2",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=score",  # the tiny run's length penalty makes scores differ in a group
+        "algorithm.filter_groups.max_num_gen_batches=8",
+    ]
+    batches, metrics = {}, {}
+    for nproc in (2, 1):
+        run_dir = tmp_path / f"ranks{nproc}"
+        proc = _run_cli([*common, f"trainer.default_local_dir={run_dir}"], nproc=nproc)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        batches[nproc] = pq.read_table(run_dir / "rollouts" / "step_000002.parquet").to_pylist()
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        metrics[nproc] = [r.get("metrics", r) for r in rows]
+    assert [m["batch_filter/num_gen_batches"] for m in metrics[2]] == [
+        m["batch_filter/num_gen_batches"] for m in metrics[1]
+    ]
+    for key in ("prompt_ids", "response_ids", "response_mask", "score"):
+        assert [r[key] for r in batches[2]] == [r[key] for r in batches[1]], key
+    assert all("multi_turn/turns_mean" in m and "num_turns/mean" in m for m in metrics[2])  # episodes ran
+    assert metrics[2][-1]["num_turns/mean"] == metrics[1][-1]["num_turns/mean"]
+
+
 # --------------------------------------------------------------------------- GPU (NCCL)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

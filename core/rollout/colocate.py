@@ -306,7 +306,8 @@ def generate_colocated(
     Returns:
         The whole rollout on every rank, as one engine would give it: ``len(prompts) * n`` responses, prompt-major,
         ``prompt_index`` into the prompts. ``metrics`` (the engines' numbers) are the means over the micro-batches,
-        weighted by their responses (every engine reports its own run totals and gauges), plus
+        weighted by their responses (every engine reports its own run totals and gauges), except names ending in
+        ``/max`` or ``_max`` (the largest) and ``/min`` or ``_min`` (the smallest), plus
         ``rollout/gen_s_rank_max`` / ``rollout/gen_s_rank_min``: the seconds the slowest / fastest rank spent
         generating its share (the max is what the step waits for; their gap is the imbalance).
 
@@ -336,9 +337,13 @@ def generate_colocated(
     metrics: dict[str, float] = {}
     for name in dict.fromkeys(m for _, p in parts for m in p.metrics):
         have = [(float(p.metrics[name]), len(p.response_ids)) for _, p in parts if name in p.metrics]
-        weight = sum(w for _, w in have)
-        value = sum(v * w for v, w in have) / weight if weight else math.nan
-        metrics[name] = value
+        if name.endswith(("/max", "_max")):
+            metrics[name] = max(v for v, _ in have)
+        elif name.endswith(("/min", "_min")):
+            metrics[name] = min(v for v, _ in have)
+        else:
+            weight = sum(w for _, w in have)
+            metrics[name] = sum(v * w for v, w in have) / weight if weight else math.nan
     seconds = [float(s) for s, _ in gathered]  # each rank's own generation: the step waits for the slowest
     metrics["rollout/gen_s_rank_max"], metrics["rollout/gen_s_rank_min"] = max(seconds), min(seconds)
     return RolloutOutput.join([p for _, p in parts], sequences, metrics)

@@ -198,6 +198,7 @@ def colocated_scoring(trainer: Trainer, rows: list[dict], out: RolloutOutput) ->
     )
     start = share.start
     wrapped: Any = cf.Future()
+    wrapped.rank_share = True  # its result is this rank's share: join_rank_scores joins the ranks'
 
     def done(f: Any) -> None:
         try:
@@ -456,8 +457,8 @@ class Trainer:
     def _finish_scoring(self, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
         """The scores of :meth:`_start_scoring` on every process; ``timing_s/reward`` is the scoring time
         itself (the part the passes did not cover shows in ``timing_s/reward_wait``)."""
-        if self.colocated:  # every rank's share, joined on every rank (rlplug.rollout.colocate.join_scores)
-            return join_rank_scores(self, future, metrics)
+        if self.colocated and (future is None or getattr(future, "rank_share", False)):  # each rank's share, joined
+            return join_rank_scores(self, future, metrics)  # (a batch filter's future holds the whole batch's scores)
         result = None
         if future is not None:
             result, metrics["timing_s/reward"] = future.result()
