@@ -147,6 +147,7 @@ EXPECTED_NOT_RUN: dict[tuple[str, str], str] = {
 SLOW: dict[tuple[str, str], str] = {
     ("README.md", "rlplug train algorithm=grpo rollout=vllm"): "starts a vLLM engine",
     ("docs/scale_out.md", "rlplug_node() {"): "two torchrun launchers (tests/test_multinode.py runs the same in the default suite)",
+    ("docs/scale_out.md", "torchrun --nproc_per_node=2 -m rlplug train trainer=fsdp2 rollout=vllm rollout.colocate=true"): "two ranks with a vLLM engine each (tests/test_fsdp2.py runs the tiny hf version, slow)",
     ("docs/security.md", ".venv/bin/python -m pytest"): "runs two test modules of this suite again",
     ("docs/lora.md", "python benchmarks/bench_lora.py"): "two training processes per variant (tests/test_lora.py runs the tiny one)",
     ("docs/reward_models.md", "python benchmarks/rm_pipeline.py"): "pairs, a reward model and PPO, twice",
