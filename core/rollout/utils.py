@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from rlplug.base.processes import pid_alive
 from rlplug.contracts.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -204,23 +205,9 @@ def shm_dir() -> str:
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host and is not a zombie (another user's process counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z")
-    except OSError:
-        return True
-
-
 def remove_dead_process_files(directory: str, patterns: Sequence[re.Pattern[str]], what: str) -> list[str]:
     """Delete the files in ``directory`` whose name matches one of ``patterns`` (group 1: the pid of the process
-    that wrote it) and whose process is gone (:func:`pid_alive`): what a process killed by SIGKILL left behind,
+    that wrote it) and whose process is gone (:func:`rlplug.base.processes.pid_alive`): what a process killed by SIGKILL left behind,
     e.g. a kept copy of pushed weights (a whole model, in RAM when ``directory`` is ``/dev/shm``). Files of live
     processes (another user's included) are kept. Each deletion is logged as ``what`` left by the process.
     Returns the deleted paths; never raises (a missing folder: none)."""

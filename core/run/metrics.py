@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from omegaconf import OmegaConf
 
+from rlplug.base.host_memory import malloc_trim, rss_bytes
 from rlplug.base.run_context import RunContext, takes_run_context
 from rlplug.config.run_paths import (  # METRICS_FILE: the run's metric log, one JSON object a line
     METRICS_FILE,
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from rlplug.contracts.types import RolloutOutput
 
 __all__ = [
+    "host_memory_metrics",
     "metric_value",
     "stats",
     "stage",
@@ -982,3 +984,22 @@ class Trackers:
         for t in self.items:
             with contextlib.suppress(Exception):
                 t.close(status=label)
+
+
+def host_memory_metrics(trainer_cfg: Any, rollout: Any) -> dict[str, float]:
+    """After a step (and its validation): with ``trainer.malloc_trim`` (``trainer_cfg``), give the C heap's free
+    memory back to the OS (``timing_s/malloc_trim``, seconds); then ``perf/rss_gb``, this process's resident memory
+    in GiB (:mod:`rlplug.base.host_memory`), and ``perf/rollout_rss_gb``, the rollout engine's process's, where the
+    rollout backend ``rollout`` has an integer ``pid`` (vllm's engine child, an engine process). Never raises."""
+    out: dict[str, float] = {}
+    if trainer_cfg.get("malloc_trim", True):
+        took = malloc_trim()
+        if took is not None:
+            out["timing_s/malloc_trim"] = took
+    rss = rss_bytes()
+    if rss:
+        out["perf/rss_gb"] = rss / 2**30
+    pid = getattr(rollout, "pid", None)  # a rollout engine in a process of its own
+    if isinstance(pid, int) and (engine_rss := rss_bytes(pid)):
+        out["perf/rollout_rss_gb"] = engine_rss / 2**30
+    return out

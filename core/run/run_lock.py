@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlplug.base.processes import pid_alive
 from rlplug.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -151,16 +152,9 @@ def lock_holder(run_dir: str | Path) -> dict[str, Any]:
 
 
 def _pid_alive(pid: Any) -> bool:
-    """Whether process ``pid`` exists on this host (a pid of another user counts as alive)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether process ``pid`` (a recorded value: anything but a positive int counts as gone) exists on this host
+    (:func:`rlplug.base.processes.pid_alive`: a zombie counts as gone, another user's process as alive)."""
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and pid_alive(pid)
 
 
 def _describe(record: dict[str, Any]) -> str:

@@ -33,7 +33,6 @@ mark where the crash tests stop the process: a testing aid that does nothing unl
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import functools
 import logging
@@ -51,7 +50,6 @@ from omegaconf import DictConfig, OmegaConf
 from rlplug.algorithms.kl_control import make_kl_controller
 from rlplug.algorithms.reward_norm import ScoreNormalizer
 from rlplug.base.exit_codes import ExitCode, TrainingStopped
-from rlplug.base.host_memory import malloc_trim, rss_bytes
 from rlplug.base.run_context import RunContext, takes_run_context
 from rlplug.config.run_paths import run_dir_for
 from rlplug.contracts.registry import Registry, get_registry
@@ -62,16 +60,6 @@ from rlplug.data.dataset import make_train_loader, read_run_datasets
 from rlplug.data.prepare import DATA_FORMAT_VERSION, prepared_data_files  # noqa: F401 - their old home
 from rlplug.orchestration.episodes import episode_engine_for_run, rows_for_scoring, solution_texts
 from rlplug.rewards.manager import RewardFailureGuard, RewardManager, scored_rows, validation_reward
-from rlplug.rollout.colocate import (
-    colocate_enabled,
-    generate_colocated,
-    idle_ranks,
-    join_scores,
-    pin_engine_device,
-    rank_engine_config,
-    rank_responses,
-)
-from rlplug.rollout.engine_process import build_engine
 from rlplug.rollout.utils import sampling_params  # also rlplug.run.trainer.sampling_params, its old home
 from rlplug.run import evaluate  # evaluate.score_responses: looked up at call time (tests patch it)
 from rlplug.run.alerts import AlertEngine
@@ -90,9 +78,17 @@ from rlplug.run.checkpoint import (  # noqa: F401
     seed_everything,
     set_rng_state,
 )
+from rlplug.run.colocated import (
+    colocated_rollout,
+    colocated_scoring,
+    join_rank_scores,
+    start_engines,
+    validation_rollouts,
+)
 from rlplug.run.export import finish_export
 from rlplug.run.metrics import (
     Trackers,
+    host_memory_metrics,
     stage,
     validation_metrics,
     validation_samples,
@@ -138,95 +134,6 @@ def checkpointed_state(trainer: Trainer) -> dict[str, Any]:
         # async modes: the loader position after what is trained, and the queued rollouts
         **getattr(trainer.pipeline, "checkpointed", lambda t: {})(trainer),
     }
-
-
-def run_colocated(cfg: DictConfig, registry: Registry, coordinator: Any) -> bool:
-    """Whether every rank generates (``rollout.colocate``, :func:`rlplug.rollout.colocate.colocate_enabled`); warns
-    when a step has fewer micro-batches than ranks. Raises ``ConfigError`` for a colocation the run cannot do."""
-    factory = registry.get("rollout_backend", cfg.rollout.name)
-    can_gather = callable(getattr(coordinator, "all_gather", None)) and hasattr(coordinator, "rank")
-    on = colocate_enabled(cfg, coordinator.world_size, factory, registry, can_gather=can_gather)
-    warning = idle_ranks(cfg, coordinator.world_size) if on else None
-    if warning and coordinator.is_main:
-        log.warning(warning)
-    return on
-
-
-def colocated_rollout(trainer: Trainer, rows: list[dict], params: SamplingParams, label: str) -> RolloutOutput:
-    """The rollout of ``rows`` with every rank generating its global micro-batches in its own engine (woken for
-    the call), joined in order on every rank (:func:`rlplug.rollout.colocate.generate_colocated`); multi-turn
-    episodes (``rollout.multi_turn.enable``) run per micro-batch on the rank that generates it. A collective."""
-    coordinator = trainer.coordinator
-
-    def generate_part(indices: list[int], part_params: SamplingParams) -> RolloutOutput:
-        if trainer.episodes is not None:
-            part_rows = [rows[i] for i in indices]
-            return trainer.episodes.generate(part_rows, part_params, step=trainer.global_step + 1)
-        return trainer.rollout.generate([rows[i]["prompt_ids"] for i in indices], part_params)
-
-    trainer.rollout.wake_up()
-    try:
-        _fault_point(label)
-        return generate_colocated(
-            len(rows),
-            params,
-            generate_part,
-            rank=int(coordinator.rank),
-            world_size=int(coordinator.world_size),
-            all_gather=coordinator.all_gather,
-            micro_batch_size=int(trainer.cfg.rollout.micro_batch_size),
-        )
-    finally:
-        trainer.rollout.sleep()
-
-
-def colocated_scoring(trainer: Trainer, rows: list[dict], out: RolloutOutput) -> Any:
-    """Start scoring the responses this rank generated (:func:`rlplug.rollout.colocate.rank_responses`) on its
-    reward manager's thread; the future's result is ``((start, score's result), seconds)``. None: no responses."""
-    coordinator = trainer.coordinator
-    share = rank_responses(len(out.response_ids), int(trainer.cfg.rollout.micro_batch_size),
-                           int(coordinator.rank), int(coordinator.world_size))  # fmt: skip
-    if not len(share):
-        return None
-    mine = out.take(list(share), [out.prompt_index[i] for i in share])
-    future = trainer.reward.score_async(
-        rows_for_scoring(rows, mine),
-        lambda: trainer._decode(mine),
-        overlap=bool(trainer.cfg.reward.overlap),
-        lengths=mine.response_lengths,
-        **trl_inputs(trainer, mine),
-    )
-    start = share.start
-    wrapped: Any = cf.Future()
-    wrapped.rank_share = True  # its result is this rank's share: join_rank_scores joins the ranks'
-
-    def done(f: Any) -> None:
-        try:
-            result, seconds = f.result()
-        except BaseException as exc:  # handed over: join_rank_scores raises it on every rank
-            wrapped.set_exception(exc)
-            return
-        wrapped.set_result(((start, result), seconds))
-
-    future.add_done_callback(done)
-    return wrapped
-
-
-def join_rank_scores(trainer: Trainer, future: Any, metrics: dict[str, float]) -> tuple[list[float], dict, dict]:
-    """The ranks' scores of :func:`colocated_scoring` joined on every rank (an all-gather); a rank whose scoring
-    raised makes every rank raise (``RuntimeError`` naming it), so none is left waiting in a collective."""
-    part, error = None, None
-    if future is not None:
-        try:
-            part, metrics["timing_s/reward"] = future.result()
-        except Exception as exc:  # reported to every rank below
-            error = f"{type(exc).__name__}: {exc}"
-    gathered = trainer.coordinator.all_gather((part, error))
-    failed = [(rank, err) for rank, (_, err) in enumerate(gathered) if err is not None]
-    if failed:
-        raise RuntimeError(f"reward scoring failed on rank {failed[0][0]}: {failed[0][1]}")
-    n = sum(len(p[1][0]) for p, _ in gathered if p is not None)
-    return join_scores([p for p, _ in gathered], n)
 
 
 def on_main_then_broadcast(method: Callable) -> Callable:
@@ -327,26 +234,13 @@ class Trainer:
             cfg, self.model_path, use_critic=self.use_critic, use_ref=self.use_ref, total_steps=self.total_steps, **run
         )
         self.skip_old_log_prob = skips_old_log_probs(cfg, self.plan, self.backend.capabilities)
-        # A multi-process backend (trainer=fsdp2 under torchrun) runs this trainer on every process. The
-        # main one alone owns the rollout engine, generates and scores (broadcast to the others by
-        # on_main_then_broadcast), pushes weights, logs to trackers and writes checkpoint metadata.
+        # A multi-process backend (trainer=fsdp2 under torchrun) runs this trainer on every process; the main one
+        # logs, writes checkpoint metadata and (rank-0 generation) owns the engine (rlplug.run.colocated)
         self.coordinator = self.backend.coordinator
         self.distributed, self.is_main = self.coordinator.world_size > 1, bool(self.coordinator.is_main)
         self.rollout: Any = None
-        try:
-            #: rollout.colocate: an engine on every rank, each generating its share (rlplug.rollout.colocate)
-            self.colocated = run_colocated(cfg, self.registry, self.coordinator)
-            if self.colocated:
-                pin_engine_device()  # a GPU rank's engine process sees only the rank's device
-                self.rollout = build_engine(
-                    rank_engine_config(cfg), self.registry, self.model_path, self.tokenizer, own_process=True
-                )
-            elif self.is_main:  # async modes: the engine in a process of its own (rlplug.rollout.engine_process)
-                self.rollout = build_engine(cfg, self.registry, self.model_path, self.tokenizer)
-            if self.is_main or self.colocated:  # colocated: every rank scores its own responses
-                sources = self.reward.seen_data_sources  # the train and validation files' (read_run_datasets)
-                for manager in dict.fromkeys([self.reward, *([self.val_reward] if self.is_main else [])]):
-                    manager.prepare(sources)  # a judge's server starts, a reward model loads: outside reward.timeout_s
+        try:  # rollout.colocate: an engine on every rank; rewards prepared where they score
+            self.colocated, self.rollout = start_engines(self)
         except BaseException:
             self.close()  # the backend (and a process group) is already up: do not leak it
             raise
@@ -484,24 +378,17 @@ class Trainer:
             return {}
         rows = [self.val_ds[i] for i in range(len(self.val_ds))][: self.cfg.data.val_max_samples or None]
         params = self.sampling_params(validation=True)
-        if self.colocated:  # every rank generates its share of each batch; rank 0 scores (rlplug.rollout.colocate)
-            size = int(self.cfg.data.val_batch_size or len(rows) or 1)
-            outs = [self._rollout(rows[s : s + size], params, "validation") for s in range(0, len(rows), size)]
-            scored = self._validation_scores(rows, params, iter(outs))
-        else:
-            scored = self._validation_scores(rows, params)
+        # colocated: every rank generates its share of each batch first, rank 0 scores (rlplug.run.colocated)
+        scored = self._validation_scores(rows, params, validation_rollouts(self, rows, params))
         self._last_val_samples = validation_samples(scored[: self.cfg.trainer.val_samples_to_log])
         return validation_metrics(scored, n=params.n)
 
     @on_main_then_broadcast
-    def _validation_scores(self, rows: list[dict], params: SamplingParams, outs: Iterator | None = None) -> list[Any]:
+    def _validation_scores(self, rows: list[dict], params: SamplingParams, made: Callable | None = None) -> list[Any]:
         """Generate and score the validation rows on the main process (the one that owns the engine and
         has prepared the rewards: a judge's server starts there only); every process gets the result.
-        ``outs``: the batches' rollouts, generated already (colocated: by every rank)."""
-
-        generate: Callable = functools.partial(self._rollout, params=params, label="validation", main=True)
-        if outs is not None:
-            generate = lambda chunk: next(outs)  # noqa: E731 - the rollouts of the batches, in order
+        ``made``: the batches' rollouts in order, generated already (colocated: by every rank)."""
+        generate = made or functools.partial(self._rollout, params=params, label="validation", main=True)
         return evaluate.score_responses(
             rows, generate, self._decode, self.val_reward, batch_size=self.cfg.data.val_batch_size
         )
@@ -589,22 +476,8 @@ class Trainer:
             self.trackers.close(status)
 
     def _host_memory(self) -> dict[str, float]:
-        """After a step (and its validation): with ``trainer.malloc_trim``, give the C heap's free memory
-        back to the OS (``timing_s/malloc_trim``, seconds); then ``perf/rss_gb``, this process's
-        resident memory in GiB (:mod:`rlplug.base.host_memory`), and ``perf/rollout_rss_gb``, the rollout
-        engine's process's, where the rollout backend has an integer ``pid`` (vllm's engine child)."""
-        out: dict[str, float] = {}
-        if self.cfg.trainer.get("malloc_trim", True):
-            took = malloc_trim()
-            if took is not None:
-                out["timing_s/malloc_trim"] = took
-        rss = rss_bytes()
-        if rss:
-            out["perf/rss_gb"] = rss / 2**30
-        pid = getattr(self.rollout, "pid", None)  # a rollout engine in a process of its own (vllm)
-        if isinstance(pid, int) and (engine_rss := rss_bytes(pid)):
-            out["perf/rollout_rss_gb"] = engine_rss / 2**30
-        return out
+        """:func:`rlplug.run.metrics.host_memory_metrics` after a step (and its validation)."""
+        return host_memory_metrics(self.cfg.trainer, self.rollout)
 
     def _finish(self) -> None:
         final = self.run_dir / "final_model"
