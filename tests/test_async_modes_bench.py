@@ -129,6 +129,20 @@ def test_learning_rows_carry_over_sessions_only_on_the_same_cpu_kind_and_setting
     assert am._portable(["x=1", "trainer.default_local_dir=/somewhere"]) == ["x=1"]
 
 
+def test_a_finished_run_drops_its_checkpoints_and_keeps_its_records(tmp_path: Path) -> None:
+    run = tmp_path / "grpo" / "sync" / "seed_0"
+    for step, size in ((10, 300), (20, 500)):
+        (run / f"global_step_{step}" / "actor").mkdir(parents=True)
+        (run / f"global_step_{step}" / "actor" / "model.safetensors").write_bytes(b"x" * size)
+    (run / "final_model").mkdir()
+    (run / "final_model" / "model.safetensors").write_bytes(b"y" * 7)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "global_step_notes.txt").write_text("a file, not a checkpoint")
+    assert am.drop_checkpoints(run) == 800
+    assert sorted(p.name for p in run.iterdir()) == ["final_model", "global_step_notes.txt", "metrics.jsonl"]
+    assert am.drop_checkpoints(run) == 0
+
+
 def test_tree_sampler_counts_this_process_cpu_time_on_the_cores_it_ran_on() -> None:
     sampler = am.TreeSampler(os.getpid())
     sampler.start_window()
