@@ -785,14 +785,17 @@ def carried_runs(path: Path, info: dict[str, Any], steps: int, test_freq: int) -
 
 def learning_row(recipe: str, mode: str, seed: int, run_dir: Path, steps: int) -> dict[str, Any]:
     """One run of the learning comparison: its accuracy curve, whether it finished, its minutes (every attempt's
-    process wall time added up) and the minutes of training from the step-0 validation record to the last step's
-    (``metrics.jsonl`` wall times: start-up excluded; a resumed run's pause included)."""
+    process wall time added up), the minutes from the step-0 validation record to the last step's (``metrics.jsonl``
+    wall times: start-up excluded; the time between a stopped attempt and its resume included) and the step minutes
+    (the steps' ``timing_s/step`` added up: start-up, validation and the time between attempts left out)."""
     records = read_records(run_dir)
     meta_path = run_dir / META
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     attempts = meta.get("attempts", [])
     walls = {int(r["step"]): float(r["wall_time"]) for r in records if "wall_time" in r}
     train_min = (walls[steps] - walls[0]) / 60 if 0 in walls and steps in walls else None
+    step_s = {int(r["step"]): float(r["timing_s/step"]) for r in records if "timing_s/step" in r}
+    step_min = sum(step_s.values()) / 60 if step_s else None
     return {
         "recipe": recipe,
         "mode": mode,
@@ -804,6 +807,7 @@ def learning_row(recipe: str, mode: str, seed: int, run_dir: Path, steps: int) -
         "acc": {str(k): v for k, v in sorted(accuracy_curve(records).items())},
         "minutes": round(sum(a["wall_s"] for a in attempts) / 60, 2) if attempts else None,
         "minutes_from_step0_validation": None if train_min is None else round(train_min, 2),
+        "step_minutes": None if step_min is None else round(step_min, 2),
         "attempts": len(attempts),
         "exit_codes": [a["exit_code"] for a in attempts],
         "beside": sorted({a.get("beside", "nothing") for a in attempts}),
@@ -838,7 +842,7 @@ def write_learning(
                     row = {**earlier[(recipe, mode, seed)], "carried": True}
                 rows.append(row)
     val_steps = sorted({0, *range(test_freq, steps + 1, test_freq), steps})
-    head = "| recipe | mode | seed | " + " | ".join(f"acc@{s}" for s in val_steps) + " | minutes | train minutes |"
+    head = "| recipe | mode | seed | " + " | ".join(f"acc@{s}" for s in val_steps) + " | minutes | step minutes |"
     lines = [head, "|---" * (5 + len(val_steps)) + "|"]
 
     def pct(x: float | None) -> str:
@@ -850,7 +854,7 @@ def write_learning(
             f"| {row['recipe']} | {row['mode']} | {row['seed']} | "
             + " | ".join(accs)
             + f" | {_fmt(row.get('minutes'), '.1f')} | "
-            f"{_fmt(row.get('minutes_from_step0_validation'), '.1f')} |"
+            f"{_fmt(row.get('step_minutes'), '.1f')} |"
         )
     for recipe in recipes:
         for mode in modes:
@@ -860,9 +864,7 @@ def write_learning(
                 vals = [r["acc"][str(s)] for r in group if str(s) in r["acc"]]
                 means.append(pct(_mean(vals)) + (f" (n={len(vals)})" if vals and len(vals) < len(group) else ""))
             mins = [r["minutes"] for r in group if r.get("minutes") is not None and r["finished"]]
-            tmins = [
-                r["minutes_from_step0_validation"] for r in group if r.get("minutes_from_step0_validation") is not None
-            ]
+            tmins = [r["step_minutes"] for r in group if r.get("step_minutes") is not None and r["finished"]]
             lines.append(
                 f"| **{recipe}** | **{mode}** | mean | " + " | ".join(means) + f" | {_fmt(_mean(mins), '.1f')} | "
                 f"{_fmt(_mean(tmins), '.1f')} |"
@@ -899,8 +901,9 @@ def write_learning(
         f"training and every {test_freq} steps. Recipes: "
         + "; ".join(f"{r}: `rlplug train {' '.join(RECIPES[r]) or '(default experiment)'}`" for r in recipes)
         + ". Modes as in `benchmarks/async_modes.py` (sync: every core, taking turns; one_step_off: one core each). "
-        "`minutes`: the process's wall time (attempts added up); `train minutes`: from the step-0 validation to the "
-        "last step's record.",
+        "`minutes`: the process's wall time (attempts added up); `step minutes`: the steps' own seconds "
+        "(`timing_s/step` added up: start-up, validation and any time between a stopped attempt and its resume left "
+        "out).",
         "",
         table,
         "",
