@@ -59,8 +59,8 @@ is forwarded there with a ``DeprecationWarning`` for one release.
 :class:`ServerProcess`, :class:`ServerError`, :class:`Retryable`, :func:`server_urls`,
 :func:`free_port`), the prompt, EOS and weight-transfer helpers of :mod:`rlplug.rollout.utils`
 (:func:`validate_prompts`, :func:`eos_ids`, :func:`checked_weights` ...), :func:`resolve_dtype`,
-:func:`load_causal_lm` and the host-memory probes (:func:`rss_bytes`, :func:`heap_mib`,
-:func:`malloc_trim`).
+:func:`load_causal_lm`, the host-memory probes (:func:`rss_bytes`, :func:`heap_mib`,
+:func:`malloc_trim`) and an engine child over two pipes (:func:`start_pipe_child`, :func:`stop_pipe_child`).
 
 **Training backends**: :class:`TrainingBackendBase` (the single-process backend to subclass), its
 :class:`Role`, the coordinators (:data:`SINGLE_PROCESS`, :class:`TorchDistributedCoordinator`),
@@ -99,6 +99,7 @@ from rlplug._moved import forward_name
 from rlplug.base.faults import FAULT_ENV, fault_point
 from rlplug.base.file_modes import apply_umask
 from rlplug.base.host_memory import heap_mib, keep_freed_memory, malloc_trim, rss_bytes
+from rlplug.base.processes import start_pipe_child, stop_pipe_child
 from rlplug.base.run_context import RunContext
 from rlplug.config.run_paths import run_context_for
 from rlplug.config.schema import (
@@ -329,6 +330,8 @@ __all__ = [
     "heap_mib",
     "malloc_trim",
     "keep_freed_memory",
+    "start_pipe_child",
+    "stop_pipe_child",
     # training backends
     "TrainingBackendBase",
     "Role",

@@ -103,6 +103,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlplug.base.host_memory import heap_mib, malloc_trim, rss_bytes
+from rlplug.base.processes import start_pipe_child, stop_pipe_child
 from rlplug.config.schema import ModelConfig, RolloutConfig, TrainerConfig, typed
 from rlplug.contracts.kinds import built_classes
 from rlplug.contracts.registry import Registry, get_registry
@@ -411,30 +412,10 @@ class EngineProcess:
         """Start a child (its output appended to ``log_path``), send it ``init`` and return its answer.
         Raises :class:`EngineProcessError` (the backend failed to build, the child died, or
         :meth:`close` began meanwhile)."""
-        p2c_r, p2c_w = os.pipe()
-        c2p_r, c2p_w = os.pipe()
         argv = [sys.executable, "-m", "rlplug.rollout.engine_process", "--engine-child"]
-        try:
-            with open(self.log_path, "ab") as logf:
-                proc = subprocess.Popen(
-                    [*argv, str(p2c_r), str(c2p_w), str(os.getpid())],
-                    pass_fds=(p2c_r, c2p_w),
-                    env=self._env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    close_fds=True,
-                )
-        except BaseException:
-            os.close(p2c_w)
-            os.close(c2p_r)
-            raise
-        finally:
-            os.close(p2c_r)
-            os.close(c2p_w)
-        send, recv = Connection(p2c_w, readable=False), Connection(c2p_r, writable=False)
+        proc, send, recv = start_pipe_child(argv, self.log_path, env=self._env, tail=[str(os.getpid())])
         self._proc, self._send, self._recv = proc, send, recv
-        self._finalizer = weakref.finalize(self, _shutdown, proc, send, recv)
+        self._finalizer = weakref.finalize(self, stop_pipe_child, proc, send, recv)
         if self._closing:  # close() from another thread may have stopped the previous child, not this one
             self._finalizer()
             raise EngineProcessError(
@@ -443,7 +424,7 @@ class EngineProcess:
         return dict(self._exchange("init", self._payload, self._startup_timeout_s))
 
     def _stop_child(self) -> None:
-        """Stop the current child and close its pipes (:func:`_shutdown`; once per child)."""
+        """Stop the current child and close its pipes (:func:`rlplug.base.processes.stop_pipe_child`; once per child)."""
         if self._finalizer is not None:
             self._finalizer()
 
@@ -698,25 +679,6 @@ def _cpu_tensors(named_tensors: Any) -> dict[str, Any]:
         seen.add(t.untyped_storage().data_ptr())
         out[str(name)] = t
     return out
-
-
-def _shutdown(proc: subprocess.Popen, send: Connection, recv: Connection) -> None:
-    """Ask the child to exit, then SIGTERM / SIGKILL it if it does not; close the pipes."""
-    if proc.poll() is None:
-        with contextlib.suppress(BaseException):
-            send.send(("close", None))
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-    if proc.poll() is None:
-        proc.terminate()  # ignored by the child (see _child_main); SIGKILL follows
-        try:
-            proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    for conn in (send, recv):
-        with contextlib.suppress(BaseException):
-            conn.close()
 
 
 # ============================================================================ the child

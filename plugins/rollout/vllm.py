@@ -103,6 +103,8 @@ from rlplug.plugin import (
     rss_bytes,
     server_urls,
     shm_dir,
+    start_pipe_child,
+    stop_pipe_child,
     typed,
     validate_prompts,
 )
@@ -432,26 +434,6 @@ def _suppress() -> contextlib.suppress:
     return contextlib.suppress(BaseException)
 
 
-def _shutdown(proc: subprocess.Popen, send: Connection | None, recv: Connection | None) -> None:
-    """Ask the child to exit, then terminate / kill it if it does not; close the pipes."""
-    if proc.poll() is None and send is not None:
-        with _suppress():
-            send.send(("close", None))
-        with _suppress():
-            proc.wait(timeout=30)
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    for c in (send, recv):
-        if c is not None:
-            with _suppress():
-                c.close()
-
-
 def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
     """Factory registered as rollout backend ``vllm``.
 
@@ -535,25 +517,11 @@ class EngineChild:
     def start(self) -> Any:
         """Start the child and send ``init``; returns the child's answer. Raises :class:`EngineError`."""
         self.log_path = self.log_dir / f"engine-{self.restarts}.log"
-        p2c_r, p2c_w = os.pipe()
-        c2p_r, c2p_w = os.pipe()
-        try:
-            with open(self.log_path, "ab") as logf:
-                self.proc = subprocess.Popen(
-                    [*self.argv, str(p2c_r), str(c2p_w)],
-                    pass_fds=(p2c_r, c2p_w),
-                    env=self.env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    close_fds=True,
-                )
-        finally:
-            os.close(p2c_r)
-            os.close(c2p_w)
-        self._send_conn = Connection(p2c_w, readable=False)
-        self._recv_conn = Connection(c2p_r, writable=False)
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self._send_conn, self._recv_conn)
+        self.proc, self._send_conn, self._recv_conn = start_pipe_child(self.argv, self.log_path, env=self.env)
+        # vLLM's engine may take a while to shut down: 30 s for 'close', 10 s after SIGTERM (ignored), then SIGKILL
+        self._finalizer = weakref.finalize(
+            self, stop_pipe_child, self.proc, self._send_conn, self._recv_conn, close_wait_s=30.0, term_wait_s=10.0
+        )
         try:
             return self._exchange("init", self.init_payload, self.startup_timeout_s)
         except BaseException:
@@ -1002,7 +970,7 @@ def _ignore_stop_signals() -> None:
     cancel) are for the trainer, which finishes its step, checkpoints and then closes this child; the
     child ignores them so that step's weight push and generation still run. It still ends: on the
     ``close`` command, on the pipe's EOF, when the parent dies (:func:`_exit_with_parent`), or by
-    SIGKILL (:func:`_shutdown` escalates to it)."""
+    SIGKILL (:func:`rlplug.plugin.stop_pipe_child` escalates to it)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
 
