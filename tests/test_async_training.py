@@ -317,3 +317,18 @@ def test_the_vllm_engine_binds_its_threads_to_engine_cpus(tmp_path) -> None:
     cfg = run_config([*RUN, "trainer.async_mode=async", "trainer.engine_cpus=[0]"], tmp_path)
     assert engine_cores(typed(RunConfig, cfg)) == [0]
     assert engine_cores(typed(RunConfig, run_config(RUN, tmp_path / "s"))) == sorted(os.sched_getaffinity(0))
+
+
+def test_the_trainer_runs_one_torch_thread_per_core_of_trainer_cpus_unless_told() -> None:
+    from rlplug.run.trainer import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(None, [0])
+        assert torch.get_num_threads() == 1  # trainer.trainer_cpus=[0], trainer.num_threads unset
+        set_threads(2, [0])
+        assert torch.get_num_threads() == 2  # trainer.num_threads given: it is used
+        set_threads(None)
+        assert torch.get_num_threads() == (os.cpu_count() or 1)
+    finally:
+        torch.set_num_threads(before)

@@ -141,6 +141,26 @@ def test_the_batch_is_the_same_whether_one_two_or_three_ranks_generated_it() -> 
     assert one.metrics["rollout/gen_s_rank_max"] >= one.metrics["rollout/gen_s_rank_min"] >= 0.0
 
 
+def test_engine_restarts_are_each_engines_count_added_up_over_the_ranks() -> None:
+    class Restarted(ScriptedEngine):
+        def __init__(self, restarts: int) -> None:
+            super().__init__()
+            self.restarts = restarts
+
+        def __call__(self, indices: list[int], params: SamplingParams) -> RolloutOutput:
+            out = super().__call__(indices, params)
+            if self.restarts:  # as EngineProcess and the vllm engine child report it: absent before the first
+                out.metrics["rollout/engine_restarts"] = float(self.restarts)
+            return out
+
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=3)
+    # 3 ranks, 6 micro-batches of 2 (two per rank): the engines have restarted 2, 0 and 1 times
+    outs, _ = run_ranks(3, 6, params, size=2, engines=[Restarted(2), Restarted(0), Restarted(1)])
+    assert all(o.metrics["rollout/engine_restarts"] == 3.0 for o in outs)  # not 1.5, the per-micro-batch mean
+    (one,), _ = run_ranks(1, 6, params, size=2, engines=[ScriptedEngine()])
+    assert "rollout/engine_restarts" not in one.metrics
+
+
 def test_a_part_with_the_wrong_number_of_responses_is_refused() -> None:
     def short(indices: list[int], params: SamplingParams) -> RolloutOutput:
         return RolloutOutput(response_ids=[[1]], finish_reasons=["stop"], prompt_index=[0])

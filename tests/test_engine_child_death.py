@@ -191,7 +191,8 @@ def test_vllm_rollout_survives_its_engine_child_being_killed(cfg, model_path, to
         assert kept is not None and Path(kept).exists()  # kept for a restart
         params = SamplingParams(n=2, max_tokens=3, temperature=1.0)
         expected = [[_token(_file_id(kept))] * 3] * 2
-        assert engine.generate([[5, 6]], params).response_ids == expected
+        first = engine.generate([[5, 6]], params)
+        assert first.response_ids == expected and "rollout/engine_restarts" not in first.metrics
         pid = engine.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)  # the OOM killer, between two steps
@@ -199,6 +200,7 @@ def test_vllm_rollout_survives_its_engine_child_being_killed(cfg, model_path, to
         out = engine.generate([[5, 6]], params)
         assert out.response_ids == expected and out.finish_reasons == ["length", "length"]
         assert engine.restarts == 1 and engine.pid != pid
+        assert out.metrics["rollout/engine_restarts"] == 1.0  # logged from the first restart on
         engine.update_weights(weights)  # the next push replaces the kept file
         assert not Path(kept).exists() and Path(engine._engine.weights_path).exists()
     finally:

@@ -749,7 +749,7 @@ class TrainerConfig:
     #: "auto" (cuda if available else cpu), "cpu" or "cuda"
     device: str = "auto"
     seed: int = 42
-    #: torch threads (None: all cores)
+    #: torch threads (None: one per core of trainer_cpus when set, else one per core)
     num_threads: int | None = None
     #: stop after this many consecutive skipped (non-finite) optimizer steps
     max_consecutive_bad_steps: int = 5
@@ -790,9 +790,10 @@ class TrainerConfig:
     #: thrown away, so no bias toward short responses) or "drop" (the engine runs ahead; a stale batch's groups
     #: are regenerated under the current weights, counted in async/dropped)
     stale_policy: str = "wait"
-    #: async modes: the CPU cores of the engine's process (os.sched_setaffinity; None: all)
+    #: async modes: the CPU cores of the engine's process (hf: os.sched_setaffinity; vllm: its OpenMP threads,
+    #: VLLM_CPU_OMP_THREADS_BIND; None: all); rollout.num_threads None: one thread per core given
     engine_cpus: list[int] | None = None
-    #: async modes: the CPU cores of the trainer's process (None: all)
+    #: async modes: the CPU cores of the trainer's process (None: all); trainer.num_threads None: one per core given
     trainer_cpus: list[int] | None = None
 
 

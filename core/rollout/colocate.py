@@ -280,6 +280,11 @@ def rank_engine_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
+#: the metric an engine (rlplug.rollout.engine_process.EngineProcess, the vllm engine child) reports after its first
+#: restart: the restarts so far of that engine
+RESTARTS = "rollout/engine_restarts"
+
+
 def generate_colocated(
     num_prompts: int,
     params: SamplingParams,
@@ -307,7 +312,8 @@ def generate_colocated(
         The whole rollout on every rank, as one engine would give it: ``len(prompts) * n`` responses, prompt-major,
         ``prompt_index`` into the prompts. ``metrics`` (the engines' numbers) are the means over the micro-batches,
         weighted by their responses (every engine reports its own run totals and gauges), except names ending in
-        ``/max`` or ``_max`` (the largest) and ``/min`` or ``_min`` (the smallest), plus
+        ``/max`` or ``_max`` (the largest), ``/min`` or ``_min`` (the smallest) and ``rollout/engine_restarts`` (each
+        engine's own count, added up over the ranks that report one), plus
         ``rollout/gen_s_rank_max`` / ``rollout/gen_s_rank_min``: the seconds the slowest / fastest rank spent
         generating its share (the max is what the step waits for; their gap is the imbalance).
 
@@ -344,6 +350,14 @@ def generate_colocated(
         else:
             weight = sum(w for _, w in have)
             metrics[name] = sum(v * w for v, w in have) / weight if weight else math.nan
+    # a running count per engine: each rank's engine restarts on its own, so the ranks' counts add up
+    restarts = [
+        max(float(p.metrics[RESTARTS]) for _, p in got if RESTARTS in p.metrics)
+        for _, got in gathered
+        if any(RESTARTS in p.metrics for _, p in got)
+    ]
+    if restarts:
+        metrics[RESTARTS] = sum(restarts)
     seconds = [float(s) for s, _ in gathered]  # each rank's own generation: the step waits for the slowest
     metrics["rollout/gen_s_rank_max"], metrics["rollout/gen_s_rank_min"] = max(seconds), min(seconds)
     return RolloutOutput.join([p for _, p in parts], sequences, metrics)

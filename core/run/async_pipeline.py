@@ -38,7 +38,7 @@ The loss. Async modes record the engine's log-probs (``rollout.calculate_log_pro
 ``old_log_probs`` with the trainer's current weights (the proximal policy of decoupled PPO, Hilton et al. 2022,
 "Batch size-invariance for policy optimization", arXiv 2110.00641; AReaL's ``decoupled`` loss) and weight each token
 by ``pi_old / pi_rollout`` truncated at ``algorithm.rollout_correction.rollout_is_threshold``
-(``rollout_is=token``): the defaults :func:`rlplug.config.compose.async_defaults` sets. Bypass mode
+(``rollout_is=token``): the defaults :func:`rlplug.config.async_mode.async_defaults` sets. Bypass mode
 (``algorithm.rollout_correction.bypass_mode=true``: the engine's log-probs are the old ones) and the rest of the
 rollout-correction family are config choices.
 """

@@ -111,9 +111,10 @@ log = logging.getLogger("rlplug")
 # ============================================================================ helpers
 
 
-def set_threads(n: int | None) -> None:
-    """Use ``n`` torch threads (None: all cores); thread counts are set explicitly (MACHINE_NOTES)."""
-    n = n or os.cpu_count() or 1
+def set_threads(n: int | None, cpus: list[int] | None = None) -> None:
+    """Use ``n`` torch threads (None: one per core of ``cpus`` when given, i.e. ``trainer.trainer_cpus``, else
+    one per core); thread counts are set explicitly (MACHINE_NOTES)."""
+    n = n or (len(cpus) if cpus else None) or os.cpu_count() or 1
     torch.set_num_threads(n)
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
 
@@ -192,7 +193,7 @@ class Trainer:
         self.weight_transfer: WeightTransfer = DirectWeightTransfer()
         self.run_dir = run_dir_for(cfg)  # another run's checkpoints there are refused now, before any model loads
         self.ckpt, self.start = open_run_dir(cfg, self.run_dir)
-        set_threads(cfg.trainer.num_threads)
+        set_threads(cfg.trainer.num_threads, cfg.trainer.get("trainer_cpus"))
         seed_everything(cfg.trainer.seed)
 
         # ---- everything that can fail cheaply comes before any model loads

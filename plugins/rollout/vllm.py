@@ -257,7 +257,8 @@ class VLLMRollout:
         a stop string of ``params.stop`` (vLLM's ``include_stop_str_in_output=True``: the sampled ids
         are kept up to and including it) (``"stop"``), else have ``params.max_tokens`` tokens
         (``"length"``). Raises ``ValueError`` for bad prompts or
-        settings, :class:`EngineError` if the engine fails, ``RuntimeError`` after :meth:`close`.
+        settings, :class:`EngineError` if the engine fails, ``RuntimeError`` after :meth:`close`. After the engine
+        child's first restart the output's ``metrics`` carry ``rollout/engine_restarts`` (the restarts so far).
         """
 
         prompts = validate_prompts(prompt_ids, self.vocab_size, params)
@@ -296,7 +297,10 @@ class VLLMRollout:
             if lps is not None:
                 lps.append(list(lp))
         index = [i for i in range(len(prompts)) for _ in range(int(params.n))]
-        return RolloutOutput(response_ids=responses, finish_reasons=reasons, prompt_index=index, log_probs=lps)
+        out = RolloutOutput(response_ids=responses, finish_reasons=reasons, prompt_index=index, log_probs=lps)
+        if self._engine.restarts:  # absent before the first restart, as the hf engine process logs it
+            out.metrics["rollout/engine_restarts"] = float(self._engine.restarts)
+        return out
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
