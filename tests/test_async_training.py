@@ -159,6 +159,8 @@ def test_a_slow_trainer_has_stale_samples_dropped_or_waited_for(policy, tmp_path
         (["trainer.async_mode=async", "actor.skip_old_log_prob_on_policy=true"], "samples are off-policy"),
         (["rollout.partial_rollout=true"], "apply to the asynchronous modes only"),
         (["trainer.engine_cpus=[0]"], "apply to the asynchronous modes only"),
+        (["trainer.max_staleness=2"], r"trainer.max_staleness apply to trainer.async_mode=async only"),
+        (["trainer.stale_policy=drop"], r"trainer.stale_policy apply to trainer.async_mode=async only"),
         (["trainer.async_mode=one_step_off", "rollout.partial_rollout=true"], "only trainer.async_mode=async"),
         (["trainer.async_mode=async", "trainer.engine_cpus=[4096]"], "not among the usable CPUs"),
         (
@@ -258,6 +260,9 @@ def test_verl_v1_trainer_keys_select_the_async_mode(tmp_path) -> None:
     )
     assert (cfg.trainer.async_mode, cfg.trainer.max_staleness, cfg.trainer.stale_policy) == ("async", 3, "drop")
     assert run_config([*RUN, "trainer.v1.trainer_mode=sync"], tmp_path / "s").trainer.async_mode == "sync"
+    # verl's whole config carries the sampler keys with trainer_mode=sync: accepted there, as in verl
+    quiet = run_config([*RUN, "trainer.v1.sampler.max_off_policy_threshold=8"], tmp_path / "q")
+    assert (quiet.trainer.async_mode, quiet.trainer.max_staleness) == ("sync", 8)
     with pytest.raises(ConfigError, match="trainer.async_mode=fully_async is not one of"):
         run_config([*RUN, "trainer.v1.trainer_mode=fully_async"], tmp_path / "f")
 
@@ -332,3 +337,93 @@ def test_the_trainer_runs_one_torch_thread_per_core_of_trainer_cpus_unless_told(
         assert torch.get_num_threads() == (os.cpu_count() or 1)
     finally:
         torch.set_num_threads(before)
+
+
+def _train_within(cfg: Any, seconds: float) -> list[dict]:
+    """:func:`_train` on a daemon thread; fails when it has not finished in ``seconds`` (a deadlock)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def main() -> None:
+        try:
+            box["history"] = _train(cfg)[0]
+        except BaseException as exc:  # handed to the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"training did not finish in {seconds} s: a deadlock"
+    if "error" in box:
+        raise box["error"]
+    return box["history"]
+
+
+@pytest.mark.parametrize("bound", [0, 1])
+def test_a_batch_filter_that_needs_more_draws_than_the_bound_lets_ahead_does_not_hang(
+    tmp_path, rlplug_full_registry, bound
+) -> None:
+    """A filter that keeps every third generation batch: each step needs 3 draws, more than the producer may run
+    ahead of training (1 at max_staleness=0, 2 at 1). The step's extra draws are generated on demand with the
+    current weights, so they are trained at staleness 0 and the bound holds."""
+    from rlplug.contracts.types import BatchFilter
+
+    calls: list[int] = []
+
+    def every_third(data: Any, config: Any) -> torch.Tensor:
+        calls.append(1)
+        return torch.full((data["index"].shape[0],), len(calls) % 3 == 0, dtype=torch.bool)
+
+    rlplug_full_registry.register("batch_filter", "every_third", BatchFilter(every_third))
+    cfg = run_config(
+        [
+            *RUN,
+            "algorithm.batch_filter=every_third",
+            "trainer.async_mode=async",
+            f"trainer.max_staleness={bound}",
+            "data.train_size=64",
+            "trainer.total_training_steps=2",
+        ],
+        tmp_path,
+    )
+    history = _train_within(cfg, 300)
+    assert [m["batch_filter/num_gen_batches"] for m in history] == [3.0, 3.0]
+    assert len(calls) == 6
+    assert all(m["async/staleness_max"] <= bound for m in history)
+
+
+def test_multi_turn_episodes_with_a_server_engine_run_in_async_mode(tmp_path, echo_env) -> None:  # noqa: F811
+    """A server engine runs a multi-turn batch's trajectories on threads of their own, each calling the engine
+    while the producer holds the batch's weight version: the calls go through (they used to wait for the
+    producer, which waited for them). The fake SGLang server of tests/fake_sglang_server.py."""
+    from omegaconf import OmegaConf
+
+    fake = Path(__file__).resolve().parent / "fake_sglang_server.py"
+    cfg = run_config(
+        [
+            *RUN,
+            *MULTI_TURN,
+            "rollout=sglang",
+            "trainer.logger=[console]",
+            "trainer.async_mode=async",
+            "trainer.max_staleness=1",
+            "trainer.total_training_steps=2",
+        ],
+        tmp_path,
+    )
+    OmegaConf.set_readonly(cfg, False)
+    cfg.rollout.server_cmd = [
+        "{python}",
+        str(fake),
+        "--model-path",
+        "{model_path}",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+    ]
+    history = _train_within(cfg, 300)
+    assert len(history) == 2
+    assert all(m["multi_turn/turns_mean"] > 1.0 for m in history)
+    assert all(m["async/staleness_max"] <= 1.0 for m in history)

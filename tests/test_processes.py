@@ -112,3 +112,41 @@ def test_pid_alive_tells_a_running_an_exited_and_a_zombie_child_apart() -> None:
         child.wait()
     assert not pid_alive(child.pid)
     assert pid_alive(2**40) is False
+
+
+def test_pin_process_binds_threads_started_before_and_after() -> None:
+    import threading
+
+    from rlplug.base.processes import pin_process
+
+    allowed = sorted(os.sched_getaffinity(0))
+    target = {allowed[-1]}
+    started, stop = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def worker() -> None:  # a thread started before the pin, as torch's workers are
+        tids.append(threading.get_native_id())
+        started.set()
+        stop.wait(30)
+
+    before = threading.Thread(target=worker, daemon=True)
+    before.start()
+    started.wait(10)
+    try:
+        pin_process(target)
+        assert os.sched_getaffinity(0) == target
+        assert os.sched_getaffinity(tids[0]) == target  # sched_setaffinity(0) alone would have left it on every core
+        later: list[set[int]] = []
+        after = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+        after.start()
+        after.join(10)
+        assert later == [target]
+    finally:
+        stop.set()
+        before.join(10)
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), set(allowed))
+            except ProcessLookupError:
+                pass
+    assert os.sched_getaffinity(0) == set(allowed)

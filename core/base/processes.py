@@ -1,5 +1,6 @@
 """Processes by pid and child processes over two pipes. :func:`pid_alive`: what the stale-file sweeps and the run
-lock ask of a pid they recorded. :func:`start_pipe_child` / :func:`stop_pipe_child`: the engine children (the
+lock ask of a pid they recorded. :func:`pin_process`: every thread of this process on given cores.
+:func:`start_pipe_child` / :func:`stop_pipe_child`: the engine children (the
 ``hf`` engine's :class:`rlplug.rollout.engine_process.EngineProcess` and the ``vllm`` backend's engine child) are
 started and stopped the same way. Imports nothing from rlplug, so any layer may use it."""
 
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-__all__ = ["pid_alive", "start_pipe_child", "stop_pipe_child"]
+__all__ = ["pid_alive", "pin_process", "start_pipe_child", "stop_pipe_child"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -30,6 +31,22 @@ def pid_alive(pid: int) -> bool:
         return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z")
     except OSError:
         return True
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Bind every thread of this process to ``cpus`` (CPU ids), and so the threads it starts later (they inherit
+    the mask of the thread that starts them). ``os.sched_setaffinity(0, ...)`` binds only the calling thread on
+    Linux: torch's worker threads, started when a model loaded, kept every core. Threads listed in
+    ``/proc/self/task``; without ``/proc``, the calling thread alone. A thread that ends meanwhile is skipped.
+    Raises ``OSError`` (``EINVAL``) when no id in ``cpus`` is usable."""
+    os.sched_setaffinity(0, cpus)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cpus)
 
 
 def start_pipe_child(

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlplug.config.schema import ConfigError
 
-__all__ = ["ASYNC_MODES", "STALE_POLICIES", "async_defaults", "check_async_config"]
+__all__ = ["ASYNC_MODES", "STALE_POLICIES", "async_defaults", "check_async_config", "check_sync_settings"]
 
 #: the values of trainer.async_mode
 ASYNC_MODES = ("sync", "one_step_off", "async")
@@ -52,6 +52,28 @@ def async_defaults(cfg: DictConfig, given: Collection[str]) -> list[str]:
         f"{', '.join(changes)}: trainer.async_mode={cfg.trainer.async_mode} trains on samples of older weights "
         "(decoupled PPO: the engine's log-probs are the behaviour policy, old_log_probs the proximal one; docs/async.md)."
     ]
+
+
+#: the settings of trainer.async_mode=async alone, with a default (so check_async_config cannot tell them given)
+ASYNC_ONLY_WITH_DEFAULTS = ("trainer.max_staleness", "trainer.stale_policy")
+
+
+def check_sync_settings(cfg: DictConfig, given: Collection[str], sources: Collection[str]) -> None:
+    """In ``sync``, ``trainer.max_staleness`` / ``trainer.stale_policy`` given by the user in rlplug's spelling (an
+    override in ``sources``, as the user wrote them, starts with the key) raise :class:`ConfigError`: nothing reads
+    them, and they have defaults, so :func:`check_async_config` cannot tell them given. Through verl's
+    ``trainer.v1.sampler.max_off_policy_*`` they pass, as in verl, where a whole config carries them with
+    ``trainer.v1.trainer_mode=sync``. ``given``: the rlplug keys of the overrides."""
+    if cfg.trainer.get("async_mode", "sync") != "sync":
+        return
+    direct = [
+        k for k in ASYNC_ONLY_WITH_DEFAULTS if k in given and any(s.lstrip("+~").startswith(f"{k}=") for s in sources)
+    ]
+    if direct:
+        raise ConfigError(
+            f"{', '.join(direct)} apply to trainer.async_mode=async only, and trainer.async_mode=sync (every sample "
+            "is made with the current weights). Add trainer.async_mode=async, or drop them."
+        )
 
 
 def check_async_config(cfg: DictConfig) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from rlplug.config.async_mode import async_defaults
+from rlplug.config.async_mode import async_defaults, check_sync_settings
 from rlplug.config.run_paths import experiment_name_for
 from rlplug.config.schema import (
     ConfigError,
@@ -104,6 +104,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         print(line, file=sys.stderr)
     for line in async_defaults(cfg, translation.keys):  # trainer.async_mode: the decoupled-PPO loss's settings
         print(line, file=sys.stderr)
+    check_sync_settings(cfg, translation.keys, translation.sources)  # sync: no staleness settings
     if not cfg.trainer.experiment_name:
         name = run_algorithm_name(cfg, choices.get("algorithm"))  # the preset, or the estimator that replaced its own
         cfg.trainer.experiment_name = experiment_name_for(cfg, name, prefix=choices.get("debug"))

@@ -54,6 +54,7 @@ from rlplug.config.schema import ConfigError
 from rlplug.contracts.kinds import built_classes
 from rlplug.contracts.registry import Registry
 from rlplug.contracts.types import RolloutOutput, SamplingParams
+from rlplug.rollout.utils import merge_engine_metrics
 
 __all__ = [
     "check_colocate_config",
@@ -340,16 +341,7 @@ def generate_colocated(
     parts = sorted((kp for _, got in gathered for kp in got), key=lambda kp: kp[0])
     if [k for k, _ in parts] != list(range(len(bounds))):
         raise RuntimeError(f"colocated generation gathered micro-batches {[k for k, _ in parts]} of {len(bounds)}")
-    metrics: dict[str, float] = {}
-    for name in dict.fromkeys(m for _, p in parts for m in p.metrics):
-        have = [(float(p.metrics[name]), len(p.response_ids)) for _, p in parts if name in p.metrics]
-        if name.endswith(("/max", "_max")):
-            metrics[name] = max(v for v, _ in have)
-        elif name.endswith(("/min", "_min")):
-            metrics[name] = min(v for v, _ in have)
-        else:
-            weight = sum(w for _, w in have)
-            metrics[name] = sum(v * w for v, w in have) / weight if weight else math.nan
+    metrics = merge_engine_metrics([(p.metrics, len(p.response_ids)) for _, p in parts])
     # a running count per engine: each rank's engine restarts on its own, so the ranks' counts add up
     restarts = [
         max(float(p.metrics[RESTARTS]) for _, p in got if RESTARTS in p.metrics)

@@ -17,6 +17,7 @@ backends); they are part of the engine (``rlplug.rollout.utils``), not of any pl
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import tempfile
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlplug.rollout")
 
 __all__ = [
+    "merge_engine_metrics",
     "DTYPE_NAMES",
     "TORCH_DTYPES",
     "parse_dtype",
@@ -254,3 +256,21 @@ def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0)
         logprobs=r.calculate_log_probs,
         ignore_eos=bool(r.ignore_eos),
     )
+
+
+def merge_engine_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The engine metrics of one rollout made of several generate calls, ``parts`` = ``[(metrics, responses), ...]``:
+    per name, over the parts that report it, the largest value for names ending in ``/max`` or ``_max``, the
+    smallest for ``/min`` or ``_min``, else the mean weighted by the parts' responses (an engine reports its
+    gauges and per-call means; NaN when the parts that report a name have no responses)."""
+    merged: dict[str, float] = {}
+    for name in dict.fromkeys(m for metrics, _ in parts for m in metrics):
+        have = [(float(metrics[name]), n) for metrics, n in parts if name in metrics]
+        if name.endswith(("/max", "_max")):
+            merged[name] = max(v for v, _ in have)
+        elif name.endswith(("/min", "_min")):
+            merged[name] = min(v for v, _ in have)
+        else:
+            weight = sum(n for _, n in have)
+            merged[name] = sum(v * n for v, n in have) / weight if weight else math.nan
+    return merged

@@ -46,8 +46,8 @@ rollout-correction family are config choices.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -56,7 +56,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlplug.base.faults import fault_point
+from rlplug.base.processes import pin_process
 from rlplug.contracts.types import RolloutOutput, SamplingParams
+from rlplug.rollout.utils import merge_engine_metrics
 from rlplug.run.batch_filter import collect_rollouts
 from rlplug.run.step_pipeline import SyncStepPipeline
 
@@ -82,21 +84,29 @@ def pipeline_for(cfg: DictConfig) -> Any:
 
 class EngineGate:
     """The rollout engine shared by the producer thread (generation) and the trainer thread (weight pushes,
-    validation, ReMax baselines): one call at a time (a re-entrant lock), and the weight version it holds.
+    validation, ReMax baselines), and the weight version it holds.
+
+    Two locks. :attr:`lock` (re-entrant) fixes the weights: a push and a version change hold it, and so does the
+    producer for a whole generation batch (a multi-turn batch keeps one version) or one partial-rollout chunk.
+    ``generate`` does not take it, only :attr:`call_lock`, one engine call at a time, so the calls a batch makes
+    from other threads (a server engine's multi-turn episodes run one thread per trajectory) and the trainer's own
+    generations go through while the producer holds :attr:`lock`. ``concurrent=True`` (server engines, which
+    answer concurrent HTTP requests) lets calls overlap. Lock order: :attr:`lock`, then :attr:`call_lock`.
 
     It stands in for the engine as ``trainer.rollout`` (the :class:`rlplug.contracts.types.RolloutBackend`
     methods): ``sleep``/``wake_up`` do nothing, since in async modes the engine has its own process and
-    generates while the trainer trains; ``generate`` holds the lock for the call."""
+    generates while the trainer trains."""
 
-    def __init__(self, engine: Any, version: int = 0) -> None:
+    def __init__(self, engine: Any, version: int = 0, *, concurrent: bool = False) -> None:
         self.engine = engine
         self.lock = threading.RLock()
+        self.call_lock: Any = contextlib.nullcontext() if concurrent else threading.RLock()
         self.version = version
         #: (start, end) perf_counter intervals in which the engine generated, for the overlap metrics
         self.busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        with self.lock:
+        with self.call_lock:
             t0 = time.perf_counter()
             try:
                 return self.engine.generate(prompt_ids, params)
@@ -104,7 +114,7 @@ class EngineGate:
                 self.busy.append((t0, time.perf_counter()))
 
     def update_weights(self, named_tensors: Any) -> None:
-        with self.lock:
+        with self.lock, self.call_lock:
             self.engine.update_weights(named_tensors)
 
     def sleep(self) -> None:
@@ -140,6 +150,8 @@ class GatedTransfer:
         self.version = getattr(inner, "version", 0)
         self.step: int | None = None
         self.wait_s = 0.0  # seconds pushes waited (the lock and, in one_step_off, the generation)
+        #: (start, end) perf_counter intervals the pushes waited, for the overlap metrics (the pipeline empties it)
+        self.waits: list[tuple[float, float]] = []
 
     def push(self, backend: Any, rollout: Any) -> None:
         t0 = time.perf_counter()
@@ -148,8 +160,10 @@ class GatedTransfer:
         if self.gate is None:  # a rank without the engine: join the gathers
             self.inner.push(backend, None)
         else:
-            with self.gate.lock:
-                self.wait_s += time.perf_counter() - t0
+            with self.gate.lock, self.gate.call_lock:
+                t1 = time.perf_counter()
+                self.wait_s += t1 - t0
+                self.waits.append((t0, t1))
                 self.inner.push(backend, self.gate.engine)
                 self.gate.version = self.step if self.step is not None else int(self.trainer.global_step)
         self.version += 1
@@ -219,7 +233,12 @@ class RolloutFeed:
         self.next_draw: int | None = None  # the draw the producer starts next
         self.in_flight: int | None = None
         self.done_draws = 0  # draws consumed by steps that finished training
+        #: the draw the step in progress waits for with nothing queued (a batch filter that needs more draws than the
+        #: bound lets the producer start): admitted whatever the bound, since it is trained at once (staleness 0)
+        self.demand = 0
         self.taken: list[GenBatch] = []  # draws taken by the step in progress
+        #: (start, end) perf_counter intervals the trainer waited for a batch, for the overlap metrics
+        self.waits: list[tuple[float, float]] = []
         self.trained_cursor: dict | None = None  # loader state after the last draw of a finished step
         self.restored: list[dict] = []  # queued batches of a checkpoint, rebuilt on start
         self.error: BaseException | None = None
@@ -257,7 +276,8 @@ class RolloutFeed:
 
     # ------------------------------------------------------------------ producer thread
     def _admissible(self, draw: int) -> bool:
-        return draw <= self.done_draws + self.depth and (self.limit is None or draw <= self.limit)
+        ahead = draw <= self.done_draws + self.depth or draw <= self.demand
+        return ahead and (self.limit is None or draw <= self.limit)
 
     def _run(self) -> None:
         try:
@@ -323,11 +343,18 @@ class RolloutFeed:
         t0 = time.perf_counter()
         with self.cond:
             while not self.queue and self.error is None:
+                if self.in_flight is None and self.next_draw is not None and not self._admissible(self.next_draw):
+                    # this step needs another draw (a batch filter refilling) and the bound holds the producer back:
+                    # the draw is generated now with the current weights and trained at once, so it is never stale
+                    self.demand = self.next_draw
+                    self.cond.notify_all()
                 self.cond.wait()
             if self.error is not None:
                 raise RuntimeError(f"the rollout producer thread failed: {self.error!r}") from self.error
             batch = self.queue.popleft()
-        metrics["async/wait_batch_s"] = metrics.get("async/wait_batch_s", 0.0) + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        metrics["async/wait_batch_s"] = metrics.get("async/wait_batch_s", 0.0) + t1 - t0
+        self.waits.append((t0, t1))
         self.taken.append(batch)
         self._refresh_stale(batch, metrics)
         return batch
@@ -354,7 +381,8 @@ class RolloutFeed:
             keep = [i for i, p in enumerate(out.prompt_index) if p not in set(stale)]
             parts = [out.take(keep, [out.prompt_index[i] for i in keep]), fresh]
             index = [out.prompt_index[i] for i in keep] + [stale[p] for p in fresh.prompt_index]
-            joined = RolloutOutput.join(parts, index, dict(fresh.metrics))
+            kept_metrics = merge_engine_metrics([(out.metrics, len(keep)), (fresh.metrics, len(fresh.response_ids))])
+            joined = RolloutOutput.join(parts, index, kept_metrics)
             order = sorted(range(len(index)), key=lambda i: index[i])  # prompt-major again, responses in order
             batch.out = joined.take(order, [index[i] for i in order])
         spent = time.perf_counter() - t0
@@ -386,9 +414,10 @@ class RolloutFeed:
             ):
                 self.cond.wait()
 
-    def step_metrics(self, step_version: int, batches: list[GenBatch]) -> dict[str, float]:
-        """``async/*`` of one step; resets the counters."""
-        late = [s for b in batches for s in staleness_of(b.out, step_version)]
+    def step_metrics(self, step_version: int, trained: RolloutOutput) -> dict[str, float]:
+        """``async/*`` of one step, ``trained`` the rollout it trained on (a batch filter's kept groups, not every
+        draw it took); resets the counters."""
+        late = staleness_of(trained, step_version)
         with self.cond:
             counts, self.counts = self.counts, dict.fromkeys(self.counts, 0.0)
             queued = len(self.queue)
@@ -400,7 +429,7 @@ class RolloutFeed:
             "async/waited_s": counts["waited_s"],
             "async/regenerate_s": counts["regen_s"],
             "async/queued": float(queued),
-            "async/multi_version": float(sum(1 for b in batches for v in b.out.versions or [] if len(set(v)) > 1)),
+            "async/multi_version": float(sum(1 for v in trained.versions or [] if len(set(v)) > 1)),
         }
 
     # ------------------------------------------------------------------ checkpoint
@@ -499,10 +528,11 @@ class AsyncStepPipeline(SyncStepPipeline):
         process on ``trainer.trainer_cpus``; build the producer (started by the first step)."""
         cfg = trainer.cfg
         cpus = cfg.trainer.get("trainer_cpus")
-        if cpus:
-            os.sched_setaffinity(0, set(cpus))
+        if cpus:  # every thread: torch's workers started when the model loaded, before this
+            pin_process({int(c) for c in cpus})
         if trainer.is_main:
-            self.gate = EngineGate(trainer.rollout)
+            # a server engine answers concurrent requests (its multi-turn episodes run one thread per trajectory)
+            self.gate = EngineGate(trainer.rollout, concurrent=cfg.rollout.get("mode") == "server")
             trainer.rollout = self.gate
             no_filter = not cfg.algorithm.get("batch_filter") and not cfg.algorithm.filter_groups.enable
             partial = int(cfg.rollout.partial_chunk_tokens) if cfg.rollout.get("partial_rollout") else None
@@ -535,11 +565,9 @@ class AsyncStepPipeline(SyncStepPipeline):
         start = time.perf_counter()
         push_wait0 = self.transfer.wait_s if self.transfer is not None else 0.0
         state = self.generate(trainer, step, metrics)
-        waits = [(start, start + metrics.get("async/wait_batch_s", 0.0))]
         self.prepare(trainer, state, metrics)
         if self.transfer is not None:
             self.transfer.step = step
-        t_update = time.perf_counter()
         self.update(trainer, state, metrics)
         if self.gate is not None:
             with self.gate.lock:  # no push this step (critic warm-up, a skipped update): the weights are unchanged
@@ -547,11 +575,15 @@ class AsyncStepPipeline(SyncStepPipeline):
         if self.transfer is not None:
             self.transfer.step = None
             metrics["async/wait_push_s"] = self.transfer.wait_s - push_wait0
-            waits.append((t_update, t_update + metrics["async/wait_push_s"]))
+        waits: list[tuple[float, float]] = []  # when the trainer waited: for batches, for pushes
+        for source in (self.feed, self.transfer):
+            if source is not None:
+                waits += source.waits
+                source.waits = []
         if self.feed is not None:
             taken = list(self.feed.taken)
             self.feed.step_done()
-            metrics.update(self.feed.step_metrics(step - 1, taken))
+            metrics.update(self.feed.step_metrics(step - 1, state.out))
             metrics["timing_s/gen"] = sum(b.gen_s for b in taken)  # the engine's seconds for this step's batches
         self.record(trainer, state, metrics)
         metrics.update(overlap_metrics(start, time.perf_counter(), waits, list(self.gate.busy) if self.gate else []))
