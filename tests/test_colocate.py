@@ -245,12 +245,116 @@ def test_rank_engine_config_gives_each_local_rank_its_cores(monkeypatch: pytest.
 
 
 # ---------------------------------------------------------------------------- scoring per rank
-def test_rank_responses_are_the_span_of_the_ranks_micro_batches() -> None:
-    # 10 responses in micro-batches of 3: [0,3) [3,6) [6,9) [9,10); 2 ranks take micro-batches {0,1} and {2,3}
-    assert [colocate.rank_responses(10, 3, r, 2) for r in range(2)] == [range(6), range(6, 10)]
-    assert [colocate.rank_responses(4, 4, r, 2) for r in range(2)] == [range(0), range(4)]  # rank 0 idle
-    spans = [colocate.rank_responses(17, 2, r, 3) for r in range(3)]
-    assert [i for span in spans for i in span] == list(range(17))
+def test_rank_groups_are_contiguous_blocks_of_whole_groups() -> None:
+    # 4 prompts x 3 responses: groups start at 0, 3, 6, 9; 2 ranks take groups {0,1} and {2,3}
+    index = [p for p in range(4) for _ in range(3)]
+    assert [colocate.rank_groups(index, r, 2) for r in range(2)] == [range(6), range(6, 12)]
+    # 3 ranks over 4 groups: floor(k * 4 / 3) boundaries 0, 1, 2, 4
+    assert [colocate.rank_groups(index, r, 3) for r in range(3)] == [range(3), range(3, 6), range(6, 12)]
+    # more ranks than groups: the first ranks score nothing, every response is scored once
+    spans = [colocate.rank_groups([0, 0, 1, 1], r, 3) for r in range(3)]
+    assert spans == [range(0), range(2), range(2, 4)]
+    # micro-batches of 4 would split these groups of 3 (responses 0..3 | 4..7 ...): the scoring shares do not
+    for world in (2, 3, 5):
+        shares = [colocate.rank_groups(index, r, world) for r in range(world)]
+        assert [i for share in shares for i in share] == list(range(12))
+        assert all(len(share) % 3 == 0 for share in shares)
+
+
+def test_merged_engine_metrics_add_counts_keep_extremes_and_weight_means() -> None:
+    from rlplug.rollout.utils import merge_engine_metrics
+
+    parts = [
+        ({"multi_turn/tool_calls": 3.0, "multi_turn/ended_by_done": 2.0, "rollout/turns_mean": 1.0, "x/max": 4.0}, 2),
+        ({"multi_turn/tool_calls": 5.0, "multi_turn/ended_by_done": 1.0, "rollout/turns_mean": 4.0, "x/max": 2.0}, 1),
+        ({"x/min": 7.0}, 0),
+    ]
+    assert merge_engine_metrics(parts) == {
+        "multi_turn/tool_calls": 8.0,  # counts of events: added up
+        "multi_turn/ended_by_done": 3.0,
+        "rollout/turns_mean": pytest.approx((1.0 * 2 + 4.0 * 1) / 3),  # a mean: weighted by responses
+        "x/max": 4.0,
+        "x/min": 7.0,
+    }
+
+
+def test_the_episodes_count_metrics_are_added_up_when_micro_batches_are_joined() -> None:
+    from fnmatch import fnmatchcase
+
+    from rlplug.orchestration import episodes
+    from rlplug.rollout.utils import COUNTED_ROLLOUT_METRICS
+
+    counts = [f"multi_turn/{k}" for k in (*episodes._INFO_COUNTS.values(), "env_errors", "overflow")]
+    counts += [f"multi_turn/ended_by_{r}" for r in episodes._END_REASONS]
+    for name in counts:
+        assert any(fnmatchcase(name, p) for p in COUNTED_ROLLOUT_METRICS), name
+    for mean in ("multi_turn/turns_mean", "multi_turn/turns_max", "multi_turn/masked_token_share", "num_turns/mean"):
+        assert not any(fnmatchcase(mean, p) for p in COUNTED_ROLLOUT_METRICS), mean
+
+
+def test_a_rank_whose_generation_raises_makes_every_rank_raise_after_the_gather() -> None:
+    """Rank 1's engine fails: rank 1 raises its own error, rank 0 a RuntimeError naming rank 1; neither is left
+    waiting in the all-gather."""
+    world = 2
+    barrier = threading.Barrier(world)
+    box: list[Any] = [None] * world
+    raised: list[BaseException | None] = [None] * world
+
+    def gather_for(rank: int):
+        def gather(obj: Any) -> list[Any]:
+            box[rank] = obj
+            barrier.wait(timeout=30)
+            got = list(box)
+            barrier.wait(timeout=30)
+            return got
+
+        return gather
+
+    def broken(indices: list[int], params: SamplingParams) -> RolloutOutput:
+        raise OSError("engine child died: no restart left")
+
+    engines = [ScriptedEngine(), broken]
+
+    def rank_main(rank: int) -> None:
+        try:
+            generate_colocated(
+                4, SamplingParams(n=2, seed=1), engines[rank], rank=rank, world_size=world,
+                all_gather=gather_for(rank), micro_batch_size=2,
+            )  # fmt: skip
+        except BaseException as exc:
+            raised[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank was left waiting"
+    assert isinstance(raised[1], OSError) and "no restart left" in str(raised[1])
+    assert isinstance(raised[0], RuntimeError)
+    assert str(raised[0]) == "colocated generation failed on rank 1: OSError: engine child died: no restart left"
+
+
+def test_a_scoring_error_without_overlap_is_handed_to_the_join_not_raised() -> None:
+    """reward.overlap=false scores inside score_async: its error goes into the returned future, so the rank still
+    reaches the all-gather of join_rank_scores and every rank raises there."""
+    from types import SimpleNamespace
+
+    from rlplug.run.colocated import colocated_scoring
+
+    def score_async(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the reward function raised on response 3")
+
+    trainer = SimpleNamespace(
+        coordinator=SimpleNamespace(rank=0, world_size=1),
+        reward=SimpleNamespace(score_async=score_async),
+        cfg=SimpleNamespace(reward=SimpleNamespace(overlap=False)),
+        _decode=lambda out: [],
+    )
+    out = RolloutOutput(response_ids=[[1], [2]], finish_reasons=["stop"] * 2, prompt_index=[0, 0])
+    future = colocated_scoring(trainer, [{"prompt_ids": [5]}], out)
+    with pytest.raises(ValueError, match="raised on response 3"):
+        future.result(timeout=1)
 
 
 def test_join_scores_puts_the_ranks_scores_in_order_and_sums_only_the_counts() -> None:

@@ -51,7 +51,15 @@ def test_vllm_sleep_mode_frees_the_device_takes_weights_asleep_and_wakes_to_the_
         engine.wake_up()
         assert not engine.asleep
         after = engine.generate(prompts, params).response_ids
+        # a push of other weights while asleep takes effect on waking (the same weights could not show it)
+        engine.sleep()
+        g = torch.Generator().manual_seed(0)
+        changed = {k: v + (0.5 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in weights.items()}
+        engine.update_weights(changed)
+        engine.wake_up()
+        perturbed = engine.generate(prompts, params).response_ids
     assert after == before
+    assert perturbed != before
     assert time.perf_counter() - t0 < 600
 
 

@@ -414,3 +414,19 @@ def test_pairs_match_the_format_so_they_differ_in_the_answer():
     ]
     assert corrected_answer("a #### 1 then #### -2.5 end", {"ground_truth": "-7"}) == "a #### 1 then #### -7 end"
     assert corrected_answer("#### x", {"ground_truth": "1"}) is None
+
+
+def test_the_reward_model_device_names_the_ranks_gpu_so_scoring_threads_use_it(monkeypatch) -> None:
+    """On GPU rank 1 (current device 1), ``auto`` and ``cuda`` resolve to ``cuda:1`` when the scorer is built: the
+    reward thread that scores later has GPU 0 as its current device and would move the inputs there."""
+    from rlplug.rewards.reward_model import reward_model_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert reward_model_device("auto") == "cuda:1"
+    assert reward_model_device(None) == "cuda:1"
+    assert reward_model_device("cuda") == "cuda:1"
+    assert reward_model_device("cuda:0") == "cuda:0"  # given: kept
+    assert reward_model_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert reward_model_device("auto") == "cpu"

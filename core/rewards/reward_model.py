@@ -245,13 +245,17 @@ def _omega(node: Any) -> dict:
 
 
 def reward_model_device(name: Any) -> str:
-    """The torch device name of the setting ``name``: ``auto`` (or None) is ``cuda`` when a GPU is visible,
-    else ``cpu``; any other name is returned unchanged (``cpu``, ``cuda``, ``cuda:N``)."""
+    """The torch device name of the setting ``name``: ``auto`` (or None) and ``cuda`` are ``cuda:<N>`` with ``N``
+    the calling thread's current CUDA device (a torchrun rank's own GPU once the backend set it) when a GPU is
+    visible, ``auto`` else ``cpu``; any other name is returned unchanged (``cpu``, ``cuda:N``). The index is fixed
+    here because scoring runs on other threads, whose current device is GPU 0 whatever the rank's."""
     import torch  # deferred: torch
 
     name = str(name or "auto")
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "auto" and not torch.cuda.is_available():
+        return "cpu"
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
     return name
 
 

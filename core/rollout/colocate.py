@@ -24,7 +24,7 @@ mode do:
   engine child reads them from ``/dev/shm``). The engine sleeps while training runs and is woken before
   generating (``sleep`` / ``wake_up``).
 
-* **Scoring per rank.** Each rank scores the responses it generated (:func:`rank_responses`) with its own reward
+* **Scoring per rank.** Each rank scores a contiguous share of whole groups (:func:`rank_groups`) with its own reward
   manager, on its reward thread while the log-prob passes run, and the ranks' results are all-gathered and joined
   in response order (:func:`join_scores`), so every rank trains on the same scores. Validation, a batch filter's
   per-batch scoring and ReMax's greedy baseline are scored on rank 0 (and broadcast) as before.
@@ -68,7 +68,7 @@ __all__ = [
     "rank_cores",
     "rank_engine_config",
     "rank_micro_batches",
-    "rank_responses",
+    "rank_groups",
     "supports_colocate",
 ]
 
@@ -169,12 +169,18 @@ def micro_batch_seed(seed: int | None, index: int) -> int:
     return (int(seed or 0) * 2_654_435_761 + (int(index) + 1) * 40_503 + 0xC010) % (2**63 - 1)
 
 
-def rank_responses(num_responses: int, micro_batch_size: int, rank: int, world_size: int) -> range:
-    """The responses (indices into a prompt-major rollout of ``num_responses``) that rank ``rank`` of
-    ``world_size`` generated: the span of its global micro-batches (empty for a rank without any)."""
-    bounds = micro_batches(num_responses, micro_batch_size)
-    share = rank_micro_batches(len(bounds), rank, world_size)
-    return range(bounds[share[0]][0], bounds[share[-1]][1]) if len(share) else range(0)
+def rank_groups(prompt_index: Sequence[int], rank: int, world_size: int) -> range:
+    """The responses (indices into a prompt-major rollout whose response ``i`` answers prompt ``prompt_index[i]``)
+    that rank ``rank`` of ``world_size`` scores: a contiguous block of whole groups (a group: the consecutive
+    responses of one prompt), the blocks as equal in groups as they can be (:func:`rank_micro_batches`), empty for a
+    rank without any. Whole groups, so a reward that looks at a prompt's responses together (a TRL batched reward
+    function) sees the same group whatever the number of ranks, even where a micro-batch split the group."""
+    starts = [i for i in range(len(prompt_index)) if i == 0 or prompt_index[i] != prompt_index[i - 1]]
+    share = rank_micro_batches(len(starts), rank, world_size)
+    if not len(share):
+        return range(0)
+    stop = starts[share[-1] + 1] if share[-1] + 1 < len(starts) else len(prompt_index)
+    return range(starts[share[0]], stop)
 
 
 #: reward metrics that count (summed over the ranks' shares); the others are means (weighted by responses)
@@ -312,44 +318,58 @@ def generate_colocated(
     Returns:
         The whole rollout on every rank, as one engine would give it: ``len(prompts) * n`` responses, prompt-major,
         ``prompt_index`` into the prompts. ``metrics`` (the engines' numbers) are the means over the micro-batches,
-        weighted by their responses (every engine reports its own run totals and gauges), except names ending in
-        ``/max`` or ``_max`` (the largest), ``/min`` or ``_min`` (the smallest) and ``rollout/engine_restarts`` (each
-        engine's own count, added up over the ranks that report one), plus
+        weighted by their responses (every engine reports its own run totals and gauges), except the counts of
+        :data:`rlplug.rollout.utils.COUNTED_ROLLOUT_METRICS` (added up), names ending in ``/max`` or ``_max`` (the
+        largest), ``/min`` or ``_min`` (the smallest) and ``rollout/engine_restarts`` (each engine's own count,
+        added up over the ranks that report one), plus
         ``rollout/gen_s_rank_max`` / ``rollout/gen_s_rank_min``: the seconds the slowest / fastest rank spent
         generating its share (the max is what the step waits for; their gap is the imbalance).
 
     Raises:
         ValueError: a part with another number of responses than it was asked for.
+        RuntimeError: another rank's generation raised (named with its message); this rank's own error is raised
+            as it is. Either way after the all-gather, so no rank is left waiting in it.
     """
     n = max(1, int(params.n))
     sequences = [p for p in range(num_prompts) for _ in range(n)]  # prompt-major, as RolloutOutput
     bounds = micro_batches(len(sequences), micro_batch_size)
     mine: list[tuple[int, RolloutOutput]] = []
     t0 = time.perf_counter()
-    for k in rank_micro_batches(len(bounds), rank, world_size):
-        start, stop = bounds[k]
-        part = generate_part(
-            sequences[start:stop], dataclasses.replace(params, n=1, seed=micro_batch_seed(params.seed, k))
-        )
-        if len(part.response_ids) != stop - start:
-            raise ValueError(
-                f"micro-batch {k}: the engine returned {len(part.response_ids)} responses for {stop - start} prompts "
-                "with n=1."
+    error: Exception | None = None
+    try:
+        for k in rank_micro_batches(len(bounds), rank, world_size):
+            start, stop = bounds[k]
+            part = generate_part(
+                sequences[start:stop], dataclasses.replace(params, n=1, seed=micro_batch_seed(params.seed, k))
             )
-        mine.append((k, part))
-    gathered = all_gather((time.perf_counter() - t0, mine))
-    parts = sorted((kp for _, got in gathered for kp in got), key=lambda kp: kp[0])
+            if len(part.response_ids) != stop - start:
+                raise ValueError(
+                    f"micro-batch {k}: the engine returned {len(part.response_ids)} responses for {stop - start} "
+                    "prompts with n=1."
+                )
+            mine.append((k, part))
+    except Exception as exc:  # every rank still meets in the all-gather, then every rank raises
+        error, mine = exc, []
+    gathered = all_gather(
+        (time.perf_counter() - t0, mine, None if error is None else f"{type(error).__name__}: {error}")
+    )
+    if error is not None:
+        raise error
+    failed = [(r, err) for r, (_, _, err) in enumerate(gathered) if err is not None]
+    if failed:
+        raise RuntimeError(f"colocated generation failed on rank {failed[0][0]}: {failed[0][1]}")
+    parts = sorted((kp for _, got, _ in gathered for kp in got), key=lambda kp: kp[0])
     if [k for k, _ in parts] != list(range(len(bounds))):
         raise RuntimeError(f"colocated generation gathered micro-batches {[k for k, _ in parts]} of {len(bounds)}")
     metrics = merge_engine_metrics([(p.metrics, len(p.response_ids)) for _, p in parts])
     # a running count per engine: each rank's engine restarts on its own, so the ranks' counts add up
     restarts = [
         max(float(p.metrics[RESTARTS]) for _, p in got if RESTARTS in p.metrics)
-        for _, got in gathered
+        for _, got, _ in gathered
         if any(RESTARTS in p.metrics for _, p in got)
     ]
     if restarts:
         metrics[RESTARTS] = sum(restarts)
-    seconds = [float(s) for s, _ in gathered]  # each rank's own generation: the step waits for the slowest
+    seconds = [float(s) for s, _, _ in gathered]  # each rank's own generation: the step waits for the slowest
     metrics["rollout/gen_s_rank_max"], metrics["rollout/gen_s_rank_min"] = max(seconds), min(seconds)
     return RolloutOutput.join([p for _, p in parts], sequences, metrics)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlplug.rollout")
 
 __all__ = [
+    "COUNTED_ROLLOUT_METRICS",
     "merge_engine_metrics",
     "DTYPE_NAMES",
     "TORCH_DTYPES",
@@ -258,15 +259,31 @@ def sampling_params(cfg: DictConfig, *, validation: bool = False, step: int = 0)
     )
 
 
+#: rollout metrics that count events of one generate call (multi-turn episodes: tool calls and their failures,
+#: environment errors, overflows, how episodes ended; ``fnmatch`` patterns): added up when calls are merged
+COUNTED_ROLLOUT_METRICS = (
+    "multi_turn/tool_*",
+    "multi_turn/malformed_calls",
+    "multi_turn/env_errors",
+    "multi_turn/overflow",
+    "multi_turn/ended_by_*",
+)
+
+
 def merge_engine_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The engine metrics of one rollout made of several generate calls, ``parts`` = ``[(metrics, responses), ...]``:
-    per name, over the parts that report it, the largest value for names ending in ``/max`` or ``_max``, the
-    smallest for ``/min`` or ``_min``, else the mean weighted by the parts' responses (an engine reports its
-    gauges and per-call means; NaN when the parts that report a name have no responses)."""
+    per name, over the parts that report it, the sum for the counts of :data:`COUNTED_ROLLOUT_METRICS`, the largest
+    value for names ending in ``/max`` or ``_max``, the smallest for ``/min`` or ``_min``, else the mean weighted by
+    the parts' responses (an engine reports its gauges and per-call means; NaN when the parts that report a name
+    have no responses)."""
+    from fnmatch import fnmatchcase  # deferred: only when calls are merged
+
     merged: dict[str, float] = {}
     for name in dict.fromkeys(m for metrics, _ in parts for m in metrics):
         have = [(float(metrics[name]), n) for metrics, n in parts if name in metrics]
-        if name.endswith(("/max", "_max")):
+        if any(fnmatchcase(name, pattern) for pattern in COUNTED_ROLLOUT_METRICS):
+            merged[name] = sum(v for v, _ in have)
+        elif name.endswith(("/max", "_max")):
             merged[name] = max(v for v, _ in have)
         elif name.endswith(("/min", "_min")):
             merged[name] = min(v for v, _ in have)

@@ -26,7 +26,7 @@ from rlplug.rollout.colocate import (
     join_scores,
     pin_engine_device,
     rank_engine_config,
-    rank_responses,
+    rank_groups,
 )
 from rlplug.rollout.engine_process import build_engine
 from rlplug.run.checkpoint import _fault_point
@@ -97,13 +97,20 @@ def colocated_rollout(trainer: Any, rows: list[dict], params: SamplingParams, la
     episodes (``rollout.multi_turn.enable``) run per micro-batch on the rank that generates it. A collective."""
     coordinator = trainer.coordinator
 
+    woke: Exception | None = None
+    try:
+        trainer.rollout.wake_up()
+    except Exception as exc:  # raised by this rank's first micro-batch, so every rank hears of it after the gather
+        woke = exc
+
     def generate_part(indices: list[int], part_params: SamplingParams) -> RolloutOutput:
+        if woke is not None:
+            raise woke
         if trainer.episodes is not None:
             part_rows = [rows[i] for i in indices]
             return trainer.episodes.generate(part_rows, part_params, step=trainer.global_step + 1)
         return trainer.rollout.generate([rows[i]["prompt_ids"] for i in indices], part_params)
 
-    trainer.rollout.wake_up()
     try:
         _fault_point(label)
         return generate_colocated(
@@ -120,24 +127,27 @@ def colocated_rollout(trainer: Any, rows: list[dict], params: SamplingParams, la
 
 
 def colocated_scoring(trainer: Any, rows: list[dict], out: RolloutOutput) -> Any:
-    """Start scoring the responses this rank generated (:func:`rlplug.rollout.colocate.rank_responses`) on its
+    """Start scoring this rank's share of whole groups (:func:`rlplug.rollout.colocate.rank_groups`) on its
     reward manager's thread; the future's result is ``((start, score's result), seconds)``. None: no responses."""
     coordinator = trainer.coordinator
-    share = rank_responses(len(out.response_ids), int(trainer.cfg.rollout.micro_batch_size),
-                           int(coordinator.rank), int(coordinator.world_size))  # fmt: skip
+    share = rank_groups(out.prompt_index, int(coordinator.rank), int(coordinator.world_size))
     if not len(share):
         return None
     mine = out.take(list(share), [out.prompt_index[i] for i in share])
-    future = trainer.reward.score_async(
-        rows_for_scoring(rows, mine),
-        lambda: trainer._decode(mine),
-        overlap=bool(trainer.cfg.reward.overlap),
-        lengths=mine.response_lengths,
-        **trl_inputs(trainer, mine),
-    )
     start = share.start
     wrapped: Any = cf.Future()
     wrapped.rank_share = True  # its result is this rank's share: join_rank_scores joins the ranks'
+    try:
+        future = trainer.reward.score_async(
+            rows_for_scoring(rows, mine),
+            lambda: trainer._decode(mine),
+            overlap=bool(trainer.cfg.reward.overlap),
+            lengths=mine.response_lengths,
+            **trl_inputs(trainer, mine),
+        )
+    except Exception as exc:  # reward.overlap=false scores here: handed over like a thread's error
+        wrapped.set_exception(exc)
+        return wrapped
 
     def done(f: Any) -> None:
         try:

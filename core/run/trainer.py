@@ -339,7 +339,7 @@ class Trainer:
     def _start_scoring(self, rows: list[dict], out: RolloutOutput) -> Any:
         """Decode and score ``out`` on the reward manager's thread (main process only; on the main
         thread with ``reward.overlap=false``); returns the future, joined by :meth:`_finish_scoring`. Colocated:
-        every rank scores the responses it generated (:func:`colocated_scoring`)."""
+        every rank scores a share of whole groups (:func:`colocated_scoring`)."""
         if self.colocated:
             return colocated_scoring(self, rows, out)
         if not self.is_main:

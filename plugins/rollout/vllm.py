@@ -332,6 +332,7 @@ class VLLMRollout:
             with _suppress():
                 os.unlink(previous)
         if self.asleep and not self._weights_awake:  # GPU sleep mode: the weights go back to the device first
+            _release_cached_device_memory()
             self._call("wake_up", ["weights"])
             self._weights_awake = True
         fd, path = tempfile.mkstemp(prefix=weights_file_prefix(), suffix=".safetensors", dir=self.weights_dir)
@@ -364,6 +365,7 @@ class VLLMRollout:
         weights). On a CPU a no-op."""
         if not self.on_gpu or not self.asleep:
             return
+        _release_cached_device_memory()
         self._call("wake_up", ["kv_cache"] if self._weights_awake else None)
         self.asleep, self._weights_awake = False, True
 
@@ -436,6 +438,16 @@ def remove_stale_weights(directory: str, *, legacy: bool = False) -> list[str]:
 def _suppress() -> contextlib.suppress:
     """Best-effort cleanup: swallow anything (a dead child's broken pipe, an interrupt mid-close)."""
     return contextlib.suppress(BaseException)
+
+
+def _release_cached_device_memory() -> None:
+    """Give the device memory this (trainer) process's PyTorch caching allocator holds but does not use back to the
+    driver (``torch.cuda.empty_cache``), so a sleeping vLLM engine in its child process can map its weights and KV
+    cache again: training freed that memory into the cache, not to the device (verl and TRL empty it before waking
+    too). No-op where CUDA was never initialised."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def create_vllm_rollout(config: Any, model_path: str, tokenizer: Any) -> Any:
