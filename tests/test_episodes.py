@@ -273,6 +273,29 @@ def test_environment_errors_and_timeouts_end_one_episode_not_the_batch(tok: Any)
     assert out.metrics["multi_turn/env_errors"] == 1.0 and out.metrics["multi_turn/ended_by_timeout"] == 1.0
 
 
+def test_a_blocking_environment_step_that_hangs_ends_at_the_timeout_not_when_it_returns(tok: Any) -> None:
+    """A plain (not async) ``step`` that blocks for 8 s: its episode ends at episode_timeout_s and the batch comes
+    back then; the thread is left to finish on its own (it used to be joined when the episode loop closed)."""
+    release = threading.Event()
+
+    class Stuck(CalcEnv):
+        def step(self, message: Mapping[str, Any]) -> EnvStep:  # type: ignore[override]
+            if self.context.index == 1:
+                release.wait(8)
+            return EnvStep(done=True)
+
+    scripted = ScriptedEngine(tok, {"Q1": ["<calc>1+1</calc>", "2."], "Q2": ["<calc>1+1</calc>", "2."]})
+    t0 = time.monotonic()
+    try:
+        with engine(tok, scripted, {"calc_env": Stuck}, multi_turn={"episode_timeout_s": 1.0}) as eng:
+            out = eng.generate(rows(tok, ["Q1", "Q2"]), PARAMS)
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert took < 5, took
+    assert out.metrics["multi_turn/ended_by_timeout"] == 1.0 and out.metrics["multi_turn/ended_by_done"] == 1.0
+
+
 def test_reset_failure_is_a_clear_error(tok: Any) -> None:
     class NoPrompt(CalcEnv):
         def reset(self, row: Mapping[str, Any]) -> list[dict]:
@@ -398,3 +421,28 @@ def test_rows_agent_name_column_is_read_and_checked(tok: Any, tmp_path: Any) -> 
         eng.check_rows(ds, "the training data")  # both resolve (the second to the default)
         with pytest.raises(EpisodeError, match="the training data, row 0: agent_name='nope'"):
             eng.check_rows([{"agent_name": "nope"}], "the training data")
+
+
+def test_a_template_that_ignores_tools_is_reported(caplog: Any) -> None:
+    """rollout.multi_turn.format=hermes hands the tool schemas to the chat template; a template that drops them
+    (SmolLM2's) would leave the model without them, silently: a warning names the tools."""
+    import json
+    import logging
+
+    from rlplug.orchestration.chat import check_template
+
+    class Template:
+        def __init__(self, shows_tools: bool) -> None:
+            self.shows_tools = shows_tools
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
+            head = json.dumps(tools) if tools and self.shows_tools else ""
+            body = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+            return head + body + ("<assistant>" if add_generation_prompt else "")
+
+    schemas = [{"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}]
+    with caplog.at_level(logging.WARNING, logger="rlplug"):
+        check_template(Template(shows_tools=True), tools=schemas)
+        assert not caplog.records
+        check_template(Template(shows_tools=False), tools=schemas)
+    assert "does not render tools= (none of the tool names calculator appears" in caplog.text

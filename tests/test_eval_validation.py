@@ -158,3 +158,30 @@ def test_eval_prints_the_validation_number_of_the_same_checkpoint(tmp_path: Path
     assert row["mean"] == metrics[key] and row["best"] == metrics[key]  # same number, bit for bit
     assert row["metrics"] == metrics
     assert f"{row['mean']:.4f}" == f"{metrics[key]:.4f}"  # what both print
+
+
+def test_a_multi_turn_response_is_validated_on_its_whole_return(rlplug_registry):
+    """Validation scores a trajectory as it is trained: the reward's score plus the environment's step rewards
+    (a TRL environment's get_reward() may be the whole reward); not for a response whose reward failed."""
+    from rlplug.contracts.types import RolloutOutput
+    from rlplug.run.evaluate import score_responses
+
+    rlplug_registry.register("reward_function", "f", _float_reward)
+    reward = RewardManager({"reward_fn_map": {"calc": "f"}}, registry=rlplug_registry)
+    rows = [{"data_source": "calc", "prompt_ids": [1], "ground_truth": "4"} for _ in range(2)]
+
+    def generate(chunk: list) -> RolloutOutput:
+        return RolloutOutput(
+            response_ids=[[5, 6], [5, 7]],
+            finish_reasons=["stop", "stop"],
+            prompt_index=[0, 1],
+            response_masks=[[1, 1], [1, 1]],
+            prompts=[[1], [1]],
+            step_rewards=[[(0, 0.25), (1, 0.5)], []],
+            solutions=["4", "5"],
+            transcripts=[[], []],
+        )
+
+    scored = score_responses(rows, generate, lambda out: ["4", "5"], reward)
+    # response 0: correct (1.0) + step rewards 0.25 + 0.5; response 1: wrong (0.0), no step reward
+    assert [s.score for s in scored] == [1.75, 0.0]

@@ -474,3 +474,29 @@ def test_remax_and_otb_returns_carry_a_step_reward_through_masked_spans() -> Non
     _, returns = rlplug.get_plugin("advantage_estimator", "remax")(data, {})
     expected = torch.tensor([1.5, 1.5, 1.5, 0, 0, 1, 1, 0, 0, 1, 1, 0])
     assert torch.equal(returns[0], expected)
+
+
+def test_the_remax_baseline_of_an_episode_adds_its_environment_step_rewards() -> None:
+    """ReMax's baseline is the greedy episode's return, scored as the sampled ones are: the reward's score plus the
+    environment's step rewards (without them the advantages were biased up by the mean step reward)."""
+    from types import SimpleNamespace
+
+    from rlplug.contracts.types import RolloutOutput
+    from rlplug.rewards.manager import FAILED
+    from rlplug.run.trainer import Trainer
+
+    greedy = RolloutOutput(
+        response_ids=[[4, 5], [6], [7]],
+        finish_reasons=["stop"] * 3,
+        prompt_index=[0, 1, 2],
+        step_rewards=[[(0, 0.5), (1, 0.25)], [], [(0, 2.0)]],
+    )
+    stub = SimpleNamespace(
+        cfg=SimpleNamespace(data=SimpleNamespace(max_response_length=8)),
+        _rollout=lambda rows, params, label: greedy,
+        _score=lambda rows, out: ([1.0, 0.0, 3.0], {FAILED: [0.0, 0.0, 1.0]}, {}),
+    )
+    sampled = RolloutOutput(response_ids=[[1]] * 6, finish_reasons=["stop"] * 6, prompt_index=[0, 0, 1, 1, 2, 2])
+    got = Trainer._baseline_scores(stub, [{}, {}, {}], [[1], [2], [3]], sampled)  # type: ignore[arg-type]
+    # prompt 0: 1.0 + 0.5 + 0.25; prompt 1: 0.0; prompt 2: its score failed -> NaN (left out of training)
+    assert got[:4].tolist() == [1.75, 1.75, 0.0, 0.0] and torch.isnan(got[4:]).all()

@@ -23,6 +23,7 @@ re-tokenized silently. :class:`TurnRenderer` runs the check when it is built.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,7 +64,8 @@ def check_template(tokenizer: Any, *, tools: Any = None, observation_role: str =
     Renders a probe conversation (system, user, then assistant / ``observation_role`` turns, the assistant
     text holding a tool call and a ``<think>`` span a template might rewrite) one turn at a time and checks
     that every rendering, with the generation prompt, is a prefix of the next one's, and that every
-    message's text appears unchanged. Raises :class:`TemplateError` naming the first turn that breaks it.
+    message's text appears unchanged. Raises :class:`TemplateError` naming the first turn that breaks it. Logs a
+    warning when ``tools`` are given and the template shows none of their names (SmolLM2's ignores ``tools=``).
     """
     probe: list[dict[str, str]] = [
         {"role": "system", "content": "You can call tools."},
@@ -74,6 +76,14 @@ def check_template(tokenizer: Any, *, tools: Any = None, observation_role: str =
         {"role": observation_role, "content": "ok"},
     ]
     previous = render_text(tokenizer, probe[:2], generation_prompt=True, tools=tools)
+    names = [str(t.get("function", t).get("name", "")) for t in tools or () if isinstance(t, Mapping)]
+    if names and not any(name and name in previous for name in names):
+        logging.getLogger("rlplug").warning(
+            "The model's chat template does not render tools= (none of the tool names %s appears in its prompt): "
+            "the model is not shown the tools' schemas or how to call them. Describe them in the system prompt, "
+            "use rollout.multi_turn.format=tags, or a model whose template renders tools.",
+            ", ".join(names),
+        )
     for k in range(3, len(probe) + 1):
         gen = probe[k - 1]["role"] != "assistant"
         current = render_text(tokenizer, probe[:k], generation_prompt=gen, tools=tools)

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from rlplug.algorithms.losses import compute_token_level_scores
+from rlplug.base.threads import in_daemon_thread
 from rlplug.config.schema import MultiTurnConfig, typed
 from rlplug.contracts.agents import EnvironmentContext, EnvStep, ToolResult
 from rlplug.contracts.types import RolloutOutput, SamplingParams
@@ -216,11 +217,13 @@ def run_coroutine(coro: Awaitable[Any]) -> Any:
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``: awaited when it is a coroutine function; a plain one runs in a thread (an environment's
-    blocking code must not stall the other trajectories), its result awaited if it is awaitable."""
+    """``fn(*args)``: awaited when it is a coroutine function; a plain one runs on a daemon thread of its own
+    (:func:`rlplug.base.threads.in_daemon_thread`: an environment's blocking code must not stall the other
+    trajectories, and one that never returns must not hold up the batch past its episode's timeout), its result
+    awaited if it is awaitable."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    result = await asyncio.to_thread(fn, *args)
+    result = await in_daemon_thread(fn, *args)
     if inspect.isawaitable(result):
         result = await result
     return result

@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rlplug.base.threads import in_daemon_thread
 from rlplug.config.schema import MultiTurnConfig, typed
 from rlplug.contracts.agents import (
     EnvironmentContext,
@@ -227,7 +228,12 @@ class TRLEnvironment:
         """The prompt messages of ``row`` after ``instance.reset(**example)`` (:func:`trl_example`); a string
         it returns is appended to the last message's content, as TRL does."""
         messages = _messages(row.get("prompt") if row.get("prompt") is not None else trl_example(row)["prompt"])
-        out = self.instance.reset(**trl_example(row))
+        reset = self.instance.reset
+        out = (
+            reset(**trl_example(row))
+            if inspect.iscoroutinefunction(reset)
+            else await in_daemon_thread(reset, **trl_example(row))  # user code: off the event loop
+        )
         if inspect.isawaitable(out):
             out = await out
         if out is not None:
@@ -285,7 +291,8 @@ class TRLEnvironment:
         self.scored = True
         if not callable(getattr(self.instance, "get_reward", None)):
             return None
-        value = self.instance.get_reward()
+        get_reward = self.instance.get_reward
+        value = get_reward() if inspect.iscoroutinefunction(get_reward) else await in_daemon_thread(get_reward)
         if inspect.isawaitable(value):
             value = await value
         if value is None:
@@ -311,7 +318,7 @@ class TRLEnvironment:
             if method.is_async:
                 out = await asyncio.wait_for(method.fn(**checked), timeout)
             else:
-                out = await asyncio.wait_for(asyncio.to_thread(method.fn, **checked), timeout)
+                out = await asyncio.wait_for(in_daemon_thread(method.fn, **checked), timeout)
             text, status = (out if isinstance(out, str) else str(out)), "ok"
         except ToolArgumentError as exc:
             text, status = str(exc), "bad_arguments"

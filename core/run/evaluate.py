@@ -62,7 +62,8 @@ def score_responses(
     ``rows`` are dataset rows with ``prompt_ids`` (and ``data_source``, ``ground_truth``);
     ``generate(rows)`` returns the :class:`rlplug.contracts.types.RolloutOutput` for a list of rows (its
     sampling settings fixed by the caller; multi-turn episodes need the rows, a plain engine their ``prompt_ids``); ``decode`` turns it into the response texts; ``reward`` scores
-    them (``score(..., report_acc=True)``). Prompts go ``batch_size`` at a time (``data.val_batch_size``;
+    them (``score(..., report_acc=True)``); a multi-turn response's score adds its environment's step rewards
+    (``RolloutOutput.step_rewards``), as its training return does (not for a response whose reward failed). Prompts go ``batch_size`` at a time (``data.val_batch_size``;
     None: all at once). Returns one :class:`rlplug.run.metrics.ScoredResponse` per response, in prompt order;
     :func:`rlplug.run.metrics.validation_metrics` turns them into the metrics.
     """
@@ -78,6 +79,12 @@ def score_responses(
         rows_out = rows_for_scoring(chunk, out)
         scores, extra, _ = reward.score(rows_out, texts, report_acc=True, **trl_ids(reward, out))
         names = [k for k in extra if k not in skip and not k.startswith("shaping/")]
+        failed = extra.get(FAILED) or [False] * len(texts)
+        if out.step_rewards is not None:  # multi-turn: the return trained on adds the environment's step rewards
+            scores = [
+                float(s) + (0.0 if failed[j] else sum(float(r) for _, r in out.step_rewards[j]))
+                for j, s in enumerate(scores)
+            ]
         for j, i in enumerate(out.prompt_index):
             components = {k: float(extra[k][j]) for k in names if extra[k][j] is not None}
             scored.append(

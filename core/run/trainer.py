@@ -329,12 +329,15 @@ class Trainer:
         return self.reward.score(rows_for_scoring(rows, out), self._decode(out), **trl_inputs(self, out))
 
     def _baseline_scores(self, rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput) -> torch.Tensor:
-        """``(B,) float32``: the score of a greedy response to each response's prompt (ReMax's baseline);
-        NaN where that score failed, which leaves the responses to that prompt out of training."""
+        """``(B,) float32``: the return of a greedy response to each response's prompt (ReMax's baseline): its score
+        plus, for a multi-turn episode, its environment's step rewards, as the sampled returns have them; NaN where
+        that score failed, which leaves the responses to that prompt out of training."""
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
-        base, extra, _ = self._score(rows, self._rollout(rows, params, label="rollout_baseline"))
+        greedy = self._rollout(rows, params, label="rollout_baseline")
+        base, extra, _ = self._score(rows, greedy)
+        env = [sum(r for _, r in steps) for steps in greedy.step_rewards or [[]] * len(base)]
         ok = scored_rows(extra, len(base)).tolist()
-        return torch.tensor([base[i] if ok[i] else math.nan for i in out.prompt_index], dtype=torch.float32)
+        return torch.tensor([base[i] + env[i] if ok[i] else math.nan for i in out.prompt_index], dtype=torch.float32)
 
     def _start_scoring(self, rows: list[dict], out: RolloutOutput) -> Any:
         """Decode and score ``out`` on the reward manager's thread (main process only; on the main
