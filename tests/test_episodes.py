@@ -446,3 +446,15 @@ def test_a_template_that_ignores_tools_is_reported(caplog: Any) -> None:
         assert not caplog.records
         check_template(Template(shows_tools=False), tools=schemas)
     assert "does not render tools= (none of the tool names calculator appears" in caplog.text
+
+
+def test_an_environments_stop_may_be_one_string_not_one_stop_per_character() -> None:
+    from types import SimpleNamespace
+
+    from rlplug.orchestration.episodes import _env_stops
+
+    assert _env_stops(SimpleNamespace(stop="</calculator>")) == ["</calculator>"]
+    assert _env_stops(SimpleNamespace(stop=("</a>", "</b>"))) == ["</a>", "</b>"]
+    assert _env_stops(SimpleNamespace()) == []
+    with pytest.raises(TypeError, match=r"stop must be a string or a list of non-empty strings .* got \[1\]"):
+        _env_stops(SimpleNamespace(stop=[1]))

@@ -76,7 +76,7 @@ class EnvironmentProtocol(Protocol):
 
     The registered object is a factory, ``factory(context: EnvironmentContext) -> EnvironmentProtocol``,
     called once per trajectory. Optional members: ``close()`` (called once when the episode ends, also
-    after an error or a timeout); ``stop`` (a sequence of stop strings the engine ends an assistant turn
+    after an error or a timeout); ``stop`` (a stop string, or a sequence of them, the engine ends an assistant turn
     at, e.g. ``("</calculator>",)`` so that a tool call is answered before the model goes on; the stopping
     text is kept in the turn); ``tools`` (a mapping by name of objects with ``name``, ``description``,
     ``parameters``: the environment's own tools, given to the chat template with ``format=hermes``);

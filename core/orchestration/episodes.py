@@ -193,6 +193,22 @@ def token_level_scores(
     return result
 
 
+def _env_stops(env: Any) -> list[str]:
+    """An environment's stop strings (its ``stop`` attribute: a sequence of strings, or one string; none when absent).
+    Raises ``TypeError`` for anything else, naming the environment."""
+    stop = getattr(env, "stop", None)
+    if stop is None:
+        return []
+    if isinstance(stop, str):  # one string, not one stop per character
+        return [stop]
+    if not isinstance(stop, Sequence) or not all(isinstance(x, str) and x for x in stop):
+        raise TypeError(
+            f"{type(env).__name__}.stop must be a string or a list of non-empty strings (where the engine stops a "
+            f"turn), got {stop!r}."
+        )
+    return list(stop)
+
+
 def run_coroutine(coro: Awaitable[Any]) -> Any:
     """Run ``coro`` to completion from synchronous code, in a new event loop (in a helper thread when the
     calling thread already runs one, e.g. in a notebook)."""
@@ -386,7 +402,7 @@ class EpisodeEngine:
                 trajectories.append(_Trajectory(i, p, row, env, name, start + float(s.episode_timeout_s)))
         try:
             await asyncio.gather(*(self._reset(t) for t in trajectories))
-            stops = tuple(dict.fromkeys([*params.stop, *(x for t in trajectories for x in getattr(t.env, "stop", ()))]))
+            stops = tuple(dict.fromkeys([*params.stop, *(x for t in trajectories for x in _env_stops(t.env))]))
             turn_params = dataclasses.replace(params, n=1, stop=stops)
             if self.per_trajectory:
                 pool = cf.ThreadPoolExecutor(max_workers=min(256, max(1, len(trajectories))))
