@@ -153,3 +153,14 @@ def assert_updates_close(
             torch.float32, 1, w.abs().max()
         )
         torch.testing.assert_close(got[name], w, rtol=0, atol=tol, msg=f"{what}{name}")
+
+
+#: the stand-in SGLang / vLLM server of the server-engine tests (tests/fake_sglang_server.py)
+FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
+
+
+def fake_server_cmd(log: Path | None = None, *flags: str) -> list[str]:
+    """``rollout.server_cmd`` starting :data:`FAKE_SERVER` (its requests written to ``log`` when given), ``flags``
+    appended (``--delay 0.6``, ``--die-after 1`` ...)."""
+    cmd = ["{python}", str(FAKE_SERVER), "--model-path", "{model_path}", "--host", "{host}", "--port", "{port}"]
+    return [*cmd, *(["--log", str(log)] if log is not None else []), *flags]

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import TINY_CPU_RUN, WALL_CLOCK, run_config
+from _helpers import TINY_CPU_RUN, WALL_CLOCK, fake_server_cmd, run_config
 from test_multi_turn_run import MULTI_TURN, echo_env  # noqa: F401 - echo_env: a fixture
 
 from rlplug.config.schema import ConfigError
@@ -399,7 +399,6 @@ def test_multi_turn_episodes_with_a_server_engine_run_in_async_mode(tmp_path, ec
     producer, which waited for them). The fake SGLang server of tests/fake_sglang_server.py."""
     from omegaconf import OmegaConf
 
-    fake = Path(__file__).resolve().parent / "fake_sglang_server.py"
     cfg = run_config(
         [
             *RUN,
@@ -413,16 +412,7 @@ def test_multi_turn_episodes_with_a_server_engine_run_in_async_mode(tmp_path, ec
         tmp_path,
     )
     OmegaConf.set_readonly(cfg, False)
-    cfg.rollout.server_cmd = [
-        "{python}",
-        str(fake),
-        "--model-path",
-        "{model_path}",
-        "--host",
-        "{host}",
-        "--port",
-        "{port}",
-    ]
+    cfg.rollout.server_cmd = fake_server_cmd()
     history = _train_within(cfg, 300)
     assert len(history) == 2
     assert all(m["multi_turn/turns_mean"] > 1.0 for m in history)

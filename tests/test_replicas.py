@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from _helpers import fake_server_cmd
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
@@ -80,11 +81,7 @@ def weights(shift: float = 0.0) -> dict[str, torch.Tensor]:
 
 
 def fake_cmd(log: Path, *flags: str) -> list[str]:
-    return ["{python}", str(FAKE), "--model-path", "{model_path}", "--host", "{host}", "--port", "{port}"] + [
-        "--log",
-        str(log),
-        *flags,
-    ]
+    return fake_server_cmd(log, *flags)
 
 
 def requests_log(path: Path, endpoint: str) -> list[dict]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _helpers import TINY_CPU_RUN, run_config
+from _helpers import TINY_CPU_RUN, fake_server_cmd, run_config
 from omegaconf import OmegaConf
 
 from rlplug.config.compose import compose
@@ -33,7 +33,6 @@ from rlplug.config.compose import compose
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "core").rglob("*.py"), *(ROOT / "plugins").rglob("*.py")])
 LOOPBACK = "127.0.0.1"
-FAKE_SGLANG = Path(__file__).with_name("fake_sglang_server.py")
 
 
 def _trees():
@@ -189,16 +188,7 @@ def test_a_launched_rollout_server_listens_on_loopback_only(tmp_path):
     )
     cfg = copy.deepcopy(compose(["rollout=sglang", "trainer.device=cpu"]))
     assert cfg.rollout.server_host == LOOPBACK
-    cfg.rollout.server_cmd = [
-        "{python}",
-        str(FAKE_SGLANG),
-        "--model-path",
-        "{model_path}",
-        "--host",
-        "{host}",
-        "--port",
-        "{port}",
-    ]
+    cfg.rollout.server_cmd = fake_server_cmd()
     cfg.rollout.server_timeout_s = 30.0
 
     class Tok:

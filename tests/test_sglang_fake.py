@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _helpers import fake_server_cmd
 from safetensors.torch import save_file
 
 import rlplug
@@ -87,19 +88,7 @@ def make(base_cfg, model_dir, tmp_path):
 
     def _make(*flags: str, **overrides):
         cfg = copy.deepcopy(base_cfg)
-        cfg.rollout.server_cmd = [
-            "{python}",
-            str(FAKE),
-            "--model-path",
-            "{model_path}",
-            "--host",
-            "{host}",
-            "--port",
-            "{port}",
-            "--log",
-            str(log),
-            *flags,
-        ]
+        cfg.rollout.server_cmd = fake_server_cmd(log, *flags)
         cfg.rollout.server_timeout_s = 30.0
         cfg.rollout.request_timeout_s = 30.0
         for k, v in overrides.items():
@@ -415,18 +404,7 @@ def test_trainer_runs_with_the_sglang_backend(tmp_path) -> None:
     )
     validate_config(cfg)
     OmegaConf.set_readonly(cfg, False)
-    cfg.rollout.server_cmd = [
-        "{python}",
-        str(FAKE),
-        "--model-path",
-        "{model_path}",
-        "--host",
-        "{host}",
-        "--port",
-        "{port}",
-        "--log",
-        str(log),
-    ]
+    cfg.rollout.server_cmd = fake_server_cmd(log)
     trainer = Trainer(cfg)
     try:
         pids = trainer.rollout.server_group_pids()
