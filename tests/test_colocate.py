@@ -368,3 +368,44 @@ def test_join_scores_puts_the_ranks_scores_in_order_and_sums_only_the_counts() -
     assert metrics["reward/m"] == pytest.approx((1.0 * 3 + 4.0 * 2) / 5)  # a mean: weighted by responses
     with pytest.raises(ValueError, match="not each exactly once"):
         colocate.join_scores([rank0], 5)
+
+
+def test_a_wake_error_on_a_rank_without_micro_batches_still_reaches_every_rank() -> None:
+    """One micro-batch, two ranks: rank 0 generates nothing, and its engine failed to wake. Its error goes through
+    the all-gather, so rank 1 raises too, naming rank 0."""
+    world = 2
+    barrier = threading.Barrier(world)
+    box: list[Any] = [None] * world
+    raised: list[BaseException | None] = [None] * world
+
+    def gather_for(rank: int):
+        def gather(obj: Any) -> list[Any]:
+            box[rank] = obj
+            barrier.wait(timeout=30)
+            got = list(box)
+            barrier.wait(timeout=30)
+            return got
+
+        return gather
+
+    assert len(rank_micro_batches(1, 0, 2)) == 0  # rank 0 has no share
+    errors = [RuntimeError("vllm wake_up failed: CUDA out of memory"), None]
+
+    def rank_main(rank: int) -> None:
+        try:
+            generate_colocated(
+                2, SamplingParams(n=1, seed=1), ScriptedEngine(), rank=rank, world_size=world,
+                all_gather=gather_for(rank), micro_batch_size=4, error=errors[rank],
+            )  # fmt: skip
+        except BaseException as exc:
+            raised[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert raised[0] is errors[0]
+    assert (
+        str(raised[1]) == "colocated generation failed on rank 0: RuntimeError: vllm wake_up failed: CUDA out of memory"
+    )

@@ -71,8 +71,9 @@ def check_sync_settings(cfg: DictConfig, given: Collection[str], sources: Collec
     ]
     if direct:
         raise ConfigError(
-            f"{', '.join(direct)} apply to trainer.async_mode=async only, and trainer.async_mode=sync (every sample "
-            "is made with the current weights). Add trainer.async_mode=async, or drop them."
+            f"{', '.join(direct)} bound the staleness of trainer.async_mode=async (one_step_off is staleness 1, "
+            "waiting), and trainer.async_mode=sync (every sample is made with the current weights). Add "
+            "trainer.async_mode=async, or drop them."
         )
 
 

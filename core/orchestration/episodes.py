@@ -42,7 +42,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,12 +201,13 @@ def _env_stops(env: Any) -> list[str]:
         return []
     if isinstance(stop, str):  # one string, not one stop per character
         return [stop]
-    if not isinstance(stop, Sequence) or not all(isinstance(x, str) and x for x in stop):
+    stops = list(stop) if isinstance(stop, Iterable) else None
+    if stops is None or not all(isinstance(x, str) and x for x in stops):
         raise TypeError(
             f"{type(env).__name__}.stop must be a string or a list of non-empty strings (where the engine stops a "
             f"turn), got {stop!r}."
         )
-    return list(stop)
+    return stops
 
 
 def run_coroutine(coro: Awaitable[Any]) -> Any:

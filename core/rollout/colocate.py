@@ -301,6 +301,7 @@ def generate_colocated(
     world_size: int,
     all_gather: Callable[[Any], list[Any]],
     micro_batch_size: int,
+    error: Exception | None = None,
 ) -> RolloutOutput:
     """This rank's share of a rollout of ``num_prompts`` prompts, generated, then every rank's joined.
 
@@ -314,6 +315,8 @@ def generate_colocated(
         rank, world_size: this process's rank and the number of ranks.
         all_gather: ``all_gather(obj) -> [obj of rank 0, obj of rank 1, ...]``, a collective every rank calls.
         micro_batch_size: ``rollout.micro_batch_size`` (sequences per global micro-batch).
+        error: an error this rank met before generating (its engine failed to wake): it generates nothing and the
+            error goes through the all-gather like one raised while generating, even when the rank has no share.
 
     Returns:
         The whole rollout on every rank, as one engine would give it: ``len(prompts) * n`` responses, prompt-major,
@@ -335,9 +338,8 @@ def generate_colocated(
     bounds = micro_batches(len(sequences), micro_batch_size)
     mine: list[tuple[int, RolloutOutput]] = []
     t0 = time.perf_counter()
-    error: Exception | None = None
     try:
-        for k in rank_micro_batches(len(bounds), rank, world_size):
+        for k in rank_micro_batches(len(bounds), rank, world_size) if error is None else ():
             start, stop = bounds[k]
             part = generate_part(
                 sequences[start:stop], dataclasses.replace(params, n=1, seed=micro_batch_seed(params.seed, k))

@@ -139,8 +139,8 @@ class EngineGate:
 
 
 class GatedTransfer:
-    """The weight transfer of async modes: the wrapped transfer's push, done under the engine's lock (it waits for
-    the generation call or chunk in progress), then the engine's version set to the step whose weights it now holds
+    """The weight transfer of async modes: the wrapped transfer's push, done under the engine's locks (it waits for
+    the producer's batch in progress, or its chunk with partial rollouts), then the engine's version set to the step whose weights it now holds
     (:attr:`step`, set by the pipeline before the update; None: the trainer's ``global_step``, as at a resume). In
     ``one_step_off`` it first waits until the producer has generated every batch it may generate with the
     current weights (the next step's), so each batch's version is fixed by the schedule, not by timing."""
@@ -381,8 +381,11 @@ class RolloutFeed:
             keep = [i for i, p in enumerate(out.prompt_index) if p not in set(stale)]
             parts = [out.take(keep, [out.prompt_index[i] for i in keep]), fresh]
             index = [out.prompt_index[i] for i in keep] + [stale[p] for p in fresh.prompt_index]
-            kept_metrics = merge_engine_metrics([(out.metrics, len(keep)), (fresh.metrics, len(fresh.response_ids))])
-            joined = RolloutOutput.join(parts, index, kept_metrics)
+            # the engine's numbers over everything generated for the batch, the replaced groups included
+            metrics = merge_engine_metrics(
+                [(out.metrics, len(out.response_ids)), (fresh.metrics, len(fresh.response_ids))]
+            )
+            joined = RolloutOutput.join(parts, index, metrics)
             order = sorted(range(len(index)), key=lambda i: index[i])  # prompt-major again, responses in order
             batch.out = joined.take(order, [index[i] for i in order])
         spent = time.perf_counter() - t0

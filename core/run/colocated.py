@@ -100,12 +100,10 @@ def colocated_rollout(trainer: Any, rows: list[dict], params: SamplingParams, la
     woke: Exception | None = None
     try:
         trainer.rollout.wake_up()
-    except Exception as exc:  # raised by this rank's first micro-batch, so every rank hears of it after the gather
+    except Exception as exc:  # handed to the all-gather, so every rank hears of it (an idle rank's too)
         woke = exc
 
     def generate_part(indices: list[int], part_params: SamplingParams) -> RolloutOutput:
-        if woke is not None:
-            raise woke
         if trainer.episodes is not None:
             part_rows = [rows[i] for i in indices]
             return trainer.episodes.generate(part_rows, part_params, step=trainer.global_step + 1)
@@ -121,6 +119,7 @@ def colocated_rollout(trainer: Any, rows: list[dict], params: SamplingParams, la
             world_size=int(coordinator.world_size),
             all_gather=coordinator.all_gather,
             micro_batch_size=int(trainer.cfg.rollout.micro_batch_size),
+            error=woke,
         )
     finally:
         trainer.rollout.sleep()
