@@ -646,10 +646,12 @@ def learn(args: argparse.Namespace, command: str) -> int:
         else Path(tempfile.gettempdir()) / "rlplug_async_modes" / ("learn_tiny" if args.tiny else "learn")
     )
     base = ["debug=tiny"] if args.tiny else []
-    info = machine_info()
     name = "async_learning_tiny" if args.tiny else "async_learning"
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
+    info = machine_info()
+    if args.report_only:  # nothing runs now: keep the figures measured when the runs started (same CPU kind)
+        info = _recorded_machine(results_dir / f"{name}.json", info)
     # seed-major: each seed's modes run one after the other, so a stopped comparison leaves whole pairs
     todo = [(r, m, s) for r in recipes for s in seeds for m in modes]
     earlier = carried_runs(results_dir / f"{name}.json", info, steps, test_freq)
@@ -757,6 +759,21 @@ def _finished(records: list[dict[str, Any]], steps: int) -> bool:
     return any(int(r["step"]) == steps and "timing_s/step" in r for r in records)
 
 
+def _started(run_dir: Path) -> str | None:
+    """When the run in ``run_dir`` recorded its first metrics (its step-0 validation), UTC; None without records."""
+    walls = [float(r["wall_time"]) for r in read_records(run_dir) if "wall_time" in r]
+    return datetime.fromtimestamp(min(walls), UTC).strftime("%Y-%m-%d %H:%M UTC") if walls else None
+
+
+def _recorded_machine(path: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """The ``machine`` of the document at ``path`` when it was recorded on this CPU kind (its matmul peak and load
+    measured when its runs started, not while something else runs beside a table rewrite), else ``info``."""
+    if not path.is_file():
+        return info
+    recorded = json.loads(path.read_text()).get("machine") or {}
+    return recorded if _cpu_kind(recorded) == _cpu_kind(info) else info
+
+
 def _portable(overrides: list[str]) -> list[str]:
     """``overrides`` without the run directory (a local path), as the results record them."""
     return [o for o in overrides if not o.startswith("trainer.default_local_dir=")]
@@ -837,7 +854,7 @@ def write_learning(
                 row = learning_row(recipe, mode, seed, out / recipe / mode / f"seed_{seed}", steps)
                 if row["finished"]:
                     row["machine"] = {k: info[k] for k in ("cpu_model", "isa_flags", "cores")}
-                    row["date"] = info["date"]
+                    row["date"] = _started(out / recipe / mode / f"seed_{seed}") or info["date"]
                 elif earlier and (recipe, mode, seed) in earlier:
                     row = {**earlier[(recipe, mode, seed)], "carried": True}
                 rows.append(row)

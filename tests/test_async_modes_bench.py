@@ -97,6 +97,7 @@ def test_learning_table_reads_the_curve_the_minutes_and_whether_a_run_finished(t
     assert first["acc"] == {"0": 0.1, "2": 0.25} and second["acc"] == {"0": 0.1}
     assert first["minutes"] == 2.5 and first["minutes_from_step0_validation"] == 2.0 and first["step_minutes"] == 1.0
     assert first["exit_codes"] == [75, 0]
+    assert first["date"] == "1970-01-01 00:16 UTC"  # when its step-0 validation was recorded (wall time 1000 s)
     assert "| ppo | sync | 0 | 10.0% |  | 25.0% | 2.5 | 1.0 |" in doc["table"]
     assert "| **ppo** | **sync** | mean | 10.0% |  | 25.0% | 2.5 | 1.0 |" in doc["table"]
     assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["metric"] == key
