@@ -361,7 +361,7 @@ def _train_within(cfg: Any, seconds: float) -> list[dict]:
     return box["history"]
 
 
-@pytest.mark.parametrize("bound", [0, 1])
+@pytest.mark.parametrize("bound", [0, pytest.param(1, marks=pytest.mark.slow)])  # bound 1: CI's slow step
 def test_a_batch_filter_that_needs_more_draws_than_the_bound_lets_ahead_does_not_hang(
     tmp_path, rlplug_full_registry, bound
 ) -> None:
@@ -395,6 +395,7 @@ def test_a_batch_filter_that_needs_more_draws_than_the_bound_lets_ahead_does_not
     assert [m["async/staleness_max"] for m in history] == [0.0, 0.0]
 
 
+@pytest.mark.slow  # a fake server and 2 async steps (CI's slow step)
 def test_multi_turn_episodes_with_a_server_engine_run_in_async_mode(tmp_path, echo_env) -> None:  # noqa: F811
     """A server engine runs a multi-turn batch's trajectories on threads of their own, each calling the engine
     while the producer holds the batch's weight version: the calls go through (they used to wait for the

@@ -4,6 +4,7 @@ rollout kit's stop-string check, and the stop fields the vLLM / SGLang backends 
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -156,6 +157,7 @@ def test_rollout_kit_skips_with_a_reason_when_the_response_is_short(cfg, model_p
 def test_vllm_inprocess_request_and_engine_kwargs() -> None:
     eng = VLLMRollout.__new__(VLLMRollout)
     eng.vocab_size, eng.seed, eng.eos_ids = 100, 0, [2]
+    eng._engine = SimpleNamespace(restarts=0)  # type: ignore[assignment]  # the engine child: never restarted
     sent: list[dict] = []
 
     def call(cmd, payload=None, timeout=None, restart=False):  # type: ignore[no-untyped-def]
