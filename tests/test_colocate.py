@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -292,15 +293,14 @@ def test_the_episodes_count_metrics_are_added_up_when_micro_batches_are_joined()
         assert not any(fnmatchcase(mean, p) for p in COUNTED_ROLLOUT_METRICS), mean
 
 
-def test_a_rank_whose_generation_raises_makes_every_rank_raise_after_the_gather() -> None:
-    """Rank 1's engine fails: rank 1 raises its own error, rank 0 a RuntimeError naming rank 1; neither is left
-    waiting in the all-gather."""
-    world = 2
+def raising_ranks(world: int, generate: Callable[[int, Callable[[Any], list[Any]]], Any]) -> list[BaseException | None]:
+    """``generate(rank, all_gather)`` on ``world`` threads that meet in an all-gather; what each rank raised (None:
+    nothing). Fails when a rank is still waiting after 60 s."""
     barrier = threading.Barrier(world)
     box: list[Any] = [None] * world
     raised: list[BaseException | None] = [None] * world
 
-    def gather_for(rank: int):
+    def rank_main(rank: int) -> None:
         def gather(obj: Any) -> list[Any]:
             box[rank] = obj
             barrier.wait(timeout=30)
@@ -308,19 +308,8 @@ def test_a_rank_whose_generation_raises_makes_every_rank_raise_after_the_gather(
             barrier.wait(timeout=30)
             return got
 
-        return gather
-
-    def broken(indices: list[int], params: SamplingParams) -> RolloutOutput:
-        raise OSError("engine child died: no restart left")
-
-    engines = [ScriptedEngine(), broken]
-
-    def rank_main(rank: int) -> None:
         try:
-            generate_colocated(
-                4, SamplingParams(n=2, seed=1), engines[rank], rank=rank, world_size=world,
-                all_gather=gather_for(rank), micro_batch_size=2,
-            )  # fmt: skip
+            generate(rank, gather)
         except BaseException as exc:
             raised[rank] = exc
 
@@ -330,6 +319,24 @@ def test_a_rank_whose_generation_raises_makes_every_rank_raise_after_the_gather(
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a rank was left waiting"
+    return raised
+
+
+def test_a_rank_whose_generation_raises_makes_every_rank_raise_after_the_gather() -> None:
+    """Rank 1's engine fails: rank 1 raises its own error, rank 0 a RuntimeError naming rank 1; neither is left
+    waiting in the all-gather."""
+
+    def broken(indices: list[int], params: SamplingParams) -> RolloutOutput:
+        raise OSError("engine child died: no restart left")
+
+    engines = [ScriptedEngine(), broken]
+    raised = raising_ranks(
+        2,
+        lambda rank, gather: generate_colocated(
+            4, SamplingParams(n=2, seed=1), engines[rank], rank=rank, world_size=2, all_gather=gather,
+            micro_batch_size=2,
+        ),
+    )  # fmt: skip
     assert isinstance(raised[1], OSError) and "no restart left" in str(raised[1])
     assert isinstance(raised[0], RuntimeError)
     assert str(raised[0]) == "colocated generation failed on rank 1: OSError: engine child died: no restart left"
@@ -373,38 +380,15 @@ def test_join_scores_puts_the_ranks_scores_in_order_and_sums_only_the_counts() -
 def test_a_wake_error_on_a_rank_without_micro_batches_still_reaches_every_rank() -> None:
     """One micro-batch, two ranks: rank 0 generates nothing, and its engine failed to wake. Its error goes through
     the all-gather, so rank 1 raises too, naming rank 0."""
-    world = 2
-    barrier = threading.Barrier(world)
-    box: list[Any] = [None] * world
-    raised: list[BaseException | None] = [None] * world
-
-    def gather_for(rank: int):
-        def gather(obj: Any) -> list[Any]:
-            box[rank] = obj
-            barrier.wait(timeout=30)
-            got = list(box)
-            barrier.wait(timeout=30)
-            return got
-
-        return gather
-
     assert len(rank_micro_batches(1, 0, 2)) == 0  # rank 0 has no share
     errors = [RuntimeError("vllm wake_up failed: CUDA out of memory"), None]
-
-    def rank_main(rank: int) -> None:
-        try:
-            generate_colocated(
-                2, SamplingParams(n=1, seed=1), ScriptedEngine(), rank=rank, world_size=world,
-                all_gather=gather_for(rank), micro_batch_size=4, error=errors[rank],
-            )  # fmt: skip
-        except BaseException as exc:
-            raised[rank] = exc
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    raised = raising_ranks(
+        2,
+        lambda rank, gather: generate_colocated(
+            2, SamplingParams(n=1, seed=1), ScriptedEngine(), rank=rank, world_size=2, all_gather=gather,
+            micro_batch_size=4, error=errors[rank],
+        ),
+    )  # fmt: skip
     assert raised[0] is errors[0]
     assert (
         str(raised[1]) == "colocated generation failed on rank 0: RuntimeError: vllm wake_up failed: CUDA out of memory"
